@@ -1,0 +1,202 @@
+"""grkv_merge against the float64 explicit-Jacobian reference, plus its invariants and input checks."""
+
+import os
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from grkv_core.diagnostics import reconstruction_loss
+from grkv_core.solver import grkv_merge
+from grkv_core.solver_reference import grkv_merge_reference
+
+
+def random_problem(seed, batch=2, heads=2, n_queries=12, length=48, budget=12, head_dim=8, causal=False,
+                   fixed_fraction=0.25, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    queries = torch.randn(batch, heads, n_queries, head_dim, generator=generator)
+    keys = torch.randn(batch, heads, length, head_dim, generator=generator)
+    values = torch.randn(batch, heads, length, head_dim, generator=generator)
+    kept = torch.stack([
+        torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
+        for _ in range(batch)
+    ])
+    fixed = torch.rand(batch, heads, budget, generator=generator) < fixed_fraction
+    positions = torch.randint(length // 2, length, (n_queries,), generator=generator) if causal else None
+    return dict(queries=queries.to(dtype), keys=keys.to(dtype), values=values.to(dtype), kept=kept, fixed=fixed,
+                query_positions=positions)
+
+
+def gather(tensor, kept):
+    return tensor.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, tensor.shape[-1]))
+
+
+def relative_update_error(fast, reference, start):
+    update = reference - start
+    if update.norm() == 0:
+        return (fast.double() - reference).norm().item()
+    return ((fast.double() - reference).norm() / update.norm()).item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("components", ["kv", "k", "v"])
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_matches_float64_reference(causal, components, steps):
+    for trial in range(3):
+        problem = random_problem(seed=1000 * steps + 100 * trial + 10 * causal + len(components), causal=causal)
+        options = dict(lambda_k=0.05, lambda_v=1e-2, steps=steps, components=components,
+                       query_positions=problem["query_positions"])
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
+        as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+        ref_k, ref_v = grkv_merge_reference(**as64, **options)
+        start_k = gather(as64["keys"], as64["kept"])
+        start_v = gather(as64["values"], as64["kept"])
+        assert relative_update_error(fast_k, ref_k, start_k) < 1e-4
+        assert relative_update_error(fast_v, ref_v, start_v) < 1e-4
+        if components == "v":
+            assert torch.equal(fast_k, gather(problem["keys"], problem["kept"]))
+        if components == "k":
+            assert torch.equal(fast_v, gather(problem["values"], problem["kept"]))
+
+
+def test_value_step_with_zero_ridge_matches_minimum_norm_reference():
+    problem = random_problem(seed=7, n_queries=6, budget=20, length=60, fixed_fraction=0.0)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    fast_k, fast_v = grkv_merge(**tensors, lambda_v=0.0, components="v")
+    ref_k, ref_v = grkv_merge_reference(
+        **{name: t.double() if t.is_floating_point() else t for name, t in tensors.items()},
+        lambda_v=0.0, components="v")
+    start_v = gather(problem["values"].double(), problem["kept"])
+    assert relative_update_error(fast_v, ref_v, start_v) < 1e-3
+
+
+@pytest.mark.parametrize("components", ["kv", "k", "v"])
+def test_zero_ridge_gives_finite_output(components):
+    problem = random_problem(seed=11, causal=True, n_queries=16, budget=8)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the non-finite fallback must not be what saves lambda = 0
+        merged_k, merged_v = grkv_merge(**tensors, lambda_k=0.0, lambda_v=0.0, components=components,
+                                        query_positions=problem["query_positions"])
+    assert torch.isfinite(merged_k).all() and torch.isfinite(merged_v).all()
+    if components == "v":
+        # The value step is an exact least-squares fit, so without a ridge it can only lower the loss.
+        loss_args = dict(query_positions=problem["query_positions"], compressed_positions=problem["kept"])
+        evicted = reconstruction_loss(problem["queries"], problem["keys"], problem["values"],
+                                      gather(problem["keys"], problem["kept"]),
+                                      gather(problem["values"], problem["kept"]), **loss_args)
+        merged = reconstruction_loss(problem["queries"], problem["keys"], problem["values"], merged_k, merged_v,
+                                     **loss_args)
+        assert merged < evicted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fixed_rows_are_bit_identical_and_dtype_is_kept(dtype):
+    problem = random_problem(seed=3, dtype=dtype, fixed_fraction=0.5)
+    merged_k, merged_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],
+                                    problem["fixed"], steps=2)
+    assert merged_k.dtype == dtype and merged_v.dtype == dtype
+    fixed = problem["fixed"]
+    assert torch.equal(merged_k[fixed], gather(problem["keys"], problem["kept"])[fixed])
+    assert torch.equal(merged_v[fixed], gather(problem["values"], problem["kept"])[fixed])
+    assert not torch.equal(merged_v[~fixed], gather(problem["values"], problem["kept"])[~fixed])
+
+
+def test_huge_ridge_returns_the_evicted_cache():
+    problem = random_problem(seed=5, causal=True)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    merged_k, merged_v = grkv_merge(**tensors, lambda_k=1e9, lambda_v=1e9, steps=3,
+                                    query_positions=problem["query_positions"])
+    evicted_k, evicted_v = gather(problem["keys"], problem["kept"]), gather(problem["values"], problem["kept"])
+    assert (merged_k - evicted_k).norm() / evicted_k.norm() < 1e-6
+    assert (merged_v - evicted_v).norm() / evicted_v.norm() < 1e-6
+
+
+def test_window_discrepancy_drops_below_evicted_on_every_random_problem():
+    for seed in range(25):
+        causal = seed % 2 == 0
+        problem = random_problem(seed=500 + seed, causal=causal, batch=1, heads=3, n_queries=24, length=96,
+                                 budget=16, head_dim=16)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        merged_k, merged_v = grkv_merge(**tensors, query_positions=problem["query_positions"])
+        loss_args = dict(query_positions=problem["query_positions"], compressed_positions=problem["kept"])
+        evicted = reconstruction_loss(problem["queries"], problem["keys"], problem["values"],
+                                      gather(problem["keys"], problem["kept"]),
+                                      gather(problem["values"], problem["kept"]), **loss_args)
+        merged = reconstruction_loss(problem["queries"], problem["keys"], problem["values"], merged_k, merged_v,
+                                     **loss_args)
+        assert merged < evicted, f"seed {seed}: merged {merged} >= evicted {evicted}"
+
+
+def test_heads_are_solved_independently():
+    problem = random_problem(seed=21, batch=2, heads=3, causal=True)
+    # One head with far larger keys converges on its own schedule; the others must not notice.
+    problem["keys"][1, 2] *= 30.0
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    options = dict(query_positions=problem["query_positions"], steps=2)
+    batched_k, batched_v = grkv_merge(**tensors, **options)
+    for b in range(2):
+        for h in range(3):
+            single = {name: t[b:b + 1, h:h + 1] for name, t in tensors.items()}
+            single_k, single_v = grkv_merge(**single, **options)
+            torch.testing.assert_close(batched_k[b, h], single_k[0, 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(batched_v[b, h], single_v[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_head_falls_back_to_evicted_cache_with_warning():
+    problem = random_problem(seed=9)
+    problem["values"][0, 1, problem["kept"][0, 1, 0]] = float("nan")
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        merged_k, merged_v = grkv_merge(**tensors)
+    evicted_k, evicted_v = gather(problem["keys"], problem["kept"]), gather(problem["values"], problem["kept"])
+    assert torch.equal(merged_k[0, 1], evicted_k[0, 1])
+    assert torch.equal(merged_v[0, 1].isnan(), evicted_v[0, 1].isnan())
+    healthy = [(0, 0), (1, 0), (1, 1)]
+    for b, h in healthy:
+        assert torch.isfinite(merged_v[b, h]).all()
+        assert not torch.equal(merged_v[b, h], evicted_v[b, h])
+
+
+def test_query_rows_that_see_no_kept_key_do_not_produce_nan():
+    problem = random_problem(seed=13, length=40, budget=6)
+    problem["kept"] = torch.arange(30, 36).expand(2, 2, 6).clone()
+    positions = torch.full((12,), 39)
+    positions[:4] = 5  # these rows see full-cache keys 0..5 but none of the kept keys
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    merged_k, merged_v = grkv_merge(**tensors, query_positions=positions)
+    assert torch.isfinite(merged_k).all() and torch.isfinite(merged_v).all()
+
+
+BAD_ARGUMENTS = [
+    ("keys", lambda p: p.update(keys=p["keys"][..., :-1]), "values shape"),
+    ("queries", lambda p: p.update(queries=p["queries"][:, :1]), "queries shape"),
+    ("queries", lambda p: p.update(queries=p["queries"][0]), "queries must have shape"),
+    ("kept", lambda p: p.update(kept=p["kept"].float()), "kept must be an integer"),
+    ("kept", lambda p: p.update(kept=p["kept"] + 1000), "kept positions"),
+    ("kept", lambda p: p.update(kept=-p["kept"] - 1), "kept positions"),
+    ("kept", lambda p: p.update(kept=torch.zeros_like(p["kept"])), "kept must not repeat"),
+    ("kept", lambda p: p.update(kept=torch.arange(49).expand(2, 2, 49), fixed=torch.zeros(2, 2, 49, dtype=torch.bool)),
+     "c=49"),
+    ("fixed", lambda p: p.update(fixed=p["fixed"].long()), "fixed must be a bool"),
+    ("fixed", lambda p: p.update(fixed=p["fixed"][..., :-1]), "fixed shape"),
+    ("lambda_k", lambda p: p.update(lambda_k=-1.0), "lambda_k"),
+    ("lambda_v", lambda p: p.update(lambda_v=float("nan")), "lambda_v"),
+    ("components", lambda p: p.update(components="q"), "components"),
+    ("steps", lambda p: p.update(steps=0), "steps"),
+    ("query_positions", lambda p: p.update(query_positions=torch.arange(5)), "query_positions"),
+    ("query_positions", lambda p: p.update(query_positions=-torch.ones(12, dtype=torch.long)), "query_positions"),
+    ("scale", lambda p: p.update(scale=0.0), "scale"),
+]
+
+
+@pytest.mark.parametrize("argument,corrupt,message", BAD_ARGUMENTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_ARGUMENTS)])
+def test_bad_input_gets_a_value_error_naming_the_argument(argument, corrupt, message):
+    problem = random_problem(seed=2)
+    corrupt(problem)
+    with pytest.raises(ValueError, match=message) as error:
+        grkv_merge(**problem)
+    assert argument in str(error.value)
