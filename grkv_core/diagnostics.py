@@ -43,6 +43,28 @@ def reconstruction_loss(
     float
         The normalised discrepancy (0 means the compressed cache reproduces the full outputs exactly).
     """
+    error, reference = discrepancy_per_head(
+        queries, full_keys, full_values, compressed_keys, compressed_values,
+        query_positions=query_positions, compressed_positions=compressed_positions, scale=scale,
+    )
+    return float(error.sum() / reference.sum().clamp_min(1e-30))
+
+
+def discrepancy_per_head(
+    queries: torch.Tensor,
+    full_keys: torch.Tensor,
+    full_values: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    compressed_values: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    compressed_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(batch, head) Σ‖Y_full − Y_comp‖² and Σ‖Y_full‖², each (B, H_kv) float32.
+
+    Arguments as in ``reconstruction_loss``.
+    """
     if queries.ndim != 4 or full_keys.ndim != 4 or compressed_keys.ndim != 4:
         raise ValueError("queries, full_keys and compressed_keys must all be 4-D (B, H_kv, length, d)")
     if full_values.shape != full_keys.shape or compressed_values.shape != compressed_keys.shape:
@@ -61,4 +83,4 @@ def reconstruction_loss(
         masked_softmax(scaled @ compressed_keys.float().transpose(-1, -2), compressed_visible)
         @ compressed_values.float()
     )
-    return float((full_out - comp_out).square().sum() / full_out.square().sum().clamp_min(1e-30))
+    return (full_out - comp_out).square().sum(dim=(-2, -1)), full_out.square().sum(dim=(-2, -1))

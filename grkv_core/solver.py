@@ -108,10 +108,10 @@ def grkv_merge(
     # NOTE: a head with a NaN/inf anywhere is solved on zeros (so batched linear algebra never sees a
     # non-finite matrix) and then handed back unmerged.
     finite_inputs = _finite_per_head(queries) & _finite_per_head(keys) & _finite_per_head(values)
-    head_ok = finite_inputs[..., None, None]
-    queries32 = torch.where(head_ok, queries.float(), 0.0)
-    keys32 = torch.where(head_ok, keys.float(), 0.0)
-    values32 = torch.where(head_ok, values.float(), 0.0)
+    queries32, keys32, values32 = queries.float(), keys.float(), values.float()
+    if not bool(finite_inputs.all()):
+        head_ok = finite_inputs[..., None, None]
+        queries32, keys32, values32 = (torch.where(head_ok, t, 0.0) for t in (queries32, keys32, values32))
 
     full_visible = kept_visible = None
     if query_positions is not None:
@@ -195,9 +195,14 @@ def _value_step(problem: _Problem, keys: torch.Tensor, lambda_v: float) -> torch
 def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
     """Solve (gram + ridge·I) z = rhs for symmetric PSD ``gram`` (..., M, M), robust to ridge = 0.
 
-    An eigen-decomposition gives the exact inverse whenever the shifted spectrum is well above rounding,
-    and the pseudo-inverse (minimum-norm least squares) where it is not, so ridge = 0 never yields NaN.
+    A positive ridge makes the system positive definite: Cholesky. Without one (or if Cholesky meets a
+    numerically singular matrix) an eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm
+    least-squares solution, so ridge = 0 never yields NaN.
     """
+    if ridge > 0:
+        factor, info = torch.linalg.cholesky_ex(gram + ridge * torch.eye(gram.shape[-1], device=gram.device))
+        if not bool(info.any()):
+            return torch.cholesky_solve(rhs, factor)
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
     shifted = eigenvalues + ridge
     cutoff = shifted.amax(dim=-1, keepdim=True) * gram.shape[-1] * torch.finfo(gram.dtype).eps

@@ -1,0 +1,136 @@
+"""Cost of grkv_merge relative to one decoder layer's prefill, measured side by side in one run.
+
+    python benchmarks/solver_cost.py                       # SmolLM2-135M shapes, CPU, float32
+    python benchmarks/solver_cost.py --preset llama-3.1-8b --device cuda --dtype bfloat16 --tokens 32768
+
+Prints the median wall time of (a) one LlamaDecoderLayer forward over the whole prompt (the prefill cost
+GRKV is added to), (b) grkv_merge for that layer's KV heads at the press's defaults, (c) optionally the
+naive explicit-Jacobian implementation (grkv_core.solver_reference) on the same problem, and the ratios.
+Weights are random: the cost of either computation does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from grkv_core.solver import grkv_merge
+from grkv_core.solver_reference import grkv_merge_reference
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+PRESETS = {
+    "smollm2-135m": LayerShape(576, 9, 3, 64, 1536),
+    "llama-3.1-8b": LayerShape(4096, 32, 8, 128, 14336),
+}
+
+
+def median_seconds(function, repeats: int, device: torch.device) -> float:
+    function()  # warm-up: kernel selection, allocator growth
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--keep", type=float, default=0.10, help="fraction of the cache kept")
+    parser.add_argument("--window", type=int, default=32, help="surrogate query tokens m")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--naive", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the explicit-Jacobian reference (slow, large memory)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    shape = PRESETS[args.preset]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size, max_position_embeddings=max(args.tokens, 8192),
+        num_hidden_layers=1, attn_implementation="sdpa",
+    )
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype).eval()
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    hidden = torch.randn(1, args.tokens, shape.hidden_size, device=device, dtype=dtype)
+    positions = torch.arange(args.tokens, device=device)[None]
+    position_embeddings = tuple(t.to(dtype) for t in rotary(hidden, positions))
+
+    def layer_prefill():
+        with torch.inference_mode():
+            layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+
+    kv_heads, head_dim = shape.num_key_value_heads, shape.head_dim
+    groups = shape.num_attention_heads // kv_heads
+    budget = int(args.tokens * args.keep)
+    m = args.window
+    keys = torch.randn(1, kv_heads, args.tokens, head_dim, device=device, dtype=dtype)
+    values = torch.randn_like(keys)
+    queries = torch.randn(1, kv_heads, groups * m, head_dim, device=device, dtype=dtype)
+    # Kept set as the press builds it: sinks + the recent window + the rest spread over the context.
+    recent = torch.arange(args.tokens - m, args.tokens, device=device)
+    middle = torch.randperm(args.tokens - m - 4, device=device)[: budget - m - 4] + 4
+    kept = torch.cat([torch.arange(4, device=device), middle.sort().values, recent]).expand(1, kv_heads, budget)
+    fixed = (kept < 4) | (kept >= args.tokens - m)
+    fixed = fixed | (torch.rand(fixed.shape, device=device) < 0.1)
+    query_positions = recent.repeat(groups)
+    merge_args = dict(steps=args.steps, query_positions=query_positions)
+
+    def merge():
+        grkv_merge(queries, keys, values, kept.contiguous(), fixed, **merge_args)
+
+    layer_seconds = median_seconds(layer_prefill, args.repeats, device)
+    merge_seconds = median_seconds(merge, args.repeats, device)
+    rows = [
+        ("decoder layer prefill", layer_seconds, 1.0),
+        ("grkv_merge (matrix-free CG)", merge_seconds, merge_seconds / layer_seconds),
+    ]
+    if args.naive:
+        naive_inputs = [t.float().cpu() for t in (queries, keys, values)]
+
+        def naive():
+            grkv_merge_reference(*naive_inputs, kept.cpu(), fixed.cpu(), dtype=torch.float32,
+                                 steps=args.steps, query_positions=query_positions.cpu())
+
+        naive_seconds = median_seconds(naive, 1, torch.device("cpu"))
+        rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
+
+    print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
+          f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} device={device} dtype={args.dtype} "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'what':34s} {'median ms':>10s} {'/ layer prefill':>16s}")
+    for name, seconds, ratio in rows:
+        print(f"{name:34s} {seconds * 1e3:10.2f} {ratio:16.2%}")
+    if args.naive:
+        print(f"speed-up of grkv_merge over the naive implementation: {naive_seconds / merge_seconds:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

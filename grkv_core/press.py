@@ -1,0 +1,218 @@
+"""GRKVPress: GRKV merging behind any kvpress eviction press."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from kvpress import BasePress
+from torch import nn
+
+from grkv_core.diagnostics import discrepancy_per_head
+from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
+from grkv_core.selection import TokenSelection, compression_ratio_of, is_supported_base_press, select_tokens
+from grkv_core.solver import COMPONENTS, grkv_merge
+
+ACCEPT_RULES = ("always", "objective")
+
+
+@dataclass
+class GRKVPress(BasePress):
+    """Keep the base press's tokens and merge the evicted ones into them by global ridge regression.
+
+    The base press decides which tokens stay; GRKV then refits the kept keys and values so that attention
+    of the surrogate queries over the compressed cache reproduces attention over the full cache (paper
+    Alg. 1). With a uniform budget (every ``ScorerPress``, ``PyramidKVPress``) the cache is physically
+    compacted to the kept tokens. With per-head budgets (``AdaKVPress``, ``CriticalAdaKVPress``) kvpress
+    masks evicted entries instead of removing them, so memory is *not* saved; GRKV still merges per head.
+
+    Parameters
+    ----------
+    press : BasePress
+        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
+        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+    lambda_k, lambda_v : float
+        Ridge coefficients (>= 0). Paper defaults: 1e-2 for Llama, 1e-1 for Mistral and Qwen.
+    beta : float
+        Fraction of the kept tokens (besides sinks and the window) with the highest base-press scores
+        that are held fixed.
+    window_size : int
+        m, the number of surrogate query tokens (the last m prompt tokens by default).
+    steps : int
+        S, the maximum number of alternating value/key steps.
+    n_sink : int
+        The first ``n_sink`` positions are held fixed when kept.
+    components : {"kv", "k", "v"}
+        GRKV, GRK (keys only) or GRV (values only).
+    query_policy : {"window", "stratified"}
+        See ``grkv_core.queries.surrogate_queries``; "stratified" mirrors the authors' released code.
+    max_rel_update_k, max_rel_update_v : float, optional
+        Trust-region caps (authors' code: 0.025 and 0.1): per head, ‖ΔK‖ ≤ cap·‖K⁰‖ and likewise for V.
+    accept : {"always", "objective"}
+        "objective" keeps, per head, whichever of {evicted cache, values-only merge, full merge} has the
+        lowest window discrepancy (authors' code).
+    cg_max_iter, cg_rtol : int, float
+        Conjugate-gradient controls of the key step.
+    """
+
+    press: BasePress = None
+    lambda_k: float = 1e-2
+    lambda_v: float = 1e-2
+    beta: float = 0.1
+    window_size: int = 32
+    steps: int = 1
+    n_sink: int = 4
+    components: str = "kv"
+    query_policy: str = "window"
+    max_rel_update_k: float | None = None
+    max_rel_update_v: float | None = None
+    accept: str = "always"
+    cg_max_iter: int = 16
+    cg_rtol: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.press is None or not is_supported_base_press(self.press):
+            raise ValueError(
+                f"press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, got {type(self.press).__name__}"
+            )
+        for name in ("lambda_k", "lambda_v"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta!r}")
+        for name in ("window_size", "steps", "cg_max_iter"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+        if self.components not in COMPONENTS:
+            raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
+        if self.query_policy not in QUERY_POLICIES:
+            raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {self.query_policy!r}")
+        for name in ("max_rel_update_k", "max_rel_update_v"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+        if self.accept not in ACCEPT_RULES:
+            raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
+
+    def post_init_from_model(self, model) -> None:
+        self.press.post_init_from_model(model)
+
+    @property
+    def compression_ratio(self) -> float:
+        return compression_ratio_of(self.press)
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        self.press.compression_ratio = value
+
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Select with the base press, merge, and return the new cache of one layer.
+
+        Returns (B, H_kv, c, d) tensors for a uniform budget, else (B, H_kv, n, d) with the kept rows merged
+        (evicted rows stay in place, masked by kvpress's attention patch).
+        """
+        if self.compression_ratio == 0:
+            return keys, values
+        selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
+        surrogate = surrogate_queries(
+            module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
+        )
+        if selection.uniform_budget is not None:
+            kept = selection.kept_positions()
+            return self._merge(surrogate, keys, values, kept, self._fixed(selection, kept), module.scaling)
+        return self._merge_per_head(surrogate, keys, values, selection, module.scaling)
+
+    def _merge_per_head(
+        self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: per-head budgets give ragged kept sets, so this path solves one (batch, head) at a time.
+        merged_keys, merged_values = keys.clone(), values.clone()
+        for b in range(keys.shape[0]):
+            for h in range(keys.shape[1]):
+                kept = selection.kept_mask[b, h].nonzero()[:, 0]
+                head = TokenSelection(
+                    scores=selection.scores[b : b + 1, h : h + 1],
+                    kept_mask=selection.kept_mask[b : b + 1, h : h + 1],
+                    uniform_budget=kept.numel(),
+                )
+                head_queries = SurrogateQueries(
+                    surrogate.queries[b : b + 1, h : h + 1], surrogate.positions, surrogate.token_positions,
+                    surrogate.loss_weight,
+                )
+                kept = kept.view(1, 1, -1)
+                new_keys, new_values = self._merge(
+                    head_queries, keys[b : b + 1, h : h + 1], values[b : b + 1, h : h + 1], kept,
+                    self._fixed(head, kept), scale,
+                )
+                merged_keys[b, h, kept[0, 0]] = new_keys[0, 0]
+                merged_values[b, h, kept[0, 0]] = new_values[0, 0]
+        return merged_keys, merged_values
+
+    def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
+        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score."""
+        length = selection.scores.shape[-1]
+        protected = (kept < self.n_sink) | (kept >= length - self.window_size)
+        candidates = ~protected
+        kept_scores = selection.scores.gather(-1, kept).masked_fill(protected, float("-inf"))
+        order = kept_scores.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1], device=kept.device).expand_as(order))
+        n_top = (candidates.sum(dim=-1, keepdim=True) * self.beta).floor().long()
+        return protected | (candidates & (rank < n_top))
+
+    def _merge(
+        self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
+        fixed: torch.Tensor, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        solve = dict(
+            lambda_k=self.lambda_k / surrogate.loss_weight,
+            lambda_v=self.lambda_v / surrogate.loss_weight,
+            steps=self.steps,
+            query_positions=surrogate.positions,
+            scale=scale,
+            cg_max_iter=self.cg_max_iter,
+            cg_rtol=self.cg_rtol,
+        )
+        index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
+        merged_keys, merged_values = grkv_merge(surrogate.queries, keys, values, kept, fixed,
+                                                components=self.components, **solve)
+        merged_keys = _cap_update(evicted_keys, merged_keys, self.max_rel_update_k)
+        merged_values = _cap_update(evicted_values, merged_values, self.max_rel_update_v)
+        if self.accept == "always":
+            return merged_keys, merged_values
+
+        _, values_only = grkv_merge(surrogate.queries, keys, values, kept, fixed, components="v", **solve)
+        values_only = _cap_update(evicted_values, values_only, self.max_rel_update_v)
+        candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
+        errors = torch.stack([
+            discrepancy_per_head(surrogate.queries, keys, values, k, v, query_positions=surrogate.positions,
+                                 compressed_positions=kept, scale=scale)[0]
+            for k, v in candidates
+        ])
+        best = errors.argmin(dim=0)[..., None, None]
+        choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
+        return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
+    """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""
+    if max_relative is None:
+        return merged
+    update = merged.float() - start.float()
+    update_norm = update.flatten(2).norm(dim=-1)
+    limit = max_relative * start.float().flatten(2).norm(dim=-1)
+    factor = (limit / update_norm.clamp_min(1e-30)).clamp(max=1.0)[..., None, None]
+    return (start.float() + factor * update).to(merged.dtype)

@@ -1,0 +1,86 @@
+"""Presses by name, for the CLI, configs and sweeps: an eviction press, optionally behind a merger."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Callable
+
+from kvpress import (
+    AdaKVPress,
+    BasePress,
+    CriticalAdaKVPress,
+    CriticalKVPress,
+    ExpectedAttentionPress,
+    KnormPress,
+    ObservedAttentionPress,
+    PyramidKVPress,
+    SnapKVPress,
+    StreamingLLMPress,
+)
+
+from grkv_core.press import GRKVPress
+
+EVICTION_PRESSES: dict[str, Callable[[float], BasePress]] = {
+    "snapkv": lambda ratio: SnapKVPress(compression_ratio=ratio),
+    "pyramidkv": lambda ratio: PyramidKVPress(compression_ratio=ratio),
+    "streamingllm": lambda ratio: StreamingLLMPress(compression_ratio=ratio),
+    "h2o": lambda ratio: ObservedAttentionPress(compression_ratio=ratio),
+    "expected_attention": lambda ratio: ExpectedAttentionPress(compression_ratio=ratio),
+    "knorm": lambda ratio: KnormPress(compression_ratio=ratio),
+    "criticalkv": lambda ratio: CriticalKVPress(SnapKVPress(compression_ratio=ratio)),
+    "adakv": lambda ratio: AdaKVPress(SnapKVPress(compression_ratio=ratio)),
+    "criticaladakv": lambda ratio: CriticalAdaKVPress(SnapKVPress(compression_ratio=ratio)),
+}
+
+# NOTE: presses that read the attention matrix need eager attention; masking presses refuse it.
+EAGER_ONLY = frozenset({"h2o"})
+NOT_EAGER = frozenset({"adakv", "criticaladakv"})
+
+MERGERS: dict[str, type[BasePress] | None] = {"none": None, "grkv": GRKVPress}
+
+
+def required_attention(press_name: str) -> str | None:
+    """The attention implementation a press needs ("eager"), or None when sdpa/flash work."""
+    return "eager" if press_name in EAGER_ONLY else None
+
+
+def build_press(
+    press: str = "snapkv",
+    compression_ratio: float = 0.9,
+    merge: str = "none",
+    **merge_options: Any,
+) -> BasePress | None:
+    """Build an eviction press by name, optionally wrapped by a merger.
+
+    Parameters
+    ----------
+    press : str
+        "full" (no compression: returns None) or one of ``EVICTION_PRESSES``.
+    compression_ratio : float
+        Fraction of the context's KV pairs removed, in [0, 1).
+    merge : str
+        "none" or one of ``MERGERS``.
+    **merge_options
+        Fields of the merger press (e.g. ``lambda_k=1e-2, beta=0.1`` for GRKV).
+    """
+    if press == "full":
+        if merge != "none" or merge_options:
+            raise ValueError("press 'full' keeps the whole cache: it takes no merger or merger options")
+        return None
+    if press not in EVICTION_PRESSES:
+        raise ValueError(f"unknown press {press!r}; choose from {['full', *EVICTION_PRESSES]}")
+    if not isinstance(compression_ratio, (int, float)) or not 0 <= compression_ratio < 1:
+        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
+    if merge not in MERGERS:
+        raise ValueError(f"unknown merge {merge!r}; choose from {list(MERGERS)}")
+    base = EVICTION_PRESSES[press](float(compression_ratio))
+    merger = MERGERS[merge]
+    if merger is None:
+        if merge_options:
+            raise ValueError(f"merge 'none' takes no options, got {sorted(merge_options)}")
+        return base
+    allowed = {f.name for f in fields(merger)} - {"press"}
+    unknown = set(merge_options) - allowed
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {merge!r}; valid: {sorted(allowed)}")
+    return merger(press=base, **merge_options)
