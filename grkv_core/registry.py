@@ -18,6 +18,7 @@ from kvpress import (
     StreamingLLMPress,
 )
 
+from grkv_core.baselines import AsymKVPress, CaMPress, D2OPress, KVMergerPress
 from grkv_core.press import GRKVPress
 
 EVICTION_PRESSES: dict[str, Callable[[float], BasePress]] = {
@@ -36,7 +37,14 @@ EVICTION_PRESSES: dict[str, Callable[[float], BasePress]] = {
 EAGER_ONLY = frozenset({"h2o"})
 NOT_EAGER = frozenset({"adakv", "criticaladakv"})
 
-MERGERS: dict[str, type[BasePress] | None] = {"none": None, "grkv": GRKVPress}
+MERGERS: dict[str, type[BasePress] | None] = {
+    "none": None,
+    "grkv": GRKVPress,
+    "cam": CaMPress,
+    "d2o": D2OPress,
+    "asymkv": AsymKVPress,
+    "kvmerger": KVMergerPress,
+}
 
 
 def required_attention(press_name: str) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvpress.utils import compute_n_kept
 
-from grkv_core.diagnostics import reconstruction_loss
+from grkv_core.diagnostics import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.press import GRKVPress
@@ -90,13 +90,6 @@ def capture_layer0_window(model, ids, window):
     return cache.layers[0].keys, cache.layers[0].values, captured["queries"]
 
 
-def kept_positions_of(compressed_keys, full_keys):
-    """Positions in the full cache of each (unmerged) compressed row, by exact row match."""
-    matches = (compressed_keys[:, :, :, None, :] == full_keys[:, :, None, :, :]).all(-1)
-    assert bool(matches.any(-1).all()), "plain eviction must keep rows of the full cache verbatim"
-    return matches.float().argmax(-1)
-
-
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention",
                                         "criticalkv"])
@@ -108,9 +101,10 @@ def test_grkv_lowers_layer0_window_discrepancy_versus_plain_eviction(architectur
     plain = prefill(model, ids, build_press(press_name, RATIO)).layers[0]
     merged = prefill(model, ids, build_press(press_name, RATIO, merge="grkv")).layers[0]
 
-    positions = kept_positions_of(plain.keys, full_keys)
+    positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
+    assert torch.equal(layers_of(model)[0].self_attn.kept_positions, positions)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
     args = dict(query_positions=window.positions, compressed_positions=positions)
@@ -171,7 +165,7 @@ def test_trust_region_caps_bound_the_update_per_head():
     plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
     capped = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", lambda_k=0.0, lambda_v=0.0,
                                              max_rel_update_k=0.025, max_rel_update_v=0.1)).layers[0]
-    positions = kept_positions_of(plain.keys, full_keys)
+    positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
@@ -188,7 +182,7 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
     plain = prefill(model, ids, build_press("knorm", RATIO)).layers[0]
     accepted = prefill(model, ids, build_press("knorm", RATIO, merge="grkv", lambda_k=0.0,
                                                accept="objective")).layers[0]
-    positions = kept_positions_of(plain.keys, full_keys)
+    positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))

