@@ -33,13 +33,32 @@ def _merge_options(args) -> dict:
     return options
 
 
-def _config(args, press: str, ratio: float, merge: str, merge_options: dict):
+def parse_merge_variant(text: str) -> tuple[str, str, dict]:
+    """``NAME=MERGE[:key=value,...]`` -> (name, merger, options); values parsed as JSON where they can be."""
+    name, _, spec = text.partition("=")
+    merge, _, option_text = spec.partition(":")
+    if not name or not merge:
+        raise ValueError(f"--merge-variant {text!r}: expected NAME=MERGE[:key=value,...]")
+    options = {}
+    for item in filter(None, option_text.split(",")):
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"--merge-variant {text!r}: option {item!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return name, merge, options
+
+
+def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None):
     from grkv_core.evaluate import EvalConfig, PressConfig
 
     return EvalConfig(
         model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
         context_length=args.context_length if args.dataset == "ruler" else None, samples=args.samples,
-        seed=args.seed, press=PressConfig(press, ratio if press != "full" else 0.0, merge, merge_options),
+        seed=args.seed,
+        press=PressConfig(press, ratio if press != "full" else 0.0, merge, merge_options, variant),
         dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device, data_dir=args.data_dir,
     )
 
@@ -61,9 +80,11 @@ def cmd_compare(args) -> int:
 
     output_dir = Path(args.output_dir)
     configs = [_config(args, "full", 0.0, "none", {})]
+    variants = [parse_merge_variant(text) for text in args.merge_variant]
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
         configs.append(_config(args, args.press, ratio, "grkv", {}))
+        configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     loaded = load_for(configs[1])
     samples = load_samples(configs[0], loaded.tokenizer)
     summaries = []
@@ -103,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
     compare.add_argument("--press", default="snapkv")
     compare.add_argument("--compression-ratios", type=float, nargs="+", default=[0.9])
+    compare.add_argument("--merge-variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
+                         help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
     compare.add_argument("--output-dir", default="outputs/compare")
     compare.set_defaults(handler=cmd_compare)
     return parser
@@ -110,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, ImportError) as error:

@@ -202,10 +202,7 @@ def span_boundaries(kept_positions: torch.Tensor) -> torch.Tensor:
 
 def carrier_loads(assignment: torch.Tensor, n_kept: int) -> torch.Tensor:
     """(c,) float64 a_i: how many evicted tokens ``assignment`` (e,) sends to each kept index (-1 = dropped)."""
-    if assignment.ndim != 1 or assignment.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"assignment must be a 1-D integer tensor, got {assignment.dtype} {tuple(assignment.shape)}")
-    if assignment.numel() and not (int(assignment.min()) >= -1 and int(assignment.max()) < n_kept):
-        raise ValueError(f"assignment entries must be kept indices in [0, {n_kept}) or -1 (dropped)")
+    _check_assignment(assignment, n_kept)
     return torch.bincount(assignment[assignment >= 0].long().cpu(), minlength=n_kept).double()
 
 
@@ -356,7 +353,7 @@ def plot_merge_map(
         raise ValueError(f"assignment must have one entry per evicted token ({evicted_positions.numel()}), "
                          f"got shape {tuple(assignment.shape)}")
     assignment = assignment.cpu()
-    carrier_loads(assignment, kept_positions.numel())
+    _check_assignment(assignment, kept_positions.numel())
     merged = assignment >= 0
     carrier_positions = kept_positions[assignment[merged]]
     sources = evicted_positions[merged]
@@ -456,7 +453,9 @@ def plot_cross_window_consistency(
     if prompt_windows is not None and not 0 < prompt_windows < n_windows:
         raise ValueError(f"prompt_windows must be in (0, {n_windows}), got {prompt_windows!r}")
     figure, axes = _figure((6.0, 5.0))
-    image = axes.imshow(similarity.detach().float().cpu().numpy(), cmap="magma", vmin=-1.0, vmax=1.0,
+    similarity = similarity.detach().float().cpu()
+    # NOTE: the colour scale runs from the data's minimum to 1 so that small departures from 1 stay visible.
+    image = axes.imshow(similarity.numpy(), cmap="magma", vmin=min(float(similarity.min()), 1.0 - 1e-3), vmax=1.0,
                         origin="upper", interpolation="nearest")
     figure.colorbar(image, ax=axes, label="cos(s_Wu, s_Wv)")
     if prompt_windows is not None:
@@ -464,7 +463,7 @@ def plot_cross_window_consistency(
             draw(prompt_windows - 0.5, color="cyan", linewidth=1.2)
     axes.set_xlabel("window v")
     axes.set_ylabel("window u")
-    axes.set_title(title or f"cross-window consistency of window-mean attention outputs ({n_windows} windows)")
+    axes.set_title(title or f"cross-window consistency, {n_windows} windows")
     return _save(figure, path)
 
 
@@ -476,6 +475,13 @@ def _check_kept_positions(kept_positions: torch.Tensor) -> None:
         raise ValueError("kept_positions must be strictly increasing")
     if int(kept_positions[0]) < 0:
         raise ValueError("kept_positions must be >= 0")
+
+
+def _check_assignment(assignment: torch.Tensor, n_kept: int) -> None:
+    if assignment.ndim != 1 or assignment.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"assignment must be a 1-D integer tensor, got {assignment.dtype} {tuple(assignment.shape)}")
+    if assignment.numel() and not (int(assignment.min()) >= -1 and int(assignment.max()) < n_kept):
+        raise ValueError(f"assignment entries must be kept indices in [0, {n_kept}) or -1 (dropped)")
 
 
 def _span_edges(kept_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

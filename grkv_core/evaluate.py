@@ -42,6 +42,10 @@ class PressConfig:
     compression_ratio: float = 0.9
     merge: str = "none"
     merge_options: dict[str, Any] = field(default_factory=dict)
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        self.build()  # NOTE: building is cheap and validates every name and option before any work starts
 
     def build(self):
         return build_press(self.press, self.compression_ratio, self.merge, **self.merge_options)
@@ -51,7 +55,8 @@ class PressConfig:
         if self.press == "full":
             return "full"
         budget = f"{1 - self.compression_ratio:.0%}"
-        return f"{self.press} {budget}" + ("" if self.merge == "none" else f" + {self.merge}")
+        merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
+        return f"{self.press} {budget}{merger}"
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 from huggingface_hub import constants as hub_constants
@@ -463,14 +464,14 @@ def _load_pretrained(
         return _from_pretrained(name_or_path, dtype, attn_implementation, device, cache_dir)
     except (OSError, HFValidationError) as error:
         reason = (
-            "the hub is disabled (HF_HUB_OFFLINE=1) and it is not in the local cache"
+            "the hub is disabled (HF_HUB_OFFLINE=1) and the model is not in the local Hugging Face cache"
             if hub_constants.HF_HUB_OFFLINE
-            else "it is neither an existing local directory, nor in the local cache, nor downloadable from the hub"
+            else "it is neither in the local Hugging Face cache nor downloadable from the hub"
         )
         raise ModelNotAvailableError(
-            f"model {name_or_path!r} is not available: {reason} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0]}). Embedded models that need no download: "
-            f"{', '.join(EMBEDDED_MODELS)}."
+            f"model {name_or_path!r} is not available: it is not a local directory, and {reason} "
+            f"({type(error).__name__}: {str(error).splitlines()[0]}). Embedded models that need no "
+            f"download: {', '.join(EMBEDDED_MODELS)}."
         ) from error
 
 

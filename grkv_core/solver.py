@@ -16,6 +16,7 @@ This module imports torch only: no transformers, no kvpress.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -228,11 +229,11 @@ def _key_step(
     output = attention @ values
     jacobian = _AttentionJacobian(problem.queries_scaled, attention, values, output, problem.free)
     rhs = (problem.target - output) + jacobian.jvp((keys - problem.keys0) * problem.free)
-    dual = _conjugate_gradients(lambda u: jacobian.jvp(jacobian.vjp(u)) + lambda_k * u, rhs, cg_max_iter, cg_rtol)
+    dual = _conjugate_gradients(lambda u: jacobian.normal(u) + lambda_k * u, rhs, cg_max_iter, cg_rtol)
     return problem.keys0 + jacobian.vjp(dual)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _AttentionJacobian:
     """Analytic products with J = ∂f/∂K of f(K) = softmax(s Q Kᵀ) V at one point, free rows only.
 
@@ -254,9 +255,26 @@ class _AttentionJacobian:
 
     def vjp(self, cotangent: torch.Tensor) -> torch.Tensor:
         """(B, H, M, d) output cotangent -> (B, H, c, d) key cotangent, zero on fixed rows."""
+        return (self._vjp_weights(cotangent).transpose(-1, -2) @ self.queries_scaled) * self.free
+
+    def normal(self, cotangent: torch.Tensor) -> torch.Tensor:
+        """J Jᵀ applied to a (B, H, M, d) cotangent.
+
+        Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
+        two M×c×d products by one M×M×c product.
+        """
+        weights = self._vjp_weights(cotangent) * self.free.transpose(-1, -2)
+        logits_change = self.query_gram @ weights
+        change = self.attention * logits_change
+        return change @ self.values - change.sum(dim=-1, keepdim=True) * self.output
+
+    def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
         centred = cotangent @ self.values.transpose(-1, -2) - (cotangent * self.output).sum(dim=-1, keepdim=True)
-        weights = self.attention * centred
-        return (weights.transpose(-1, -2) @ self.queries_scaled) * self.free
+        return self.attention * centred
+
+    @functools.cached_property
+    def query_gram(self) -> torch.Tensor:
+        return self.queries_scaled @ self.queries_scaled.transpose(-1, -2)
 
 
 def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float) -> torch.Tensor:

@@ -102,7 +102,7 @@ class CaMPress(LocalMergePress):
         carrier = torch.where(valid, window, torch.full_like(window, -1))
         sources = inputs.evicted_values().unsqueeze(3).expand(-1, -1, -1, budget, -1)
         values = merge_into_carriers(
-            inputs.kept_values(), sources.reshape(batch, heads, n_evicted * budget, -1),
+            inputs.kept_values(), sources.reshape(batch, heads, n_evicted * budget, sources.shape[-1]),
             carrier.reshape(batch, heads, -1), weight.reshape(batch, heads, -1), None,
         )
         return inputs.kept_keys(), values

@@ -182,7 +182,7 @@ def merge_into_carriers(
 
 
 def weighted_mean_merge(
-    inputs: MergeInputs, carrier: torch.Tensor, source_weight: torch.Tensor, carrier_weight: torch.Tensor | float
+    inputs: MergeInputs, carrier: torch.Tensor, source_weight: torch.Tensor, carrier_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every evicted token into its single carrier by the same weighted mean for keys and values.
 
@@ -193,8 +193,8 @@ def weighted_mean_merge(
         (B, H, e) index into ``inputs.kept`` per evicted token; -1 drops it.
     source_weight : torch.Tensor
         (B, H, e) weight of each evicted token.
-    carrier_weight : torch.Tensor or float
-        (B, H, c) self-weight of each carrier, or one number for all.
+    carrier_weight : float
+        The self-weight s_i shared by every carrier.
 
     Returns
     -------
@@ -202,11 +202,9 @@ def weighted_mean_merge(
         (B, H, c, d) float32 merged kept rows.
     """
     kept_keys = inputs.kept_keys()
-    if not isinstance(carrier_weight, torch.Tensor):
-        carrier_weight = torch.full(kept_keys.shape[:3], float(carrier_weight), device=kept_keys.device)
-    keys = merge_into_carriers(kept_keys, inputs.evicted_keys(), carrier, source_weight, carrier_weight)
-    values = merge_into_carriers(inputs.kept_values(), inputs.evicted_values(), carrier, source_weight,
-                                 carrier_weight)
+    self_weight = torch.full(kept_keys.shape[:3], float(carrier_weight), device=kept_keys.device)
+    keys = merge_into_carriers(kept_keys, inputs.evicted_keys(), carrier, source_weight, self_weight)
+    values = merge_into_carriers(inputs.kept_values(), inputs.evicted_values(), carrier, source_weight, self_weight)
     return keys, values
 
 
@@ -231,9 +229,8 @@ class LocalMergePress(BasePress):
 
     def __post_init__(self) -> None:
         if self.press is None or not is_supported_base_press(self.press):
-            raise ValueError(
-                f"press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, got {type(self.press).__name__}"
-            )
+            raise ValueError("press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, "
+                             f"got {type(self.press).__name__}")
 
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)

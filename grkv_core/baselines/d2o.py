@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.baselines.common import LocalMergePress, MergeInputs, check_threshold, cosine_similarity, weighted_mean_merge
+from grkv_core.baselines.common import (
+    LocalMergePress,
+    MergeInputs,
+    check_threshold,
+    cosine_similarity,
+    weighted_mean_merge,
+)
 
 
 @dataclass

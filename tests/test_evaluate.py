@@ -1,0 +1,122 @@
+"""Single-process evaluation: the kvpress protocol, costs and losses per sample, resume after interruption."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from kvpress.utils import compute_n_kept
+
+from grkv_core.benchmarks import load_dataset_samples
+from grkv_core.evaluate import EvalConfig, Evaluator, PressConfig, run_evaluation, tokenize_sample
+from grkv_core.models import load_model
+
+REPO = Path(__file__).resolve().parents[1]
+GRKV = str(REPO / ".venv" / "bin" / "grkv")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def samples(tiny):
+    return load_dataset_samples("ruler", tasks=["niah_single_1", "vt"], context_length=768, samples_per_task=2,
+                                tokenizer=tiny.tokenizer)
+
+
+def test_question_ids_carry_template_tail_and_answer_prefix(tiny, samples):
+    sample = samples[0]
+    context_ids, question_ids = tokenize_sample(tiny.tokenizer, sample)
+    assert len(question_ids) == len(sample.questions)
+    question_text = tiny.tokenizer.decode(question_ids[0][0])
+    assert question_text.startswith(sample.questions[0]) and question_text.endswith(sample.answer_prefix)
+    assert sample.context in tiny.tokenizer.decode(context_ids[0])
+    # The context part must not contain the question: it is compressed alone.
+    assert sample.questions[0] not in tiny.tokenizer.decode(context_ids[0])
+
+
+def test_costs_and_losses_per_sample(tiny, samples):
+    evaluator = Evaluator(tiny, heldout_tokens=4)
+    sample = samples[0]
+    full = evaluator.evaluate_sample(sample, PressConfig("full", 0.0))
+    plain = evaluator.evaluate_sample(sample, PressConfig("snapkv", 0.75))
+    merged = evaluator.evaluate_sample(sample, PressConfig("snapkv", 0.75, "grkv"))
+    assert full.window_loss == 0.0 and full.kv_bytes == full.full_kv_bytes
+    n_layers = tiny.model.config.num_hidden_layers
+    per_token = 2 * tiny.model.config.num_key_value_heads * tiny.model.config.head_dim * 4 * n_layers
+    assert plain.kv_bytes == compute_n_kept(plain.context_tokens, 0.75) * per_token
+    assert merged.kv_bytes == plain.kv_bytes
+    for result in (plain, merged):
+        assert 0 < result.window_loss < 10 and result.heldout_loss is not None and result.heldout_loss > 0
+        assert result.ttft_s >= result.prefill_s > 0 and result.decode_ms_per_token > 0
+        assert 0.0 <= result.score <= 1.0 and len(result.predictions) == len(sample.questions)
+    assert merged.window_loss != plain.window_loss
+
+
+def test_h2o_needs_eager_attention_and_says_so(tiny, samples):
+    with pytest.raises(ValueError, match="eager"):
+        Evaluator(tiny).evaluate_sample(samples[0], PressConfig("h2o", 0.5))
+
+
+def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_path):
+    output = tmp_path / "results.json"
+    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
+                        press=PressConfig("snapkv", 0.5, "grkv", {"lambda_k": 0.1}))
+    summary = run_evaluation(config, output, loaded=tiny, samples=samples[:3], progress=False)
+    stored = json.loads(output.read_text())
+    assert len(stored["samples"]) == 3 and stored["versions"]["kvpress"] == "0.5.5"
+    assert stored["config"]["press"]["merge_options"] == {"lambda_k": 0.1}
+    assert set(summary["tasks"]) == {"niah_single_1", "vt"}
+    first_run = {row["sample_id"]: row for row in stored["samples"]}
+    run_evaluation(config, output, loaded=tiny, samples=samples, progress=False)
+    stored = json.loads(output.read_text())
+    assert len(stored["samples"]) == 4
+    for row in stored["samples"]:
+        if row["sample_id"] in first_run:
+            assert row == first_run[row["sample_id"]], "finished samples must not be recomputed"
+    other = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
+                       press=PressConfig("snapkv", 0.9))
+    with pytest.raises(ValueError, match="different configuration"):
+        run_evaluation(other, output, loaded=tiny, samples=samples, progress=False)
+
+
+def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
+    output = tmp_path / "run.json"
+    command = [GRKV, "eval", "--model", "tiny-llama", "--tasks", "niah_single_1", "vt", "--context-length", "768",
+               "--samples", "3", "--press", "snapkv", "--compression-ratio", "0.5", "--merge", "grkv",
+               "--output", str(output), "--no-progress"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if output.exists() and len(json.loads(output.read_text())["samples"]) >= 2:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = json.loads(output.read_text())  # never half-written: the file is replaced atomically
+    done_before = {row["sample_id"]: row for row in written["samples"]}
+    assert 2 <= len(done_before) < 6
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    final = json.loads(output.read_text())
+    assert len(final["samples"]) == 6
+    assert all(row == done_before[row["sample_id"]] for row in final["samples"] if row["sample_id"] in done_before)
+
+
+def test_cli_bad_arguments_end_in_one_line(tmp_path):
+    result = subprocess.run([GRKV, "eval", "--model", "tiny-llama", "--press", "snapkvv", "--samples", "1",
+                             "--tasks", "niah_single_1", "--context-length", "768"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("grkv: error: unknown press 'snapkvv'")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,136 @@
+"""MLflow logging of a sweep: one parent run per sweep, one child run per trial, found again by tags."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+SWEEP_TAG = "grkv.sweep_id"
+ROLE_TAG = "grkv.role"
+TRIAL_TAG = "grkv.trial_number"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+class TrackingUnavailableError(RuntimeError):
+    """The MLflow tracking server cannot be reached."""
+
+
+def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, with one clear sentence, when an HTTP tracking server does not answer /health."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as response:
+            if response.status != 200:
+                raise TrackingUnavailableError(f"MLflow tracking server {uri} answered HTTP {response.status} on /health")
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {uri} is not reachable ({reason}); start it (infra/local/start.sh) or fix tracking.tracking_uri"
+        ) from None
+
+
+def flatten(prefix: str, value) -> dict[str, str]:
+    """Nested dicts -> {"a.b": "value"} strings, as MLflow params want."""
+    if isinstance(value, dict):
+        flat = {}
+        for key, inner in value.items():
+            flat.update(flatten(f"{prefix}.{key}" if prefix else str(key), inner))
+        return flat
+    return {prefix: json.dumps(value) if isinstance(value, (list, tuple)) else str(value)}
+
+
+def trial_metrics(summary: dict) -> dict[str, float]:
+    """The numbers of an evaluation summary, named for MLflow (per-task scores under ``score.<task>``)."""
+    metrics = {"mean_score": summary["macro_score"]}
+    metrics.update({f"score.{task}": value for task, value in summary["tasks"].items()})
+    metrics.update({name: value for name, value in summary.get("costs", {}).items() if value is not None})
+    return {name: float(value) for name, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
+@dataclass
+class SweepTracker:
+    """Creates or finds the sweep's parent run and writes its trials' child runs."""
+
+    client: MlflowClient
+    experiment_id: str
+    sweep_id: str
+    parent_run_id: str
+
+    @classmethod
+    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict) -> "SweepTracker":
+        client = MlflowClient(tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+        parents = client.search_runs(
+            [experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'sweep'", max_results=2
+        )
+        if parents:
+            parent_id = parents[0].info.run_id
+            client.update_run(parent_id, status="RUNNING")
+        else:
+            run = client.create_run(experiment_id, run_name=sweep_id, tags={SWEEP_TAG: sweep_id, ROLE_TAG: "sweep"})
+            parent_id = run.info.run_id
+            params = flatten("", config)
+            client.log_batch(parent_id, params=[Param(key, value[:6000]) for key, value in params.items()])
+            client.log_text(parent_id, json.dumps(config, indent=1), "sweep_config.json")
+        return cls(client, experiment_id, sweep_id, parent_id)
+
+    def child_runs(self) -> list:
+        return self.client.search_runs(
+            [self.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = 'trial'",
+            max_results=50000,
+        )
+
+    def start_trial(self, trial_number: int, params: dict, baseline: str | None) -> str:
+        tags = {PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
+                TRIAL_TAG: str(trial_number)}
+        if baseline:
+            tags["grkv.baseline"] = baseline
+        run = self.client.create_run(self.experiment_id, run_name=f"trial-{trial_number}", tags=tags)
+        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+        return run.info.run_id
+
+    def finish_trial(self, run_id: str, outcome: dict, timing: dict[str, float]) -> None:
+        """Log a finished trial's metrics, timings and predictions, and close its run as FINISHED."""
+        now = int(time.time() * 1000)
+        metrics = {**trial_metrics(outcome["summary"]), **timing}
+        self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                              tags=[RunTag("grkv.status", "ok"),
+                                    RunTag("grkv.worker_pid", str(outcome["worker"]["pid"]))])
+        rows = [
+            {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
+             "score": row["scores"][index]}
+            for row in outcome["samples"] for index, prediction in enumerate(row["predictions"])
+        ]
+        self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def fail_trial(self, run_id: str, error: str, status: str = "FAILED") -> None:
+        self.client.set_tag(run_id, "grkv.status", "failed")
+        self.client.log_text(run_id, error, "error.txt")
+        self.client.set_terminated(run_id, status)
+
+    def update_parent(self, best: list[dict], completed: int, overhead: dict[str, float]) -> None:
+        """Carry the best trials so far (and the service overhead) on the parent run."""
+        now = int(time.time() * 1000)
+        metrics = [Metric("completed_trials", completed, now, completed)]
+        metrics += [Metric(k, v, now, completed) for k, v in overhead.items()]
+        if best:
+            for index, value in enumerate(best[0]["values"]):
+                metrics.append(Metric(f"best_objective_{index}", value, now, completed))
+        self.client.log_batch(self.parent_run_id, metrics=metrics,
+                              tags=[RunTag("grkv.best_trials", json.dumps(best)[:4900])])
+
+    def close(self, status: str, summary_csv: str | None = None) -> None:
+        if summary_csv is not None:
+            self.client.log_text(self.parent_run_id, summary_csv, "study_trials.csv")
+        self.client.set_terminated(self.parent_run_id, status)
