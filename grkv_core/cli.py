@@ -99,6 +99,32 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from grkv_core.analysis import carrier_report, format_carrier_table, plot_window_consistency
+    from grkv_core.evaluate import load_for, load_samples
+
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    from grkv_core.registry import required_attention
+
+    presses = [args.press, *args.compare]
+    if any(required_attention(name) for name in presses):
+        args.attn_implementation = "eager"  # NOTE: one model serves every press, so the strictest need wins
+    base = _config(args, args.press, args.compression_ratio, "none", {})
+    loaded = load_for(base)
+    samples = load_samples(base, loaded.tokenizer)
+    reports = [carrier_report(loaded, samples, name, args.compression_ratio, args.candidate_range, output_dir,
+                              progress=not args.no_progress) for name in presses]
+    plot_window_consistency(loaded, samples[0], output_dir / "cross_window_consistency.png")
+    table = format_carrier_table(reports)
+    (output_dir / "carrier_concentration.md").write_text(table + "\n")
+    (output_dir / "carrier_concentration.json").write_text(json.dumps(
+        [{"press": r.press, "units": r.units, **r.macro.__dict__} for r in reports], indent=1))
+    print(table)
+    print(f"plots and tables: {output_dir}/")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grkv", description="GRKV: KV-cache merging evaluation")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
     compare.add_argument("--output-dir", default="outputs/compare")
     compare.set_defaults(handler=cmd_compare)
+    analyze = commands.add_parser("analyze", help="carrier concentration of eviction presses, merge maps, "
+                                                  "cross-window consistency")
+    _add_common(analyze)
+    analyze.set_defaults(tasks=["niah_single_2", "qa_2"], samples=2)
+    analyze.add_argument("--press", default="snapkv")
+    analyze.add_argument("--compare", nargs="*", default=["h2o"], help="more eviction presses to tabulate")
+    analyze.add_argument("--compression-ratio", type=float, default=0.9)
+    analyze.add_argument("--candidate-range", type=int, default=32,
+                         help="local matching rule: carriers at most this many positions away")
+    analyze.add_argument("--output-dir", default="outputs/analyze")
+    analyze.set_defaults(handler=cmd_analyze)
     return parser
 
 
