@@ -224,17 +224,19 @@ class SweepDriver:
                       "worker_model_loads": outcome["worker"]["model_loads"]}
             self.tracker.finish_trial(flight.run_id, outcome, timing)
             self.study.tell(flight.trial, objective_values(self.config, outcome["summary"]))
+            self.overhead.evaluation_s += evaluation
+            self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
+            # NOTE: everything the driver did for this trial counts, except logging this one number.
             service = flight.driver_seconds + dispatch + (time.perf_counter() - started)
             self.overhead.service_s += service
-            self.overhead.evaluation_s += evaluation
             self.overhead.trials += 1
             self.tracker.client.log_metric(flight.run_id, "service_overhead_s", service)
             log.info("trial %d: %s -> %s", number, flight.trial.params, outcome["summary"]["macro_score"])
         else:
             self.tracker.fail_trial(flight.run_id, outcome.get("traceback") or outcome["error"])
             self.study.tell(flight.trial, state=optuna.trial.TrialState.FAIL)
+            self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
             log.warning("trial %d failed: %s", number, outcome["error"])
-        self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
 
     def _abandon(self, flight: InFlight) -> None:
         """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
