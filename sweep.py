@@ -15,6 +15,8 @@ import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # NOTE: MLflow's client retries unreachable servers for minutes by default; a sweep should fail fast.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-id", default=None, help="resume this sweep (default: <name>-<timestamp>)")
     parser.add_argument("--tracking-uri", default=None, help="override tracking.tracking_uri")
     parser.add_argument("--state-dir", default=None, help="override storage.state_dir (journal + trial results)")
+    parser.add_argument("--storage-url", default=os.environ.get("GRKV_OPTUNA_STORAGE"),
+                        help="override storage.url, the Optuna RDB (default: $GRKV_OPTUNA_STORAGE)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.tracking_uri:
         config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"tracking_uri": args.tracking_uri})})
+    if args.storage_url:
+        config = config.model_copy(update={"storage": config.storage.model_copy(update={"url": args.storage_url})})
     if args.state_dir:
         config = config.model_copy(update={"storage": config.storage.model_copy(update={"state_dir": args.state_dir})})
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"

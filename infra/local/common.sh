@@ -1,0 +1,104 @@
+# shellcheck shell=bash disable=SC2034  # variables are used by the scripts that source this file
+# Shared settings and helpers for infra/local/start.sh and infra/local/stop.sh.
+# Sourced, never run directly. Everything binds to 127.0.0.1 only.
+#
+# Environment overrides (all optional):
+#   GRKV_STATE_DIR            state dir: pid files, logs, MLflow DB + artifacts, Ray temp dir
+#                             (default: <repo>/.grkv-state)
+#   GRKV_RAY_PORT             Ray GCS port                      (default 6379)
+#   GRKV_RAY_DASHBOARD_PORT   Ray dashboard / Jobs API port     (default 8265)
+#   GRKV_RAY_CLIENT_PORT      Ray client server port            (default 10001)
+#   GRKV_RAY_AGENT_PORT       Ray dashboard agent HTTP port     (default 52365)
+#   GRKV_RAY_CPUS             CPUs the Ray head advertises      (default 2)
+#   GRKV_RAY_GPUS             GPUs the Ray head advertises      (default: Ray autodetects)
+#   GRKV_RAY_AUTH_MODE        disabled | token                  (default disabled; exported as RAY_AUTH_MODE)
+#   GRKV_RAY_TEMP_DIR         Ray --temp-dir                    (default <state>/ray, if short enough)
+#   GRKV_MLFLOW_PORT          MLflow tracking server port       (default 5000)
+#   GRKV_MLFLOW_WORKERS       MLflow server worker processes    (default 1)
+#   GRKV_MLFLOW_JOB_EXECUTION MLflow server job runner (GenAI judges; not used here) (default false)
+#   GRKV_START_TIMEOUT        seconds to wait for both services (default 180)
+#   GRKV_STOP_TIMEOUT         seconds to wait for a clean stop  (default 40)
+
+GRKV_HOST=127.0.0.1
+
+_common_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$_common_dir/../.." && pwd)
+
+die() { echo "grkv-local: error: $*" >&2; exit 1; }
+info() { echo "grkv-local: $*"; }
+
+STATE_DIR=${GRKV_STATE_DIR:-$REPO_ROOT/.grkv-state}
+case "$STATE_DIR" in
+  /*) ;;
+  *) STATE_DIR="$PWD/$STATE_DIR" ;;
+esac
+
+RAY_PID_FILE="$STATE_DIR/ray.pid"
+MLFLOW_PID_FILE="$STATE_DIR/mlflow.pid"
+RAY_LOG="$STATE_DIR/ray.log"
+MLFLOW_LOG="$STATE_DIR/mlflow.log"
+ENDPOINTS_FILE="$STATE_DIR/endpoints.env"
+ENV_FILE="$STATE_DIR/env.sh"
+LOCK_FILE="$STATE_DIR/.lock"
+
+# Binaries: the repo's virtual environment when it exists, otherwise whatever is on PATH.
+if [[ -d "$REPO_ROOT/.venv/bin" ]]; then
+  VENV_BIN="$REPO_ROOT/.venv/bin"
+  # Ray job entrypoints (`python sweep.py ...`) inherit the PATH of the Ray head, so `python`
+  # must resolve to the venv's interpreter, not to a system one without ray/mlflow/optuna.
+  export PATH="$VENV_BIN:$PATH"
+  RAY_BIN="$VENV_BIN/ray"
+  MLFLOW_BIN="$VENV_BIN/mlflow"
+  PYTHON_BIN="$VENV_BIN/python"
+else
+  VENV_BIN=""
+  RAY_BIN=$(command -v ray || true)
+  MLFLOW_BIN=$(command -v mlflow || true)
+  PYTHON_BIN=$(command -v python3 || command -v python || true)
+fi
+
+require_binaries() {
+  local hint="install the sweep extras (pip install '.[sweep]') or create $REPO_ROOT/.venv"
+  [[ -n "$PYTHON_BIN" && -x "$PYTHON_BIN" ]] || die "python not found ($hint)"
+  [[ -n "$RAY_BIN" && -x "$RAY_BIN" ]] || die "'ray' not found${VENV_BIN:+ in $VENV_BIN} ($hint)"
+  [[ -n "$MLFLOW_BIN" && -x "$MLFLOW_BIN" ]] || die "'mlflow' not found${VENV_BIN:+ in $VENV_BIN} ($hint)"
+}
+
+is_port() { [[ "$1" =~ ^[0-9]+$ ]] && (( $1 >= 1 && $1 <= 65535 )); }
+
+# pid_of FILE -> prints the pid recorded in FILE (nothing if absent/garbled).
+pid_of() {
+  local f=$1 pid
+  [[ -f "$f" ]] || return 0
+  pid=$(head -n1 "$f" 2>/dev/null | tr -dc '0-9')
+  [[ -n "$pid" ]] && echo "$pid"
+  return 0
+}
+
+# alive PID WORD -> true if PID runs and its command line mentions WORD (guards against pid reuse).
+alive() {
+  local pid=$1 word=$2
+  [[ -n "$pid" ]] || return 1
+  kill -0 "$pid" 2>/dev/null || return 1
+  if [[ -r "/proc/$pid/cmdline" ]]; then
+    local cmd
+    cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+    [[ "$cmd" == *"$word"* ]] || return 1
+  fi
+  return 0
+}
+
+# group_pids PGID -> pids of every live (non-zombie) process still in process group PGID.
+group_pids() {
+  ps -eo pid=,pgid=,stat= 2>/dev/null | awk -v g="$1" '$2 == g && $3 !~ /^Z/ { print $1 }'
+}
+
+# lock: serialise start/stop on the same state dir. The lock fd (9) is closed in the services
+# we launch, so they never hold it.
+take_lock() {
+  mkdir -p "$STATE_DIR"
+  exec 9>"$LOCK_FILE"
+  if command -v flock >/dev/null 2>&1; then
+    flock -w 30 9 || die "another start/stop holds $LOCK_FILE"
+  fi
+}
