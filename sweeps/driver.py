@@ -87,6 +87,12 @@ def objective_values(config: SweepConfig, summary: dict) -> list[float]:
     return [metrics[objective.metric] for objective in config.objectives]
 
 
+def worker_timing(outcome: dict) -> dict[str, float]:
+    """What the worker itself measured of a finished trial."""
+    return {"trial_eval_s": outcome["finished_at"] - outcome["started_at"],
+            "worker_model_loads": outcome["worker"]["model_loads"]}
+
+
 def eval_config_for(config: SweepConfig) -> EvalConfig:
     return EvalConfig(
         model=config.model.name, dataset=config.data.dataset,
@@ -143,7 +149,8 @@ class SweepDriver:
                 if not finished:
                     run_id = self.tracker.start_trial(frozen.number, frozen.params,
                                                       frozen.user_attrs.get(BASELINE_ATTR))
-                    self.tracker.finish_trial(run_id, outcome, {})
+                    self.tracker.client.set_tag(run_id, "grkv.recovered", "true")
+                    self.tracker.finish_trial(run_id, outcome, worker_timing(outcome))
                 self.study.tell(frozen.number, objective_values(self.config, outcome["summary"]))
                 log.info("trial %d: recovered its finished result", frozen.number)
             else:
@@ -176,11 +183,15 @@ class SweepDriver:
         eval_config = eval_config_for(self.config).to_dict()
         workers = [TrialWorker.options(**options).remote(eval_config) for _ in range(self.config.workers.count)]
         in_flight: dict[ray.ObjectRef, InFlight] = {}
+        # NOTE: a trial whose worker died waits here for that worker to answer a ping (Ray restarts it and
+        # reloads the model) before it is sent again; a ping refused while the actor restarts is retried.
+        waiting: dict[ray.ObjectRef, InFlight] = {}
         idle = list(range(len(workers)))
         done = self.finished_trials()
         log.info("sweep %s: %d of %d trials already finished", self.sweep_id, done, self.config.trials)
-        while (done + len(in_flight) < self.config.trials or in_flight) and not self.stop_requested:
-            while idle and done + len(in_flight) < self.config.trials and not self.stop_requested:
+        busy = lambda: len(in_flight) + len(waiting)  # noqa: E731
+        while (done + busy() < self.config.trials or busy()) and not self.stop_requested:
+            while idle and done + busy() < self.config.trials and not self.stop_requested:
                 started = time.perf_counter()
                 trial = self.study.ask()
                 press = suggest_press(trial, self.config)
@@ -189,24 +200,38 @@ class SweepDriver:
                 reference = workers[worker].evaluate.remote(trial.number, _press_dict(press))
                 in_flight[reference] = InFlight(trial, press, run_id, worker, 0, time.time(),
                                                 time.perf_counter() - started)
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+            ready, _ = ray.wait([*in_flight, *waiting], num_returns=1, timeout=1.0)
             for reference in ready:
+                if reference in waiting:
+                    flight = waiting.pop(reference)
+                    try:
+                        ray.get(reference)
+                    except ActorUnavailableError:
+                        time.sleep(0.5)
+                        waiting[workers[flight.worker].identity.remote()] = flight
+                        continue
+                    except WORKER_FAILURES as error:
+                        self._finish(flight, {"status": "failed", "error": f"worker is gone: {error}"})
+                        done += 1
+                        continue
+                    flight.submitted_at = time.time()
+                    in_flight[workers[flight.worker].evaluate.remote(flight.trial.number, _press_dict(flight.press))] = flight
+                    continue
                 flight = in_flight.pop(reference)
                 try:
                     outcome = ray.get(reference)
                 except WORKER_FAILURES as error:
                     if flight.attempt < self.config.workers.max_retries:
                         log.warning("trial %d: worker died (%s); retrying", flight.trial.number, type(error).__name__)
-                        retry = workers[flight.worker].evaluate.remote(flight.trial.number, _press_dict(flight.press))
                         flight.attempt += 1
-                        in_flight[retry] = flight
+                        waiting[workers[flight.worker].identity.remote()] = flight
                         continue
                     outcome = {"status": "failed", "error": f"worker died {flight.attempt + 1} times: {error}"}
                 self._finish(flight, outcome)
                 idle.append(flight.worker)
                 done += 1
         status = "KILLED" if self.stop_requested else "FINISHED"
-        for flight in in_flight.values():
+        for flight in [*in_flight.values(), *waiting.values()]:
             self._abandon(flight)
         self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
         self.tracker.close(status, self.study.trials_dataframe().to_csv(index=False))
@@ -218,19 +243,20 @@ class SweepDriver:
         number = flight.trial.number
         self.state.save(number, outcome)
         if outcome["status"] == "ok":
-            evaluation = outcome["finished_at"] - outcome["started_at"]
+            timing = worker_timing(outcome)
+            evaluation = timing["trial_eval_s"]
             dispatch = max(outcome["started_at"] - flight.submitted_at, 0.0) + max(received - outcome["finished_at"], 0.0)
-            timing = {"trial_eval_s": evaluation, "trial_dispatch_s": dispatch, "worker_attempts": flight.attempt + 1,
-                      "worker_model_loads": outcome["worker"]["model_loads"]}
+            # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a
+            # crash never leaves a finished run without it; it therefore leaves out its own MLflow write and
+            # the Optuna tell that follow. The sweep-level total on the parent run includes them.
+            timing.update(trial_dispatch_s=dispatch, worker_attempts=flight.attempt + 1,
+                          service_overhead_s=flight.driver_seconds + dispatch + (time.perf_counter() - started))
             self.tracker.finish_trial(flight.run_id, outcome, timing)
             self.study.tell(flight.trial, objective_values(self.config, outcome["summary"]))
             self.overhead.evaluation_s += evaluation
-            self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
-            # NOTE: everything the driver did for this trial counts, except logging this one number.
-            service = flight.driver_seconds + dispatch + (time.perf_counter() - started)
-            self.overhead.service_s += service
+            self.overhead.service_s += flight.driver_seconds + dispatch + (time.perf_counter() - started)
             self.overhead.trials += 1
-            self.tracker.client.log_metric(flight.run_id, "service_overhead_s", service)
+            self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
             log.info("trial %d: %s -> %s", number, flight.trial.params, outcome["summary"]["macro_score"])
         else:
             self.tracker.fail_trial(flight.run_id, outcome.get("traceback") or outcome["error"])

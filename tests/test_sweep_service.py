@@ -56,6 +56,14 @@ def services(tmp_path_factory):
                  GRKV_RAY_AGENT_PORT=free_port(), GRKV_MLFLOW_PORT=free_port())
     env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
+    # A client of the local stack (a directly started driver, this test process) needs the variables the
+    # start script exports for it, e.g. the one that keeps Ray's node address on 127.0.0.1.
+    for line in (state / "env.sh").read_text().splitlines():
+        if line.startswith("export ") and "$" not in line:
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = value
+            if key.startswith("RAY_"):
+                os.environ[key] = value
     try:
         yield {
             "env": env,
@@ -106,7 +114,9 @@ def assert_one_finished_child_per_complete_trial(children, study):
     numbers = sorted(int(r.data.tags[TRIAL_TAG]) for r in finished)
     assert numbers == sorted(t.number for t in complete_trials(study))
     for run in finished:
-        assert REQUIRED_METRICS <= set(run.data.metrics), sorted(REQUIRED_METRICS - set(run.data.metrics))
+        # A trial recovered after a driver crash has no driver-side timing: nobody watched it finish.
+        required = REQUIRED_METRICS - ({"service_overhead_s"} if run.data.tags.get("grkv.recovered") else set())
+        assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
 
 
 def test_invalid_config_gives_one_line_error_naming_the_field(tmp_path):
@@ -161,7 +171,7 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
 
 def slow_config(tmp_path, trials):
     # Enough work per trial (about seconds) to interrupt one while it runs.
-    return write_config(tmp_path, trials=trials, **{"data.samples": 3, "data.context_length": 1024,
+    return write_config(tmp_path, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
                                                    "tracking.experiment": "grkv-faults"})
 
 
@@ -202,8 +212,9 @@ def test_killed_worker_mid_trial_is_retried_and_the_sweep_completes(services, tm
             return bool(running_worker_pids()) and any(r.info.status == "RUNNING" for r in children)
 
         wait_for(a_trial_is_running, 300, "a running trial")
-        time.sleep(1.0)
-        os.kill(running_worker_pids()[0], signal.SIGKILL)
+        # Both workers take a trial as soon as they are up, so killing every worker hits a running trial.
+        for pid in running_worker_pids():
+            os.kill(pid, signal.SIGKILL)
         output, _ = driver.communicate(timeout=600)
     finally:
         ray.shutdown()

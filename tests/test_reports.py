@@ -1,0 +1,329 @@
+"""tracking.reports: statistics on hand-computable cases, and reports of synthetic sweeps in a real MLflow store."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+
+import socket
+import statistics
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.image import imread
+from mlflow.tracking import MlflowClient
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.study import StudyDirection
+from scipy import stats
+
+from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
+from tracking.mlflow_tracker import SweepTracker
+from tracking.reports import (
+    ReportOptions,
+    SweepNotFoundError,
+    ablation_table,
+    build_report,
+    compare_configs,
+    iso_resource,
+    load_sweep,
+    loss_performance,
+    paired_bootstrap_ci,
+    param_importances,
+    pareto_front,
+    rebuild_study,
+    sign_flip_test,
+)
+
+EXPERIMENT = "grkv-reports-test"
+TASKS = ("niah_a", "niah_b", "niah_c")
+KV_AT_10_PERCENT, KV_AT_12_PERCENT = 1_000_000, 1_200_000
+SEARCH_SPACE = {
+    "compression_ratio": {"type": "categorical", "choices": [0.88, 0.9]},
+    "lambda_k": {"type": "float", "low": 1e-3, "high": 1.0, "log": True, "include_zero": True},
+    "lambda_v": {"type": "float", "low": 1e-3, "high": 1.0, "log": True, "include_zero": False},
+    "beta": {"type": "float", "low": 0.0, "high": 0.3, "log": False, "include_zero": False},
+    "window_size": {"type": "categorical", "choices": [32, 64]},
+    "steps": {"type": "int", "low": 1, "high": 3, "log": False},
+    "components": {"type": "categorical", "choices": ["kv", "k", "v"]},
+}
+PAPER_DEFAULTS = {"merge": "grkv", "compression_ratio": 0.9, "lambda_k_is_zero": False, "lambda_k": 0.01,
+                  "lambda_v": 0.01, "beta": 0.1, "window_size": 32, "steps": 1, "components": "kv"}
+
+
+def sweep_config(name: str, search_space: dict) -> dict:
+    """A sweep config as SweepConfig.model_dump(mode="json") writes it (built by hand: sweeps imports torch)."""
+    return {"name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
+            "data": {"dataset": "ruler", "tasks": list(TASKS), "context_length": 512, "samples": 2, "seed": 7,
+                     "data_dir": None},
+            "press": {"name": "snapkv", "compression_ratio": 0.9}, "merge": ["grkv", "none"],
+            "search_space": search_space, "objectives": [{"metric": "mean_score", "direction": "maximize"}],
+            "sampler": {"type": "tpe", "seed": 0, "n_startup_trials": 4}, "trials": 10,
+            "baselines": ["paper_default", "eviction_only"]}
+
+
+def log_trial(tracker: SweepTracker, number: int, params: dict, scores, costs: dict, baseline=None) -> str:
+    """A finished trial, written through the tracker the driver uses (same tags, params and metrics)."""
+    run_id = tracker.start_trial(number, params, baseline)
+    summary = {"macro_score": statistics.fmean(scores), "tasks": dict(zip(TASKS, scores)), "costs": costs}
+    tracker.finish_trial(run_id, {"summary": summary, "worker": {"pid": 1}, "samples": []}, {"trial_eval_s": 1.0})
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    # NOTE: the tracker would create the experiment with MLflow's default artifact root (./mlruns, in the
+    # repository); creating it first keeps every artifact inside the test's folder.
+    MlflowClient(uri).create_experiment(EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
+    return uri
+
+
+def costs(kv_bytes: int, ttft_s: float, window_loss: float = 0.01, heldout_loss: float = 0.02) -> dict:
+    return {"kv_bytes": kv_bytes, "full_kv_bytes": 10 * KV_AT_10_PERCENT, "ttft_s": ttft_s, "prefill_s": ttft_s * 0.9,
+            "decode_ms_per_token": 30.0, "window_loss": window_loss, "heldout_loss": heldout_loss}
+
+
+@pytest.fixture(scope="module")
+def ablation_sweep(store):
+    """A running sweep whose trials vary one hyperparameter at a time around the paper defaults.
+
+    Base press (eviction only, trial 1) scores 10/20/30 on the three tasks; the merging trials beat
+    it on a known number of tasks. Trial 5 changes two hyperparameters, so the window-size factor
+    has no trial varying it alone. Trial 8 is still running and trial 9 failed.
+    """
+    tracker = SweepTracker.open(store, EXPERIMENT, "ablation-sweep", sweep_config("ablation", SEARCH_SPACE))
+    d = PAPER_DEFAULTS
+    no_lambda_k = {k: v for k, v in d.items() if k != "lambda_k"} | {"lambda_k_is_zero": True}
+    log_trial(tracker, 0, d, [12, 19, 31], costs(KV_AT_10_PERCENT, 1.10, 0.010, 0.020), "paper_default")
+    log_trial(tracker, 1, {"merge": "none", "compression_ratio": 0.9}, [10, 20, 30],
+              costs(KV_AT_10_PERCENT, 1.00, 0.030, 0.040), "eviction_only")
+    log_trial(tracker, 2, d | {"steps": 2}, [13, 21, 29], costs(KV_AT_10_PERCENT, 1.30, 0.008, 0.022))
+    log_trial(tracker, 3, d | {"components": "k"}, [9, 19, 29], costs(KV_AT_10_PERCENT, 1.20, 0.020, 0.030))
+    log_trial(tracker, 4, no_lambda_k, [10.5, 20.5, 30.5], costs(KV_AT_10_PERCENT, 1.12, 0.004, 0.035))
+    log_trial(tracker, 5, d | {"window_size": 64, "steps": 2}, [15, 18, 27], costs(KV_AT_10_PERCENT, 1.40, 0.015, 0.025))
+    log_trial(tracker, 6, {"merge": "none", "compression_ratio": 0.88}, [14, 22, 30],
+              costs(KV_AT_12_PERCENT, 1.15, 0.025, 0.030))
+    log_trial(tracker, 7, d | {"beta": 0.2}, [11, 20, 30], costs(KV_AT_10_PERCENT, 1.11, 0.012, 0.021))
+    tracker.start_trial(8, d | {"beta": 0.3}, None)
+    tracker.fail_trial(tracker.start_trial(9, d | {"steps": 3}, None), "CUDA out of memory")
+    return tracker
+
+
+@pytest.fixture(scope="module")
+def correlation_sweep(store):
+    """Five merging trials: window loss exactly linear in the score, held-out loss with Spearman -0.9.
+
+    Two objectives (score up, held-out loss down), as sweeps/configs/ruler-snapkv.yaml has.
+    """
+    config = sweep_config("correlation", {"lambda_v": SEARCH_SPACE["lambda_v"]})
+    config["objectives"].append({"metric": "heldout_loss", "direction": "minimize"})
+    tracker = SweepTracker.open(store, EXPERIMENT, "correlation-sweep", config)
+    for number, (score, heldout) in enumerate(zip([50, 40, 30, 10, 20], [1, 2, 3, 4, 5])):
+        log_trial(tracker, number, {"merge": "grkv", "lambda_v": 0.01 * (number + 1)}, [score] * 3,
+                  costs(KV_AT_10_PERCENT, 1.0, window_loss=1 - 0.01 * score, heldout_loss=heldout))
+    tracker.close("FINISHED")
+    return tracker
+
+
+# ---- statistics on hand-computable cases -----------------------------------------------------------------
+def test_pareto_front_on_known_points():
+    points = [{"score": 50, "kv": 10}, {"score": 60, "kv": 20}, {"score": 55, "kv": 20},  # 2: dominated by 1
+              {"score": 40, "kv": 5}, {"score": 60, "kv": 30},  # 4: same score as 1 at a higher cost
+              {"score": 50, "kv": 10},  # a duplicate of 0: equal points do not dominate each other
+              {"score": np.nan, "kv": 1}]  # missing score: never on the front
+    assert pareto_front(points, maximize=["score"], minimize=["kv"]) == [0, 1, 3, 5]
+    assert pareto_front(pd.DataFrame(points), maximize=["score", "kv"]) == [4]  # (60, 30) beats all
+    assert pareto_front([], maximize=["score"]) == []
+    with pytest.raises(ValueError):
+        pareto_front(points)
+
+
+@pytest.mark.parametrize("differences, expected", [
+    ([0.5, 0.5, 0.5], 2 / 8),  # only +++ and --- reach |sum| = 1.5
+    ([1.0] * 5, 2 / 32),
+    ([1.0, -2.0, 3.0], 6 / 8),  # signed sums 6 0 2 -4 4 -2 0 -6: six reach |2|
+    ([0.0, 0.0], 1.0),
+])
+def test_sign_flip_test_is_exact(differences, expected):
+    assert sign_flip_test(differences) == pytest.approx(expected, abs=1e-15)
+
+
+def test_sign_flip_test_enumerates_twenty_tasks_and_refuses_too_many():
+    assert sign_flip_test([0.1] * 20) == pytest.approx(2 / 2**20)
+    with pytest.raises(ValueError, match="at most"):
+        sign_flip_test([1.0] * 30)
+
+
+def test_paired_bootstrap_ci_covers_the_true_mean_about_95_percent():
+    # Percentile intervals of a mean of 20 normal draws cover slightly less than nominal (~93%).
+    rng = np.random.default_rng(123)
+    true_mean, repetitions = 0.7, 400
+    covered = 0
+    for index in range(repetitions):
+        ci = paired_bootstrap_ci(rng.normal(true_mean, 1.0, size=20), n_resamples=2000, seed=index)
+        covered += ci.low <= true_mean <= ci.high
+    assert 0.90 <= covered / repetitions <= 0.99
+
+
+def test_paired_bootstrap_ci_of_constant_differences_is_a_point():
+    ci = paired_bootstrap_ci([0.5] * 8, n_resamples=1000)
+    assert (ci.estimate, ci.low, ci.high) == pytest.approx((0.5, 0.5, 0.5))
+    assert ci.excludes_zero()
+
+
+def test_compare_configs_across_seeds_and_tasks():
+    control = {("s1", "a"): 10, ("s1", "b"): 20, ("s1", "c"): 30, ("s2", "a"): 12, ("s2", "b"): 22, ("s2", "c"): 32}
+    gains = {"a": 1.0, "b": 2.0, "c": -0.5}
+    rows = [{"config": "base", "seed": s, "task": t, "score": v} for (s, t), v in control.items()]
+    rows += [{"config": "grkv", "seed": s, "task": t, "score": v + gains[t]} for (s, t), v in control.items()]
+    rows.append({"config": "grkv", "seed": "s3", "task": "a", "score": 99.0})  # unpaired: ignored
+    result = compare_configs(pd.DataFrame(rows), "grkv", "base", n_resamples=500)
+    assert result.seeds == ("s1", "s2") and result.tasks == ("a", "b", "c")
+    assert result.gain == pytest.approx(statistics.fmean(gains.values()))
+    assert result.control_mean == pytest.approx(21.0) and result.control_sd == pytest.approx(np.sqrt(2))
+    assert result.better_tasks == 2 and result.better_seeds == 2
+    assert result.p_value == pytest.approx(sign_flip_test([1.0, 2.0, -0.5]))
+    assert result.ci.low <= result.gain <= result.ci.high
+
+
+# ---- analyses of synthetic sweeps logged to MLflow --------------------------------------------------------
+def test_load_sweep_reads_a_running_sweep_from_mlflow(store, ablation_sweep):
+    runs = load_sweep(MlflowClient(store), "ablation-sweep")
+    assert runs.parent_status == "RUNNING"
+    assert runs.child_status_counts == {"FINISHED": 8, "RUNNING": 1, "FAILED": 1}
+    trials = runs.trials
+    assert list(trials["trial_number"]) == list(range(8))
+    assert runs.task_names == list(TASKS)
+    assert trials.loc[0, "window_size"] == 32 and trials.loc[0, "lambda_k_is_zero"] is False
+    assert trials.loc[1, "method"] == "snapkv" and trials.loc[0, "method"] == "snapkv+grkv"
+    assert trials.loc[6, "budget"] == pytest.approx(0.12)
+    assert runs.baseline_trial("eviction_only")["trial_number"] == 1
+    with pytest.raises(SweepNotFoundError, match="not found"):
+        load_sweep(MlflowClient(store), "no-such-sweep")
+
+
+def test_loss_performance_correlations_match_hand_computed_values(store, correlation_sweep):
+    result = loss_performance(load_sweep(MlflowClient(store), "correlation-sweep", EXPERIMENT))
+    window, heldout = result.correlations
+    assert window.x == "window_loss" and window.n == 5
+    assert window.pearson_r == pytest.approx(-1.0, abs=1e-12) and window.pearson_p < 1e-6
+    assert window.spearman_rho == pytest.approx(-1.0)
+    # Ranks of the scores 50 40 30 10 20 against loss ranks 1..5: sum d^2 = 38, rho = 1 - 6*38/120.
+    assert heldout.spearman_rho == pytest.approx(-0.9)
+    t = -0.9 * np.sqrt(3 / (1 - 0.81))
+    assert heldout.spearman_p == pytest.approx(2 * stats.t.sf(abs(t), df=3))
+    assert list(result.table["trial_number"]) == [0, 1, 2, 3, 4]
+
+
+def test_iso_memory_and_iso_prefill(store, ablation_sweep):
+    result = iso_resource(load_sweep(MlflowClient(store), "ablation-sweep"), ttft_tolerance=0.10)
+    memory = result.iso_memory.set_index(["budget", "configuration"])
+    at_10 = memory.loc[0.1]
+    assert at_10.loc["eviction only", "mean_score"] == pytest.approx(20.0)
+    assert at_10.loc["paper default", "gain_vs_eviction"] == pytest.approx(62 / 3 - 20)
+    assert at_10.loc["best of 6", "trials"] == "2"
+    assert at_10["kv_mib"].tolist() == pytest.approx([KV_AT_10_PERCENT / 2**20] * 3)
+    prefill = result.iso_prefill.set_index("merging_trial")
+    # Paper default: TTFT 1.10 s; eviction at 12% takes 1.15 s, within 10%: a match 20% more memory.
+    assert prefill.loc[0, "eviction_trial"] == 6
+    assert prefill.loc[0, "eviction_minus_merging"] == pytest.approx(22 - 62 / 3)
+    assert prefill.loc[0, "kv_ratio"] == pytest.approx(1.2)
+    # Best trial: TTFT 1.30 s; 1.15 s is 11.5% away, so no eviction run counts as iso-prefill.
+    assert pd.isna(prefill.loc[2, "eviction_trial"])
+    assert any("no eviction-only trial" in note for note in result.notes)
+
+
+def test_ablation_table_better_counts_and_held_defaults(store, ablation_sweep):
+    result = ablation_table(load_sweep(MlflowClient(store), "ablation-sweep"))
+    assert (result.reference_trial, result.base_trial) == (0, 1)
+    table = result.table.set_index(["factor", "setting"])
+    expected = {  # (factor, setting): (trials, better), others at the paper defaults
+        ("Update steps (S)", "S=1"): ("0", 2), ("Update steps (S)", "S=2"): ("2", 2),
+        ("Optimized cache components", "GRKV"): ("0", 2), ("Optimized cache components", "GRK"): ("3", 0),
+        ("Regularization strength (λ = λ_k = λ_v)", "λ=0.01"): ("0", 2),
+        ("Regularization strength (λ = λ_k = λ_v)", "λk=0, λv=0.01"): ("4", 3),
+        ("Fixed retained-token ratio (β)", "β=10%"): ("0", 2), ("Fixed retained-token ratio (β)", "β=20%"): ("7", 1),
+    }
+    for key, (trials, better) in expected.items():
+        assert (table.loc[key, "trials"], table.loc[key, "better"], table.loc[key, "held"]) == \
+               (trials, better, "at defaults"), key
+    assert table.loc[("Update steps (S)", "S=1"), "default"]
+    assert table.loc[("Update steps (S)", "S=2"), "niah_a"] == 13
+    # Window size is never varied alone (trial 5 also changes S): its rows average over the rest.
+    window = result.table[result.table["factor"] == "Surrogate window size (m)"].set_index("setting")
+    assert list(window["held"]) == ["varied", "varied"]
+    assert window.loc["m=32", "trials"] == "0, 2, 3, 4, 7" and window.loc["m=64", "trials"] == "5"
+    assert any("Surrogate window size" in note for note in result.notes)
+
+
+def test_rebuilt_optuna_study_and_importances(store, ablation_sweep):
+    rebuilt = rebuild_study(load_sweep(MlflowClient(store), "ablation-sweep"))
+    study = rebuilt.study
+    assert [t.user_attrs["grkv.trial_number"] for t in study.trials] == list(range(8))
+    assert study.best_trial.user_attrs["grkv.trial_number"] == 6  # eviction at 12%, the sweep's best score
+    first = study.trials[0]
+    assert first.distributions["lambda_k"] == FloatDistribution(1e-3, 1.0, log=True)
+    assert first.distributions["steps"] == IntDistribution(1, 3)
+    assert first.distributions["window_size"] == CategoricalDistribution([32, 64])
+    assert first.distributions["merge"] == CategoricalDistribution(["grkv", "none"])
+    assert first.params["lambda_k_is_zero"] is False
+    (importance,) = param_importances(rebuilt)
+    assert importance.evaluator.startswith("PED-ANOVA")
+    assert set(importance.importances) <= {*SEARCH_SPACE, "merge", "lambda_k_is_zero"}
+    assert sum(importance.importances.values()) == pytest.approx(1.0)
+
+
+def test_multi_objective_study_has_a_pareto_front_and_importances_per_objective(store, correlation_sweep):
+    rebuilt = rebuild_study(load_sweep(MlflowClient(store), "correlation-sweep"))
+    assert [o.metric for o in rebuilt.objectives] == ["mean_score", "heldout_loss"]
+    assert rebuilt.study.directions == [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE]
+    # Trial 0 has both the best score (50) and the lowest held-out loss (1): it alone is Pareto-optimal.
+    assert [t.user_attrs["grkv.trial_number"] for t in rebuilt.study.best_trials] == [0]
+    importances = param_importances(rebuilt)
+    assert [i.objective.metric for i in importances] == ["mean_score", "heldout_loss"]
+    assert all(i.evaluator.startswith("PED-ANOVA") and "lambda_v" in i.importances for i in importances)
+
+
+# ---- the report, end to end ----------------------------------------------------------------------------
+def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep, tmp_path):
+    client = MlflowClient(store)
+    report = build_report(client, "ablation-sweep", tmp_path, options=ReportOptions(bootstrap_resamples=2000))
+    names = {path.name for path in report.files}
+    pngs = ["loss_performance.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
+            "optimization_history.png"]
+    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv",
+                        "iso_memory.md", "iso_prefill.csv", "significance.md", "correlations.csv"} <= names
+    for name in pngs:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = imread(tmp_path / name)
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05, name
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(pngs)
+    assert "<b>21.00</b>" in page  # the best Avg. of a group, emphasised as in the paper
+    ablation = (tmp_path / "ablation.md").read_text()
+    assert "| Update steps (S) | S=1† | 1 | 12.00 | 19.00 | 31.00 | 20.67 | 2/3 |" in ablation
+    assert "|  | S=2 | 1 | 13.00 | 21.00 | 29.00 | **21.00** | 2/3 |" in ablation
+    logged = {a.path for a in client.list_artifacts(ablation_sweep.parent_run_id, "report")}
+    assert {f"report/{name}" for name in names} == logged
+    assert "best trial 6" in report.summary
+    assert "Iso-prefill: snapkv+grkv paper default (trial 0) at 10%" in report.summary
+
+
+def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, capsys):
+    assert main(["--sweep-id", "ablation-sweep", "--tracking-uri", store, "--experiment", EXPERIMENT,
+                 "--output-dir", str(tmp_path), "--bootstrap-resamples", "500", "--no-log-artifacts"]) == 0
+    assert "GRKV sweep ablation-sweep (RUNNING, 8 finished trial(s))" in capsys.readouterr().out
+    assert (tmp_path / "report.html").exists()
+
+    assert main(["--sweep-id", "missing", "--tracking-uri", store]) == EXIT_SWEEP_NOT_FOUND
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "sweep 'missing' not found" in error
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["--sweep-id", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == EXIT_TRACKING_UNAVAILABLE
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "not reachable" in error

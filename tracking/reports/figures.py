@@ -1,0 +1,188 @@
+"""PNG figures of the report, drawn with matplotlib's object API (no pyplot, so no global backend state)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from tracking.reports.analyses import LossPerformance, TradeOff
+from tracking.reports.data import EVICTION_ONLY, PAPER_DEFAULT
+from tracking.reports.optuna_study import Importance, RebuiltStudy
+from tracking.reports.render import p_value_text
+from tracking.reports.stats import PairedComparison
+
+DPI = 120
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+BASELINE_MARKERS = {PAPER_DEFAULT: "*", EVICTION_ONLY: "s"}
+LABELS = {"mean_score": "mean score (0-100)", "window_loss": "window reconstruction discrepancy (relative)",
+          "heldout_loss": "held-out reconstruction discrepancy (relative)", "ttft_s": "TTFT (s)",
+          "kv_bytes": "persistent KV cache (MiB)", "decode_ms_per_token": "decode latency (ms/token)"}
+
+
+def axis_label(metric: str) -> str:
+    return LABELS.get(metric, metric)
+
+
+def method_colors(methods) -> dict[str, str]:
+    """One colour per method, computed once per report and passed to every figure so they agree."""
+    return {method: PALETTE[index % len(PALETTE)] for index, method in enumerate(sorted(set(methods)))}
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.savefig(path, dpi=DPI, bbox_inches="tight")
+    return path
+
+
+def _scatter_trials(ax, frame: pd.DataFrame, x: str, y: str, colors: dict[str, str],
+                    labelled: pd.Series | None = None) -> None:
+    """Trials as points coloured by method, baselines with their own markers, labelled by trial number.
+
+    ``labelled`` (a boolean mask) limits the labels where many points share an x (e.g. one KV budget).
+    """
+    is_baseline = frame["configuration"].isin(list(BASELINE_MARKERS))
+    for method, rows in frame.groupby("method"):
+        for baseline, marker in [(None, "o"), *BASELINE_MARKERS.items()]:
+            chosen = rows[~is_baseline[rows.index]] if baseline is None else rows[rows["configuration"] == baseline]
+            if len(chosen):
+                # Baselines, then eviction-only trials, are drawn last: many trials share one KV budget.
+                layer = 5 if baseline else (4 if "+" not in method else 3)
+                ax.scatter(chosen[x], chosen[y], color=colors[method], marker=marker,
+                           s=160 if marker == "*" else 45, edgecolor="black", linewidth=0.5, zorder=layer)
+    shown = frame if labelled is None else frame[labelled | is_baseline]
+    for _, row in shown.iterrows():
+        if np.isfinite(row[x]) and np.isfinite(row[y]):
+            ax.annotate(str(int(row["trial_number"])), (row[x], row[y]), xytext=(4, 3),
+                        textcoords="offset points", fontsize=7, color="dimgray")
+
+
+def _figure_legend(figure: Figure, colors: dict[str, str], frame: pd.DataFrame, extra: list[Line2D] = ()) -> None:
+    """One legend under all panels, so it never hides a point; baseline markers only when drawn."""
+    handles = [Line2D([], [], marker="o", linestyle="", color=color, markeredgecolor="black", label=method)
+               for method, color in colors.items() if method in set(frame["method"])]
+    if (frame["configuration"] == PAPER_DEFAULT).any():
+        handles.append(Line2D([], [], marker="*", linestyle="", color="lightgray", markeredgecolor="black",
+                              markersize=12, label="paper default"))
+    if (frame["configuration"] == EVICTION_ONLY).any():
+        handles.append(Line2D([], [], marker="s", linestyle="", color="lightgray", markeredgecolor="black",
+                              label="eviction only (base press)"))
+    handles += extra
+    figure.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(len(handles), 4))
+
+
+def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path) -> Path:
+    """One panel per discrepancy metric: score against discrepancy, with Pearson/Spearman in the title."""
+    table = result.table
+    panels = len(result.correlations)
+    figure = Figure(figsize=(6.2 * panels, 5.2), layout="constrained")
+    for index, correlation in enumerate(result.correlations):
+        ax = figure.add_subplot(1, panels, index + 1)
+        _scatter_trials(ax, table, correlation.x, result.score, colors)
+        points = table[[correlation.x, result.score]].dropna()
+        if np.isfinite(correlation.pearson_r):
+            slope, intercept = np.polyfit(points[correlation.x], points[result.score], 1)
+            span = np.linspace(points[correlation.x].min(), points[correlation.x].max(), 2)
+            ax.plot(span, slope * span + intercept, linestyle="--", color="gray", linewidth=1, zorder=2)
+            ax.set_title(f"Pearson r = {correlation.pearson_r:+.3f} ({p_value_text(correlation.pearson_p)})\n"
+                         f"Spearman ρ = {correlation.spearman_rho:+.3f} ({p_value_text(correlation.spearman_p)}), "
+                         f"n = {correlation.n}", fontsize=9)
+        else:
+            ax.set_title(f"no correlation: {correlation.note}", fontsize=9)
+        ax.set_xlabel(axis_label(correlation.x))
+        ax.set_ylabel(axis_label(result.score))
+        ax.grid(alpha=0.3)
+    _figure_legend(figure, colors, table, [Line2D([], [], linestyle="--", color="gray", label="least-squares fit")])
+    figure.suptitle("Reconstruction discrepancy vs downstream score (labels: trial numbers)", fontsize=11)
+    return _save(figure, path)
+
+
+def trade_off_figure(trade_offs: list[TradeOff], colors: dict[str, str], path: Path) -> Path:
+    """Score against each cost, the Pareto front (best score for the cost) drawn as a step line."""
+    figure = Figure(figsize=(6.2 * len(trade_offs), 5.2), layout="constrained")
+    for index, trade in enumerate(trade_offs):
+        ax = figure.add_subplot(1, len(trade_offs), index + 1)
+        points = trade.points
+        _scatter_trials(ax, points, "cost", trade.score, colors, labelled=points["pareto"])
+        front = points[points["pareto"]].sort_values(["cost", trade.score])
+        ax.step(front["cost"], front[trade.score], where="post", color="black", linewidth=1.2, zorder=2)
+        ax.scatter(front["cost"], front[trade.score], s=160, facecolor="none", edgecolor="black", linewidth=1.4,
+                   zorder=4)
+        ax.set_xlabel(trade.cost_label)
+        ax.set_ylabel(axis_label(trade.score))
+        ax.set_title(f"score vs {trade.cost_label}: {len(front)} Pareto-optimal trial(s)", fontsize=9)
+        ax.grid(alpha=0.3)
+    _figure_legend(figure, colors, pd.concat([t.points for t in trade_offs]),
+                   [Line2D([], [], color="black", marker="o", markerfacecolor="none", markersize=10,
+                           label="Pareto front (higher score, lower cost)")])
+    figure.suptitle("Trade-offs over all finished trials (labels: Pareto-optimal and baseline trial numbers)",
+                    fontsize=11)
+    return _save(figure, path)
+
+
+def history_figure(rebuilt: RebuiltStudy, colors: dict[str, str], path: Path) -> Path:
+    """Each objective by trial number, the best so far as a step line, baselines as horizontal lines."""
+    history = rebuilt.history().sort_values("trial_number")
+    objectives = rebuilt.objectives
+    figure = Figure(figsize=(7.5, 4.2 * len(objectives)), layout="constrained")
+    for index, objective in enumerate(objectives):
+        ax = figure.add_subplot(len(objectives), 1, index + 1)
+        values = history[objective.metric]
+        best = values.cummax() if objective.maximize else values.cummin()
+        for method, rows in history.groupby("method"):
+            ax.scatter(rows["trial_number"], rows[objective.metric], color=colors[method], s=25, zorder=3,
+                       label=f"trial: {method}")
+        ax.step(history["trial_number"], best, where="post", color="tab:red", label="best so far")
+        for baseline, style in ((PAPER_DEFAULT, ":"), (EVICTION_ONLY, "--")):
+            rows = history[history["baseline"] == baseline]
+            if len(rows):
+                ax.axhline(rows[objective.metric].iloc[0], color="gray", linestyle=style,
+                           label=f"{baseline.replace('_', ' ')} (trial {int(rows['trial_number'].iloc[0])})")
+        ax.set_xlabel("trial number")
+        ax.set_ylabel(axis_label(objective.metric))
+        ax.set_title(f"Optimisation history: {objective.metric} ({objective.direction})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(figure, path)
+
+
+def importance_figure(importances: list[Importance], path: Path) -> Path:
+    """Horizontal bars of normalised importances, one panel per objective."""
+    figure = Figure(figsize=(6.5 * len(importances), 0.8 + 0.45 * max(
+        [len(i.importances) for i in importances] + [4])), layout="constrained")
+    for index, result in enumerate(importances):
+        ax = figure.add_subplot(1, len(importances), index + 1)
+        if result.importances:
+            names = list(result.importances)[::-1]
+            ax.barh(names, [result.importances[name] for name in names], color="tab:green")
+            ax.set_xlabel("importance (normalised to sum to 1)")
+        else:
+            ax.text(0.5, 0.5, result.note or "no importances", ha="center", va="center", wrap=True, fontsize=9)
+            ax.set_axis_off()
+        ax.set_title(f"Hyperparameter importance for {result.objective.metric}\n{result.evaluator}", fontsize=9)
+    return _save(figure, path)
+
+
+def task_difference_figure(comparisons: list[PairedComparison], path: Path) -> Path:
+    """Per-task score difference vs the base press, with the mean and its bootstrap CI."""
+    figure = Figure(figsize=(max(6.0, 0.55 * len(comparisons[0].tasks) + 2.5), 3.6 * len(comparisons)),
+                    layout="constrained")
+    for index, comparison in enumerate(comparisons):
+        ax = figure.add_subplot(len(comparisons), 1, index + 1)
+        differences = comparison.task_differences
+        ax.bar(range(len(differences)), differences,
+               color=["tab:green" if d > 0 else "tab:red" for d in differences])
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.axhline(comparison.gain, color="tab:blue", linestyle="--", label=f"mean {comparison.gain:+.2f}")
+        ax.axhspan(comparison.ci.low, comparison.ci.high, color="tab:blue", alpha=0.15,
+                   label=f"{comparison.ci.confidence:.0%} bootstrap CI [{comparison.ci.low:+.2f}, "
+                         f"{comparison.ci.high:+.2f}]")
+        ax.set_xticks(range(len(differences)), comparison.tasks, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("score difference (points)")
+        ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_tasks}/"
+                     f"{len(differences)} tasks, exact sign-flip p = {comparison.p_value:.3g}", fontsize=9)
+        ax.legend(fontsize=8, loc="best")
+        ax.grid(alpha=0.3, axis="y")
+    return _save(figure, path)

@@ -1,0 +1,231 @@
+"""The statistics of the paper's analyses: correlations, Pareto fronts, paired bootstrap and sign-flip tests.
+
+Pure functions of numbers and tables, nothing about MLflow, so each can be checked on hand-made data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+# 2^24 sign assignments are 128 MiB of float64 partial sums; more tasks than that needs a sampled test.
+MAX_EXACT_SIGN_FLIP_TASKS = 24
+
+
+@dataclass(frozen=True)
+class Correlation:
+    """Pearson and Spearman correlation of ``y`` against ``x`` over ``n`` configurations.
+
+    NaN coefficients come with a ``note`` saying why (too few points, a constant column).
+    """
+
+    x: str
+    y: str
+    n: int
+    pearson_r: float
+    pearson_p: float
+    spearman_rho: float
+    spearman_p: float
+    note: str = ""
+
+
+def correlate(x: Sequence[float], y: Sequence[float], x_name: str = "x", y_name: str = "y") -> Correlation:
+    """Pearson ``r`` and Spearman ``rho`` with their two-sided p-values (scipy.stats), NaN pairs dropped."""
+    x_values, y_values = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    keep = np.isfinite(x_values) & np.isfinite(y_values)
+    x_values, y_values = x_values[keep], y_values[keep]
+    n = int(keep.sum())
+    nan = float("nan")
+    if n < 3:
+        return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"only {n} configuration(s) with both values")
+    if np.ptp(x_values) == 0 or np.ptp(y_values) == 0:
+        constant = x_name if np.ptp(x_values) == 0 else y_name
+        return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"{constant} is constant")
+    pearson = stats.pearsonr(x_values, y_values)
+    spearman = stats.spearmanr(x_values, y_values)
+    return Correlation(x_name, y_name, n, float(pearson.statistic), float(pearson.pvalue),
+                       float(spearman.statistic), float(spearman.pvalue))
+
+
+def pareto_front(points: pd.DataFrame | Sequence[Mapping[str, float]], maximize: Sequence[str] = (),
+                 minimize: Sequence[str] = ()) -> list[int]:
+    """Positions of the non-dominated points.
+
+    A point dominates another when it is at least as good in every objective and strictly better in
+    one; equal points do not dominate each other, so duplicates on the front are all kept. Points with
+    a missing (NaN) objective are never on the front.
+
+    Parameters
+    ----------
+    points : pandas.DataFrame or sequence of mappings
+        One row (mapping) per point, holding at least the objective keys.
+    maximize, minimize : sequence of str
+        The keys to maximise and to minimise.
+
+    Returns
+    -------
+    list of int
+        Row positions (0-based, ascending) of the Pareto-optimal points.
+    """
+    if not maximize and not minimize:
+        raise ValueError("pareto_front needs at least one objective to maximize or minimize")
+    table = points if isinstance(points, pd.DataFrame) else pd.DataFrame(list(points))
+    if table.empty:
+        return []
+    # Negating the minimised objectives makes "larger is better" hold in every column.
+    larger_is_better = np.column_stack([table[key].to_numpy(dtype=float) for key in maximize]
+                                       + [-table[key].to_numpy(dtype=float) for key in minimize])
+    valid = np.isfinite(larger_is_better).all(axis=1)
+    candidates = larger_is_better[valid]
+    at_least_as_good = (candidates[:, None, :] >= candidates[None, :, :]).all(axis=2)
+    strictly_better = (candidates[:, None, :] > candidates[None, :, :]).any(axis=2)
+    dominated = (at_least_as_good & strictly_better).any(axis=0)
+    return [int(position) for position in np.flatnonzero(valid)[~dominated]]
+
+
+@dataclass(frozen=True)
+class BootstrapCI:
+    """A percentile bootstrap confidence interval of the mean paired difference."""
+
+    estimate: float
+    low: float
+    high: float
+    confidence: float
+    n_resamples: int
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def _differences(differences: Sequence[float]) -> np.ndarray:
+    values = np.asarray(differences, dtype=float).ravel()
+    if values.size == 0:
+        raise ValueError("need at least one paired difference")
+    if not np.isfinite(values).all():
+        raise ValueError("paired differences must be finite")
+    return values
+
+
+def paired_bootstrap_ci(differences: Sequence[float], n_resamples: int = 100_000, confidence: float = 0.95,
+                        seed: int | None = 0) -> BootstrapCI:
+    """Percentile bootstrap CI of the mean of task-level paired differences (the paper's App. G).
+
+    Parameters
+    ----------
+    differences : sequence of float
+        One difference per task (treatment minus control, each averaged over seeds).
+    n_resamples : int
+        Bootstrap resamples of the tasks, with replacement.
+    confidence : float
+        Two-sided coverage, in (0, 1).
+    seed : int or None
+        Seed of the resampling generator (None: fresh entropy).
+    """
+    values = _differences(differences)
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    rng = np.random.default_rng(seed)
+    resampled_means = values[rng.integers(0, values.size, size=(n_resamples, values.size))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(resampled_means, [tail, 1 - tail])
+    return BootstrapCI(float(values.mean()), float(low), float(high), confidence, n_resamples)
+
+
+def sign_flip_test(differences: Sequence[float]) -> float:
+    """Exact two-sided paired sign-flip (permutation) test of a zero mean difference.
+
+    Under the null each task's difference is as likely to have either sign, so the p-value is the
+    fraction of all ``2**T`` sign assignments whose ``|sum|`` is at least the observed ``|sum|``.
+
+    Parameters
+    ----------
+    differences : sequence of float
+        One paired difference per task; at most ``MAX_EXACT_SIGN_FLIP_TASKS`` of them.
+
+    Returns
+    -------
+    float
+        The exact p-value, a multiple of ``2**-T`` (at least ``2 / 2**T`` unless every difference is 0).
+    """
+    values = _differences(differences)
+    if values.size > MAX_EXACT_SIGN_FLIP_TASKS:
+        raise ValueError(f"an exact sign-flip test over {values.size} tasks needs 2^{values.size} sums; "
+                         f"at most {MAX_EXACT_SIGN_FLIP_TASKS} tasks are supported")
+    # Doubling builds every signed sum: after k steps the array holds all 2^k sums of the first k terms.
+    signed_sums = np.zeros(1)
+    for value in values:
+        signed_sums = np.concatenate((signed_sums + value, signed_sums - value))
+    observed = abs(values.sum())
+    # The same sum reached in a different order can differ in its last bits; count it as a tie.
+    tolerance = 1e-9 * np.abs(values).sum()
+    return float(np.count_nonzero(np.abs(signed_sums) >= observed - tolerance) / signed_sums.size)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """Treatment vs control over the same tasks and seeds (the paper's Table "multiseed").
+
+    ``*_mean``/``*_sd`` are the mean and sample standard deviation across seeds of the task-averaged
+    score; ``gain``, ``ci`` and ``p_value`` are over task-level differences averaged over seeds.
+    """
+
+    treatment: str
+    control: str
+    seeds: tuple
+    tasks: tuple[str, ...]
+    task_differences: tuple[float, ...]
+    treatment_mean: float
+    treatment_sd: float
+    control_mean: float
+    control_sd: float
+    ci: BootstrapCI
+    p_value: float
+    better_tasks: int
+    better_seeds: int
+
+    @property
+    def gain(self) -> float:
+        return self.ci.estimate
+
+
+def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, n_resamples: int = 100_000,
+                    confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
+    """Compare two configurations across seeds and tasks, as in the paper's multi-seed evaluation.
+
+    Each task is averaged over seeds; the task-level differences get a paired bootstrap CI and an
+    exact sign-flip p-value. Only (seed, task) cells scored for both configurations are used.
+
+    Parameters
+    ----------
+    tidy : pandas.DataFrame
+        Columns ``config``, ``seed``, ``task``, ``score``; repeated cells are averaged.
+    treatment, control : str
+        Values of ``config`` to compare (e.g. ``paper_default`` and ``eviction_only``).
+    n_resamples, confidence, seed
+        Passed to :func:`paired_bootstrap_ci`.
+    """
+    cells = tidy.groupby(["config", "seed", "task"])["score"].mean()
+    missing = [name for name in (treatment, control) if name not in cells.index.get_level_values("config")]
+    if missing:
+        raise KeyError(f"no scores for configuration(s) {missing}")
+    paired = pd.concat({"treatment": cells.loc[treatment], "control": cells.loc[control]}, axis=1).dropna()
+    if paired.empty:
+        raise ValueError(f"{treatment!r} and {control!r} share no (seed, task) cell")
+    per_seed = paired.groupby(level="seed").mean()
+    per_task = paired.groupby(level="task").mean()
+    differences = (per_task["treatment"] - per_task["control"]).to_numpy()
+    return PairedComparison(
+        treatment=treatment, control=control, seeds=tuple(per_seed.index), tasks=tuple(per_task.index),
+        task_differences=tuple(float(d) for d in differences),
+        treatment_mean=float(per_seed["treatment"].mean()), treatment_sd=float(per_seed["treatment"].std(ddof=1)),
+        control_mean=float(per_seed["control"].mean()), control_sd=float(per_seed["control"].std(ddof=1)),
+        ci=paired_bootstrap_ci(differences, n_resamples=n_resamples, confidence=confidence, seed=seed),
+        p_value=sign_flip_test(differences), better_tasks=int((differences > 0).sum()),
+        better_seeds=int((per_seed["treatment"] > per_seed["control"]).sum()),
+    )
