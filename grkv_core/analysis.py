@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import torch
 from kvpress import BasePress
 from tqdm.auto import tqdm
 

@@ -6,19 +6,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-from kvpress import BasePress
 from torch import nn
 
 from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
-from grkv_core.selection import TokenSelection, compression_ratio_of, is_supported_base_press, select_tokens
+from grkv_core.selection import MergingPress, TokenSelection, select_tokens
 from grkv_core.solver import COMPONENTS, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
 
 
 @dataclass
-class GRKVPress(BasePress):
+class GRKVPress(MergingPress):
     """Keep the base press's tokens and merge the evicted ones into them by global ridge regression.
 
     The base press decides which tokens stay; GRKV then refits the kept keys and values so that attention
@@ -56,7 +55,6 @@ class GRKVPress(BasePress):
         Conjugate-gradient controls of the key step.
     """
 
-    press: BasePress = None
     lambda_k: float = 1e-2
     lambda_v: float = 1e-2
     beta: float = 0.1
@@ -72,10 +70,7 @@ class GRKVPress(BasePress):
     cg_rtol: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.press is None or not is_supported_base_press(self.press):
-            raise ValueError(
-                f"press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, got {type(self.press).__name__}"
-            )
+        super().__post_init__()
         for name in ("lambda_k", "lambda_v"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -98,17 +93,6 @@ class GRKVPress(BasePress):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
         if self.accept not in ACCEPT_RULES:
             raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
-
-    def post_init_from_model(self, model) -> None:
-        self.press.post_init_from_model(model)
-
-    @property
-    def compression_ratio(self) -> float:
-        return compression_ratio_of(self.press)
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        self.press.compression_ratio = value
 
     def compress(
         self,

@@ -103,3 +103,36 @@ def select_tokens(
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
     kept_mask.scatter_(-1, scores.topk(budget, dim=-1).indices, True)
     return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=budget)
+
+
+@dataclass
+class MergingPress(BasePress):
+    """Base of every press that keeps a base eviction press's tokens and merges the evicted ones into them.
+
+    It owns the base press: validates it, forwards model set-up, and exposes its ``compression_ratio``.
+    Subclasses implement ``compress`` (typically ``select_tokens`` and then their merge rule).
+
+    Parameters
+    ----------
+    press : BasePress
+        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
+        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+    """
+
+    press: BasePress = None
+
+    def __post_init__(self) -> None:
+        if self.press is None or not is_supported_base_press(self.press):
+            raise ValueError("press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, "
+                             f"got {type(self.press).__name__}")
+
+    def post_init_from_model(self, model) -> None:
+        self.press.post_init_from_model(model)
+
+    @property
+    def compression_ratio(self) -> float:
+        return compression_ratio_of(self.press)
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        self.press.compression_ratio = value

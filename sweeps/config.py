@@ -123,7 +123,7 @@ BASELINES = ("paper_default", "eviction_only")
 
 # The paper's defaults (Sec. 4.1), enqueued first so every sweep is anchored to them.
 PAPER_DEFAULTS = {"lambda_k": 1e-2, "lambda_v": 1e-2, "beta": 0.1, "window_size": 32, "steps": 1,
-                  "components": "kv"}
+                  "components": "kv", "query_policy": "window", "accept": "always"}
 
 
 class SweepConfig(_Strict):
@@ -152,8 +152,8 @@ class SweepConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        searchable = {"compression_ratio", "query_policy", "max_rel_update_k", "max_rel_update_v", "accept",
-                      *PAPER_DEFAULTS, "n_sink", "cg_max_iter"}
+        searchable = {"compression_ratio", "max_rel_update_k", "max_rel_update_v", *PAPER_DEFAULTS, "n_sink",
+                      "cg_max_iter"}
         unknown = sorted(set(self.search_space) - searchable)
         if unknown:
             raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(searchable)}")

@@ -7,12 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from kvpress.utils import compute_n_kept
 
 from grkv_core.benchmarks import load_dataset_samples

@@ -24,6 +24,9 @@ class TrialWorker:
     """
 
     def __init__(self, eval_config: dict):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # a worker's log is no terminal
         self.base_config = EvalConfig.from_dict(eval_config)
         self.loaded = load_for(self.base_config)
         self.samples = load_samples(self.base_config, self.loaded.tokenizer)

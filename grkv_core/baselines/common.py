@@ -18,10 +18,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from kvpress import BasePress
 from torch import nn
 
-from grkv_core.selection import compression_ratio_of, is_supported_base_press, select_tokens
+from grkv_core.selection import MergingPress, select_tokens
 
 # NOTE: cosine similarity of a zero vector is defined as 0 (torch's convention), never NaN.
 _NORM_FLOOR = 1e-12
@@ -209,7 +208,7 @@ def weighted_mean_merge(
 
 
 @dataclass
-class LocalMergePress(BasePress):
+class LocalMergePress(MergingPress):
     """Base of the local merging baselines: keep the base press's tokens, fold each evicted token into carriers.
 
     Subclasses implement ``assign_carriers`` and ``merge`` (and ``token_attention`` if they weight by
@@ -224,24 +223,6 @@ class LocalMergePress(BasePress):
         The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
         CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
     """
-
-    press: BasePress = None
-
-    def __post_init__(self) -> None:
-        if self.press is None or not is_supported_base_press(self.press):
-            raise ValueError("press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, "
-                             f"got {type(self.press).__name__}")
-
-    def post_init_from_model(self, model) -> None:
-        self.press.post_init_from_model(model)
-
-    @property
-    def compression_ratio(self) -> float:
-        return compression_ratio_of(self.press)
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        self.press.compression_ratio = value
 
     def token_attention(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict

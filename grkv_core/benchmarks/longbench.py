@@ -13,7 +13,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grkv_core.benchmarks.schema import EvalSample
+from grkv_core.benchmarks.schema import EvalSample, validate_task_selection
 
 LONGBENCH_HUB_REPO = "Xnhyacinth/LongBench"
 LONGBENCH_HUB_REVISION = "2e9ade51ebf45d98942056c0716234f9d5d257d5"
@@ -86,22 +86,8 @@ _REQUIRED_COLUMNS = ("context", "question", "answer_prefix", "answers")
 
 
 def validate_longbench_tasks(tasks: Sequence[str] | str | None) -> tuple[str, ...]:
-    """Normalise a task selection (``None`` = all 16, a single name or a sequence of names).
-
-    Raises
-    ------
-    ValueError
-        If a name is not one of :data:`LONGBENCH_TASKS`.
-    """
-    if tasks is None:
-        return LONGBENCH_TASKS
-    selected = (tasks,) if isinstance(tasks, str) else tuple(tasks)
-    unknown = [task for task in selected if task not in LONGBENCH_TASKS]
-    if unknown or not selected:
-        raise ValueError(
-            f"unknown LongBench task(s) {unknown or selected!r}; valid tasks: {', '.join(LONGBENCH_TASKS)}"
-        )
-    return selected
+    """Normalise a LongBench task selection; see :func:`validate_task_selection`."""
+    return validate_task_selection(tasks, LONGBENCH_TASKS, "LongBench")
 
 
 def longbench_row_to_sample(row: Mapping[str, Any], task: str, row_index: int) -> EvalSample:

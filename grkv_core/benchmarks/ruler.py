@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from grkv_core.benchmarks.longbench import select_row_indices
-from grkv_core.benchmarks.schema import EvalSample
+from grkv_core.benchmarks.schema import EvalSample, validate_task_selection
 
 RULER_TASKS: tuple[str, ...] = (
     "niah_single_1",
@@ -194,22 +194,8 @@ RULER_TASK_SPECS: dict[str, RulerTaskSpec] = {
 
 
 def validate_ruler_tasks(tasks: Sequence[str] | str | None) -> tuple[str, ...]:
-    """Normalise a task selection (``None`` = all 13, a single name or a sequence of names).
-
-    Raises
-    ------
-    ValueError
-        If a name is not one of :data:`RULER_TASKS`.
-    """
-    if tasks is None:
-        return RULER_TASKS
-    selected = (tasks,) if isinstance(tasks, str) else tuple(tasks)
-    unknown = [task for task in selected if task not in RULER_TASK_SPECS]
-    if unknown or not selected:
-        raise ValueError(
-            f"unknown RULER task(s) {unknown or selected!r}; valid tasks: {', '.join(RULER_TASKS)}"
-        )
-    return selected
+    """Normalise a RULER task selection; see :func:`validate_task_selection`."""
+    return validate_task_selection(tasks, RULER_TASKS, "RULER")
 
 
 # --------------------------------------------------------------------------------------------------

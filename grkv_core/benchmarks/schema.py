@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -57,3 +58,20 @@ class EvalSample:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def validate_task_selection(tasks: Sequence[str] | str | None, valid: tuple[str, ...], benchmark: str) -> tuple[str, ...]:
+    """Normalise a task selection (``None`` = all of ``valid``, a single name or a sequence of names).
+
+    Raises
+    ------
+    ValueError
+        If the selection is empty or a name is not in ``valid`` (the message lists the valid names).
+    """
+    if tasks is None:
+        return valid
+    selected = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    unknown = [task for task in selected if task not in valid]
+    if unknown or not selected:
+        raise ValueError(f"unknown {benchmark} task(s) {unknown or selected!r}; valid tasks: {', '.join(valid)}")
+    return selected
