@@ -134,12 +134,14 @@ def grkv_merge(
 
     new_keys, new_values = problem.keys0, problem.values0
     for _ in range(steps):
+        # Both steps of one round see the attention at the current keys (the key step linearises there).
+        attention = masked_softmax(problem.queries_scaled @ new_keys.transpose(-1, -2), problem.visible)
         if components in ("kv", "v"):
-            step_values = _value_step(problem, new_keys, lambda_v)
+            step_values = _value_step(problem, attention, lambda_v)
         else:
             step_values = new_values
         if components in ("kv", "k"):
-            step_keys = _key_step(problem, new_keys, step_values, lambda_k, cg_max_iter, cg_rtol)
+            step_keys = _key_step(problem, new_keys, attention, step_values, lambda_k, cg_max_iter, cg_rtol)
         else:
             step_keys = new_keys
         moved = torch.maximum((step_keys - new_keys).abs().amax(), (step_values - new_values).abs().amax())
@@ -183,9 +185,8 @@ def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.
     return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
-def _value_step(problem: _Problem, keys: torch.Tensor, lambda_v: float) -> torch.Tensor:
-    """Exact ridge refit of the free values with the keys held at ``keys`` (dual form, M×M per head)."""
-    attention = masked_softmax(problem.queries_scaled @ keys.transpose(-1, -2), problem.visible)
+def _value_step(problem: _Problem, attention: torch.Tensor, lambda_v: float) -> torch.Tensor:
+    """Exact ridge refit of the free values given the (B, H, M, c) attention at the current keys (dual, M×M)."""
     residual = problem.target - attention @ problem.values0
     attention_free = attention * problem.free.transpose(-1, -2)
     gram = attention_free @ attention_free.transpose(-1, -2)
@@ -215,6 +216,7 @@ def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.T
 def _key_step(
     problem: _Problem,
     keys: torch.Tensor,
+    attention: torch.Tensor,
     values: torch.Tensor,
     lambda_k: float,
     cg_max_iter: int,
@@ -225,11 +227,12 @@ def _key_step(
     Solves (J Jᵀ + λ_k I) α = vec(E) + J vec(K - K⁰) per head by conjugate gradients, where J is the
     Jacobian of f(K) = softmax(s Q Kᵀ) V restricted to the free rows, applied without ever forming it.
     """
-    attention = masked_softmax(problem.queries_scaled @ keys.transpose(-1, -2), problem.visible)
     output = attention @ values
     jacobian = _AttentionJacobian(problem.queries_scaled, attention, values, output, problem.free)
     rhs = (problem.target - output) + jacobian.jvp((keys - problem.keys0) * problem.free)
-    dual = _conjugate_gradients(lambda u: jacobian.normal(u) + lambda_k * u, rhs, cg_max_iter, cg_rtol)
+    inverse_diagonal = 1.0 / (jacobian.normal_diagonal() + lambda_k).clamp_min(torch.finfo(rhs.dtype).tiny)
+    dual = _conjugate_gradients(lambda u: jacobian.normal(u) + lambda_k * u, rhs, cg_max_iter, cg_rtol,
+                                inverse_diagonal)
     return problem.keys0 + jacobian.vjp(dual)
 
 
@@ -268,6 +271,17 @@ class _AttentionJacobian:
         change = self.attention * logits_change
         return change @ self.values - change.sum(dim=-1, keepdim=True) * self.output
 
+    def normal_diagonal(self) -> torch.Tensor:
+        """(B, H, M, d) the diagonal of J Jᵀ, for Jacobi preconditioning.
+
+        Entry (i, a) is ‖s·q_i‖² Σ_k A_ik² (v_ka − f_ia)² over the free rows k, expanded so that it costs
+        three M×c×d products.
+        """
+        squared = self.attention.square() * self.free.transpose(-1, -2)
+        spread = (squared @ self.values.square() - 2 * self.output * (squared @ self.values)
+                  + self.output.square() * squared.sum(dim=-1, keepdim=True))
+        return self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
+
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
         centred = cotangent @ self.values.transpose(-1, -2) - (cotangent * self.output).sum(dim=-1, keepdim=True)
         return self.attention * centred
@@ -277,33 +291,36 @@ class _AttentionJacobian:
         return self.queries_scaled @ self.queries_scaled.transpose(-1, -2)
 
 
-def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float) -> torch.Tensor:
-    """Batched CG from zero for SPD operators, one independent solve per (batch, head).
+def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
+                         inverse_diagonal: torch.Tensor) -> torch.Tensor:
+    """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per (batch, head).
 
-    ``rhs`` is (B, H, M, d); inner products run over the last two axes. A head stops (its step size is
-    zeroed) once its residual norm is below ``rtol``·‖rhs‖ or its search direction loses curvature, which
-    guards the singular systems that ridge 0 produces.
+    ``rhs`` and ``inverse_diagonal`` are (B, H, M, d); inner products run over the last two axes. A head
+    stops (its step size is zeroed) once its residual norm is below ``rtol``·‖rhs‖ or its search direction
+    loses curvature, which guards the singular systems that ridge 0 produces.
     """
+    tiny = torch.finfo(rhs.dtype).tiny
     solution = torch.zeros_like(rhs)
     residual = rhs.clone()
-    direction = residual.clone()
-    residual_sq = _head_dot(residual, residual)
-    threshold_sq = (rtol**2) * residual_sq
-    active = residual_sq > threshold_sq
+    preconditioned = inverse_diagonal * residual
+    direction = preconditioned.clone()
+    residual_dot = _head_dot(residual, preconditioned)
+    threshold_sq = (rtol**2) * _head_dot(rhs, rhs)
+    active = _head_dot(residual, residual) > threshold_sq
     for _ in range(max_iter):
         if not bool(active.any()):
             break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
-        tiny = torch.finfo(rhs.dtype).eps * _head_dot(direction, direction)
-        active = active & (curvature > tiny)
-        step = torch.where(active, residual_sq / curvature.clamp_min(torch.finfo(rhs.dtype).tiny), 0.0)
+        active = active & (curvature > torch.finfo(rhs.dtype).eps * _head_dot(direction, direction))
+        step = torch.where(active, residual_dot / curvature.clamp_min(tiny), 0.0)
         solution = solution + step * direction
         residual = residual - step * operator_direction
-        new_residual_sq = _head_dot(residual, residual)
-        direction = residual + (new_residual_sq / residual_sq.clamp_min(torch.finfo(rhs.dtype).tiny)) * direction
-        residual_sq = new_residual_sq
-        active = active & (residual_sq > threshold_sq)
+        preconditioned = inverse_diagonal * residual
+        new_residual_dot = _head_dot(residual, preconditioned)
+        direction = preconditioned + (new_residual_dot / residual_dot.clamp_min(tiny)) * direction
+        residual_dot = new_residual_dot
+        active = active & (_head_dot(residual, residual) > threshold_sq)
     return solution
 
 
@@ -313,8 +330,12 @@ def _head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
-    """(B, H, ...) -> (B, H) bool: every entry of that head is finite."""
-    return torch.isfinite(tensor).flatten(2).all(dim=-1)
+    """(B, H, ...) -> (B, H) bool: every entry of that head is finite.
+
+    NOTE: one float32 sum per head instead of an elementwise test: NaN and inf propagate into the sum, and
+    a sum that overflows to inf can only come from entries near float32's limit, which are rejected too.
+    """
+    return torch.isfinite(tensor.sum(dim=tuple(range(2, tensor.ndim)), dtype=torch.float32))
 
 
 def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
