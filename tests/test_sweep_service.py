@@ -56,14 +56,12 @@ def services(tmp_path_factory):
                  GRKV_RAY_AGENT_PORT=free_port(), GRKV_MLFLOW_PORT=free_port())
     env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
-    # A client of the local stack (a directly started driver, this test process) needs the variables the
-    # start script exports for it, e.g. the one that keeps Ray's node address on 127.0.0.1.
+    # A driver started directly (not through `ray job submit`) needs the variables the start script
+    # exports for clients, e.g. the one that keeps Ray's node address on 127.0.0.1.
     for line in (state / "env.sh").read_text().splitlines():
         if line.startswith("export ") and "$" not in line:
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value
-            if key.startswith("RAY_"):
-                os.environ[key] = value
     try:
         yield {
             "env": env,
@@ -193,16 +191,14 @@ def wait_for(predicate, timeout, what):
 
 
 def test_killed_worker_mid_trial_is_retried_and_the_sweep_completes(services, tmp_path):
-    import ray
     from ray.util.state import list_actors
 
     sweep_id, state = "worker-kill", tmp_path / "state"
     driver = start_driver(services, slow_config(tmp_path, trials=4), sweep_id, state)
     try:
-        ray.init(address=services["ray_address"], namespace="grkv-test", ignore_reinit_error=True)
-
         def running_worker_pids():
-            actors = list_actors(address=services["ray_address"],
+            # The state API is asked over the dashboard's HTTP address: this process joins no Ray cluster.
+            actors = list_actors(address=services["dashboard"],
                                  filters=[("class_name", "=", "TrialWorker"), ("state", "=", "ALIVE")])
             return [a.pid for a in actors if a.pid]
 
@@ -217,7 +213,6 @@ def test_killed_worker_mid_trial_is_retried_and_the_sweep_completes(services, tm
             os.kill(pid, signal.SIGKILL)
         output, _ = driver.communicate(timeout=600)
     finally:
-        ray.shutdown()
         if driver.poll() is None:
             driver.kill()
     assert driver.returncode == 0, output[-3000:]
