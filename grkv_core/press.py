@@ -116,7 +116,6 @@ class GRKVPress(MergingPress):
         )
         if selection.uniform_budget is not None:
             kept = selection.kept_positions()
-            # NOTE: a merged cache no longer reveals which positions it holds; diagnostics read them here.
             module.kept_positions = kept
             return self._merge(surrogate, keys, values, kept, self._fixed(selection, kept), module.scaling)
         return self._merge_per_head(surrogate, keys, values, selection, module.scaling)

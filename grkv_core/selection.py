@@ -112,6 +112,9 @@ class MergingPress(BasePress):
     It owns the base press: validates it, forwards model set-up, and exposes its ``compression_ratio``.
     Subclasses implement ``compress`` (typically ``select_tokens`` and then their merge rule).
 
+    NOTE: a merged cache no longer reveals which positions its rows came from; with a uniform budget a
+    merging press records them as ``module.kept_positions`` (B, H_kv, c) for diagnostics.
+
     Parameters
     ----------
     press : BasePress

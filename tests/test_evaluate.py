@@ -118,3 +118,9 @@ def test_cli_bad_arguments_end_in_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("grkv: error: unknown press 'snapkvv'")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("merge", ["cam", "d2o", "asymkv", "kvmerger"])
+def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
+    result = Evaluator(tiny, heldout_tokens=2).evaluate_sample(samples[0], PressConfig("snapkv", 0.75, merge))
+    assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None

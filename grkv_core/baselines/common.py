@@ -260,9 +260,9 @@ class LocalMergePress(MergingPress):
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
         attention = self.token_attention(module, hidden_states, keys, kwargs)
         if selection.uniform_budget is not None:
-            merged_keys, merged_values = self.merge(
-                MergeInputs.from_kept_mask(keys, values, selection.kept_mask, attention)
-            )
+            inputs = MergeInputs.from_kept_mask(keys, values, selection.kept_mask, attention)
+            module.kept_positions = inputs.kept
+            merged_keys, merged_values = self.merge(inputs)
             return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
         return self._merge_per_head(keys, values, selection.kept_mask, attention)
 
