@@ -382,10 +382,6 @@ class ResultStore:
                 )
             self.results = [SampleResult(**row) for row in stored["samples"]]
 
-    @property
-    def done(self) -> set[str]:
-        return {result.sample_id for result in self.results}
-
     def add(self, result: SampleResult) -> None:
         self.results.append(result)
         self.write()

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
@@ -50,12 +50,11 @@ class Overhead:
     service_s: float = 0.0
     evaluation_s: float = 0.0
     trials: int = 0
-    per_trial: list[dict] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
         fraction = self.service_s / self.evaluation_s if self.evaluation_s else 0.0
         return {"service_overhead_s": self.service_s, "evaluation_s": self.evaluation_s,
-                "service_overhead_fraction": fraction}
+                "service_overhead_fraction": fraction, "timed_trials": self.trials}
 
 
 class StateDir:
