@@ -16,6 +16,7 @@ from grkv_core.models import load_model
 from grkv_core.press import GRKVPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
+from conftest import assert_batch_elements_compressed_independently
 
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
 CONTEXT = 160
@@ -136,12 +137,7 @@ def test_batch_elements_are_compressed_independently(architecture):
     model = tiny(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=3)
     press = build_press("snapkv", RATIO, merge="grkv")
-    batched = prefill(model, ids, press)
-    for b in range(2):
-        single = prefill(model, ids[b : b + 1], press)
-        for layer_batched, layer_single in zip(batched.layers, single.layers):
-            torch.testing.assert_close(layer_batched.keys[b], layer_single.keys[0], rtol=2e-4, atol=2e-4)
-            torch.testing.assert_close(layer_batched.values[b], layer_single.values[0], rtol=2e-4, atol=2e-4)
+    assert_batch_elements_compressed_independently(model, ids, press)
 
 
 @pytest.mark.parametrize("options", [
