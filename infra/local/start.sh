@@ -171,6 +171,16 @@ launch() {
   echo $! >"$pidfile"
 }
 
+# still_running PIDFILE: the service this run just launched has not exited. NOTE: no command-line
+# check here (unlike `alive`, which guards pid files left by an earlier run against pid reuse):
+# until the forked subshell has exec'd the service, /proc/PID/cmdline still reads
+# "bash start.sh", and on a loaded machine the first poll sees exactly that.
+still_running() {
+  local pid
+  pid=$(pid_of "$1")
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null
+}
+
 started=()
 abort() {
   echo "grkv-local: error: $1" >&2
@@ -260,14 +270,14 @@ ray_ready=$ray_running
 mlflow_ready=$mlflow_running
 while :; do
   if (( ! mlflow_ready )); then
-    alive "$(pid_of "$MLFLOW_PID_FILE")" "mlflow server" || abort "MLflow server exited during startup" "$MLFLOW_LOG"
+    still_running "$MLFLOW_PID_FILE" || abort "MLflow server exited during startup" "$MLFLOW_LOG"
     if http_ok "$MLFLOW_URL/health"; then
       mlflow_ready=1
       info "MLflow answers $MLFLOW_URL/health (after $((SECONDS - t0)) s)"
     fi
   fi
   if (( ! ray_ready )); then
-    alive "$(pid_of "$RAY_PID_FILE")" "ray start" || abort "Ray head exited during startup" "$RAY_LOG"
+    still_running "$RAY_PID_FILE" || abort "Ray head exited during startup" "$RAY_LOG"
     # The dashboard answers only once the GCS is up; poll it (cheap) before `ray status`, which
     # blocks while the GCS is unreachable. `ray status` exits 0 with "No cluster status" while the
     # cluster is still coming up: wait for it to list a node.
