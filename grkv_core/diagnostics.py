@@ -115,21 +115,30 @@ def recover_kept_positions(compressed_keys: torch.Tensor, full_keys: torch.Tenso
     ValueError
         If some compressed row is not a row of the full cache (e.g. the cache was merged).
     """
-    # NOTE: a row's fingerprint is a dot product with a fixed random direction; identical rows give
-    # bit-identical fingerprints, and every candidate is then confirmed by an exact comparison.
-    # Fingerprints are float64 so that low-precision caches (bf16) do not collide on rounding.
-    direction = torch.randn(full_keys.shape[-1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    direction = direction.to(full_keys.device)
-    full_prints = full_keys.double() @ direction
+    # NOTE: a row's fingerprint is a weighted sum of its raw bit patterns in wrapping int64 arithmetic, which
+    # is exact and independent of summation order: identical rows get identical fingerprints whatever the
+    # shapes of the two calls (a floating-point dot product is not: its rounding follows the GEMV blocking).
+    # Every candidate is then confirmed by an exact comparison.
+    full_prints, compressed_prints = _row_fingerprints(full_keys), _row_fingerprints(compressed_keys)
     order = full_prints.argsort(dim=-1)
     sorted_prints = full_prints.gather(-1, order)
-    compressed_prints = compressed_keys.double() @ direction
     slot = torch.searchsorted(sorted_prints.contiguous(), compressed_prints.contiguous()).clamp(max=full_keys.shape[2] - 1)
     positions = order.gather(-1, slot)
     matched = full_keys.gather(2, positions.unsqueeze(-1).expand_as(compressed_keys))
     if not torch.equal(matched, compressed_keys):
         raise ValueError("compressed rows are not verbatim rows of the full cache (was it merged?)")
     return positions
+
+
+_INTEGER_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
+    """(..., d) float rows -> (...) int64 fingerprints that are equal for bit-identical rows."""
+    bits = rows.contiguous().view(_INTEGER_OF_WIDTH[rows.element_size()]).long()
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randint(1, 2**62, (rows.shape[-1],), generator=generator, dtype=torch.int64) * 2 + 1
+    return (bits * weights.to(rows.device)).sum(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------

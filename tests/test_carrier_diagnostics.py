@@ -16,6 +16,7 @@ from grkv_core.diagnostics import (
     macro_average,
     plot_cross_window_consistency,
     plot_merge_map,
+    recover_kept_positions,
     span_boundaries,
     window_output_summaries,
 )
@@ -173,3 +174,22 @@ def test_cross_window_consistency_png(tmp_path):
     assert_png(path)
     with pytest.raises(ValueError, match="square"):
         plot_cross_window_consistency(tmp_path / "bad.png", similarity[0, :3])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kept_positions_are_recovered_from_an_evicted_cache_at_real_cache_shapes(dtype, batch):
+    # SmolLM2's shapes at 2K with 10% kept, contiguous or not: a row's fingerprint must not depend on the
+    # shape or layout of the call computing it (a floating-point dot product's rounding does).
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(batch, 3, 1909, 64, generator=generator).to(dtype)
+    kept = torch.stack([torch.stack([torch.randperm(1909, generator=generator)[:190] for _ in range(3)])
+                        for _ in range(batch)])
+    evicted = full.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, 64))
+    assert torch.equal(recover_kept_positions(evicted, full), kept)
+    head_major = evicted.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(recover_kept_positions(head_major, full), kept)
+    merged = evicted.clone()
+    merged[-1, 2, 7] += 1.0
+    with pytest.raises(ValueError, match="not verbatim rows"):
+        recover_kept_positions(merged, full)
