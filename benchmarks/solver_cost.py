@@ -3,7 +3,7 @@
     python benchmarks/solver_cost.py                       # SmolLM2-135M shapes, CPU, float32
     python benchmarks/solver_cost.py --preset llama-3.1-8b --device cuda --dtype bfloat16 --tokens 32768
 
-Prints the median wall time of (a) one LlamaDecoderLayer forward over the whole prompt (the prefill cost
+Prints the median wall time (calls interleaved) of (a) one LlamaDecoderLayer forward over the whole prompt (the prefill cost
 GRKV is added to), (b) grkv_merge for that layer's KV heads at the press's defaults, (c) optionally the
 naive explicit-Jacobian implementation (grkv_core.solver_reference) on the same problem, and the ratios.
 Weights are random: the cost of either computation does not depend on their values.
@@ -39,18 +39,25 @@ PRESETS = {
 }
 
 
-def median_seconds(function, repeats: int, device: torch.device) -> float:
-    function()  # warm-up: kernel selection, allocator growth
-    times = []
+def interleaved_median_seconds(functions, repeats: int, device: torch.device) -> list[float]:
+    """Median wall time of each function, calling them in turn on every repeat.
+
+    Alternating the calls exposes both to the same background load, so their ratio stays stable on a
+    shared machine even when the absolute times drift.
+    """
+    for function in functions:
+        function()  # warm-up: kernel selection, allocator growth
+    times = [[] for _ in functions]
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for function, samples in zip(functions, times):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            function()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def main() -> None:
@@ -106,8 +113,7 @@ def main() -> None:
     def merge():
         grkv_merge(queries, keys, values, kept.contiguous(), fixed, **merge_args)
 
-    layer_seconds = median_seconds(layer_prefill, args.repeats, device)
-    merge_seconds = median_seconds(merge, args.repeats, device)
+    layer_seconds, merge_seconds = interleaved_median_seconds([layer_prefill, merge], args.repeats, device)
     rows = [
         ("decoder layer prefill", layer_seconds, 1.0),
         ("grkv_merge (matrix-free CG)", merge_seconds, merge_seconds / layer_seconds),
@@ -119,7 +125,7 @@ def main() -> None:
             grkv_merge_reference(*naive_inputs, kept.cpu(), fixed.cpu(), dtype=torch.float32,
                                  steps=args.steps, query_positions=query_positions.cpu())
 
-        naive_seconds = median_seconds(naive, 1, torch.device("cpu"))
+        (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"))
         rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
 
     print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 COMPONENTS = ("kv", "k", "v")
 
@@ -30,11 +31,50 @@ EARLY_STOP_TOL = 1e-9
 
 
 @dataclass(frozen=True)
+class _FreeRows:
+    """The free (refitted) rows of each head as the leading part of a permutation of its c kept rows.
+
+    ``index`` (B, H, F) long: per head, the free rows first, then fixed ones, cut at F = the largest free
+    count of any head; ``valid`` (B, H, 1, F) float 0/1 marks the entries that are free rows. NOTE: ``index``
+    never repeats a row within a head (a permutation prefix), so scattering back cannot collide.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, fixed: torch.Tensor) -> _FreeRows:
+        free_count = (~fixed).sum(dim=-1, keepdim=True)
+        width = int(free_count.max())
+        index = torch.argsort(fixed.to(torch.uint8), dim=-1, stable=True)[..., :width]
+        valid = torch.arange(width, device=fixed.device) < free_count
+        return cls(index=index, valid=valid.unsqueeze(-2).to(torch.float32))
+
+    def columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, H, X, c) -> (B, H, X, F): the free columns, zero on padding."""
+        index = self.index.unsqueeze(-2).expand(-1, -1, tensor.shape[-2], -1)
+        return tensor.gather(-1, index) * self.valid
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, H, c, X) -> (B, H, F, X): the free rows (padding holds some fixed row)."""
+        return tensor.gather(-2, self.index.unsqueeze(-1).expand(-1, -1, -1, tensor.shape[-1]))
+
+    def scatter_rows(self, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """(B, H, F, X) -> (B, H, c, X) with zeros on every row outside the free set."""
+        rows = rows * self.valid.transpose(-1, -2)
+        index = self.index.unsqueeze(-1).expand(-1, -1, -1, rows.shape[-1])
+        return rows.new_zeros(*rows.shape[:2], length, rows.shape[-1]).scatter_(-2, index, rows)
+
+
+@dataclass(frozen=True)
 class _Problem:
     """Float32 tensors shared by the value and key steps of one call.
 
     Shapes: ``queries_scaled`` (B, H, M, d) already multiplied by the softmax scale; ``target`` (B, H, M, d);
-    ``keys0``/``values0`` (B, H, c, d); ``free`` (B, H, c, 1) float 0/1; ``visible`` (B, H, M, c) bool or None.
+    ``keys0``/``values0`` (B, H, c, d); ``free`` (B, H, c, 1) float 0/1 and ``free_rows`` the same rows as
+    indices; ``hidden`` (B, H, M, c) bool, True
+    where a query may not see a kept key (None without causal positions); ``sees_nothing`` (B, H, M, 1) bool,
+    rows that see no kept key at all (None when there is no such row).
     """
 
     queries_scaled: torch.Tensor
@@ -42,7 +82,13 @@ class _Problem:
     keys0: torch.Tensor
     values0: torch.Tensor
     free: torch.Tensor
-    visible: torch.Tensor | None
+    free_rows: _FreeRows
+    hidden: torch.Tensor | None
+    sees_nothing: torch.Tensor | None
+
+    def attention(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, H, M, c) attention weights of the queries over ``keys`` (B, H, c, d)."""
+        return _fused_masked_softmax(self.queries_scaled @ keys.transpose(-1, -2), self.hidden, self.sees_nothing)
 
 
 def grkv_merge(
@@ -93,8 +139,9 @@ def grkv_merge(
     Returns
     -------
     tuple[torch.Tensor, torch.Tensor]
-        (B, H_kv, c, d) merged keys and values in the input dtype. Heads whose inputs or results are not
-        finite get the plain evicted cache back, with a warning.
+        (B, H_kv, c, d) merged keys and values in the input dtype. Heads whose results, queries, kept rows
+        or full-cache attention outputs (a NaN or +inf anywhere in the cache reaches those) are not finite
+        get the plain evicted cache back, with a warning.
     """
     _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
               scale, cg_max_iter, cg_rtol)
@@ -106,36 +153,46 @@ def grkv_merge(
     evicted_keys = keys.gather(2, gather_index)
     evicted_values = values.gather(2, gather_index)
 
-    # NOTE: a head with a NaN/inf anywhere is solved on zeros (so batched linear algebra never sees a
-    # non-finite matrix) and then handed back unmerged.
-    finite_inputs = _finite_per_head(queries) & _finite_per_head(keys) & _finite_per_head(values)
-    queries32, keys32, values32 = queries.float(), keys.float(), values.float()
-    if not bool(finite_inputs.all()):
-        head_ok = finite_inputs[..., None, None]
-        queries32, keys32, values32 = (torch.where(head_ok, t, 0.0) for t in (queries32, keys32, values32))
-
-    full_visible = kept_visible = None
+    full_visible = kept_hidden = sees_nothing = None
     if query_positions is not None:
         query_positions = query_positions.to(device=keys.device, dtype=torch.long)
         key_positions = torch.arange(keys.shape[2], device=keys.device)
+        # NOTE: no row of the full cache is empty (key position 0 is visible to every query position >= 0),
+        # so the fused attention kernel below never meets an all-masked row.
         full_visible = key_positions[None, None, None, :] <= query_positions[None, None, :, None]
-        kept_visible = kept.long()[:, :, None, :] <= query_positions[None, None, :, None]
+        kept_hidden = kept.long()[:, :, None, :] > query_positions[None, None, :, None]
+        sees_nothing = kept_hidden.all(dim=-1, keepdim=True)
+        if not bool(sees_nothing.any()):
+            sees_nothing = None
 
-    queries_scaled = queries32 * scale
-    target = masked_softmax(queries_scaled @ keys32.transpose(-1, -2), full_visible) @ values32
+    queries_scaled = queries.float() * scale
+    # The full cache's outputs never need their (M, n) attention weights: one fused attention kernel.
+    target = F.scaled_dot_product_attention(queries_scaled, keys.float(), values.float(), attn_mask=full_visible,
+                                            scale=1.0)
+    # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
+    # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
+    # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
+    regression_inputs = [queries_scaled, target, evicted_keys.float(), evicted_values.float()]
+    finite_inputs = functools.reduce(torch.logical_and, map(_finite_per_head, regression_inputs))
+    if not bool(finite_inputs.all()):
+        head_ok = finite_inputs[..., None, None]
+        regression_inputs = [torch.where(head_ok, t, 0.0) for t in regression_inputs]
+    queries_scaled, target, keys0, values0 = regression_inputs
     problem = _Problem(
         queries_scaled=queries_scaled,
         target=target,
-        keys0=keys32.gather(2, gather_index),
-        values0=values32.gather(2, gather_index),
+        keys0=keys0,
+        values0=values0,
         free=(~fixed).unsqueeze(-1).to(torch.float32),
-        visible=kept_visible,
+        free_rows=_FreeRows.of(fixed),
+        hidden=kept_hidden,
+        sees_nothing=sees_nothing,
     )
 
     new_keys, new_values = problem.keys0, problem.values0
-    for _ in range(steps):
+    for round_index in range(steps):
         # Both steps of one round see the attention at the current keys (the key step linearises there).
-        attention = masked_softmax(problem.queries_scaled @ new_keys.transpose(-1, -2), problem.visible)
+        attention = problem.attention(new_keys)
         if components in ("kv", "v"):
             step_values = _value_step(problem, attention, lambda_v)
         else:
@@ -144,9 +201,11 @@ def grkv_merge(
             step_keys = _key_step(problem, new_keys, attention, step_values, lambda_k, cg_max_iter, cg_rtol)
         else:
             step_keys = new_keys
-        moved = torch.maximum((step_keys - new_keys).abs().amax(), (step_values - new_values).abs().amax())
+        # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
+        done = round_index + 1 == steps or max(
+            _largest_change(step_keys, new_keys), _largest_change(step_values, new_values)) <= EARLY_STOP_TOL
         new_keys, new_values = step_keys, step_values
-        if moved <= EARLY_STOP_TOL:
+        if done:
             break
 
     keep_fixed = fixed.unsqueeze(-1)
@@ -183,6 +242,21 @@ def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.
     row_max = logits.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)
     weights = torch.exp(logits - row_max)
     return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def _fused_masked_softmax(logits: torch.Tensor, hidden: torch.Tensor | None,
+                          sees_nothing: torch.Tensor | None) -> torch.Tensor:
+    """The solver's fast ``masked_softmax``: one fused softmax kernel, masking ``logits`` in place.
+
+    NOTE: ``logits`` must be a fresh temporary (it is overwritten). ``hidden`` is the complement of
+    ``masked_softmax``'s ``visible``; rows flagged in ``sees_nothing`` (whose fused softmax is NaN) become zero.
+    """
+    if hidden is None:
+        return torch.softmax(logits, dim=-1)
+    weights = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+    if sees_nothing is not None:
+        weights = weights.masked_fill_(sees_nothing, 0.0)
+    return weights
 
 
 def _value_step(problem: _Problem, attention: torch.Tensor, lambda_v: float) -> torch.Tensor:
@@ -227,68 +301,89 @@ def _key_step(
     Solves (J Jᵀ + λ_k I) α = vec(E) + J vec(K - K⁰) per head by conjugate gradients, where J is the
     Jacobian of f(K) = softmax(s Q Kᵀ) V restricted to the free rows, applied without ever forming it.
     """
-    output = attention @ values
-    jacobian = _AttentionJacobian(problem.queries_scaled, attention, values, output, problem.free)
-    rhs = (problem.target - output) + jacobian.jvp((keys - problem.keys0) * problem.free)
+    free_rows = problem.free_rows
+    if free_rows.index.shape[-1] == 0:
+        return problem.keys0
+    jacobian = _AttentionJacobian.at(problem, attention, values)
+    rhs = (problem.target - jacobian.output) + jacobian.jvp(free_rows.rows(keys - problem.keys0))
     inverse_diagonal = 1.0 / (jacobian.normal_diagonal() + lambda_k).clamp_min(torch.finfo(rhs.dtype).tiny)
-    dual = _conjugate_gradients(lambda u: jacobian.normal(u) + lambda_k * u, rhs, cg_max_iter, cg_rtol,
+    dual = _conjugate_gradients(functools.partial(jacobian.normal, ridge=lambda_k), rhs, cg_max_iter, cg_rtol,
                                 inverse_diagonal)
-    return problem.keys0 + jacobian.vjp(dual)
+    return problem.keys0 + free_rows.scatter_rows(jacobian.vjp(dual), keys.shape[-2])
 
 
 @dataclass
 class _AttentionJacobian:
-    """Analytic products with J = ∂f/∂K of f(K) = softmax(s Q Kᵀ) V at one point, free rows only.
+    """Analytic products with J = ∂f/∂K of f(K) = softmax(s Q Kᵀ) V at one point, on the free rows only.
 
     With A the attention weights and F = A V: J[ΔK] = W V − rowsum(W) ⊙ F for W = A ⊙ (s Q ΔKᵀ), and
-    Jᵀ[U] = s Wᵀ Q for W = A ⊙ (U Vᵀ − rowsum(U ⊙ F)). Shapes: ``attention`` (B, H, M, c), the rest as in
-    ``_Problem``.
+    Jᵀ[U] = s Wᵀ Q for W = A ⊙ (U Vᵀ − rowsum(U ⊙ F)).
+
+    NOTE: only the F free rows enter (``attention_free`` holds A's free columns, zero on padding), so every
+    product runs over F ≤ c columns; both row sums ride along in the matrix products through a column of
+    minus ones appended to V (``values_centring`` = [V | −1] on the free rows). Shapes: ``attention_free``
+    (B, H, M, F), ``values_centring`` (B, H, F, d + 1), ``output`` (B, H, M, d) over all kept rows,
+    ``query_gram`` (B, H, M, M).
     """
 
     queries_scaled: torch.Tensor
-    attention: torch.Tensor
-    values: torch.Tensor
+    attention_free: torch.Tensor
+    values_centring: torch.Tensor
     output: torch.Tensor
-    free: torch.Tensor
+    query_gram: torch.Tensor
+
+    @classmethod
+    def at(cls, problem: _Problem, attention: torch.Tensor, values: torch.Tensor) -> _AttentionJacobian:
+        """Linearise at the attention weights ``attention`` (B, H, M, c) with ``values`` (B, H, c, d)."""
+        free_values = problem.free_rows.rows(values)
+        return cls(
+            queries_scaled=problem.queries_scaled,
+            attention_free=problem.free_rows.columns(attention),
+            values_centring=torch.cat([free_values, free_values.new_full(free_values.shape[:-1] + (1,), -1.0)],
+                                      dim=-1),
+            output=attention @ values,
+            query_gram=problem.queries_scaled @ problem.queries_scaled.transpose(-1, -2),
+        )
 
     def jvp(self, delta_keys: torch.Tensor) -> torch.Tensor:
-        """(B, H, c, d) key perturbation (zero on fixed rows) -> (B, H, M, d) output perturbation."""
-        weights = self.attention * (self.queries_scaled @ delta_keys.transpose(-1, -2))
-        return weights @ self.values - weights.sum(dim=-1, keepdim=True) * self.output
+        """(B, H, F, d) perturbation of the free keys -> (B, H, M, d) output perturbation."""
+        return self._output_change(self.attention_free * (self.queries_scaled @ delta_keys.transpose(-1, -2)))
 
     def vjp(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """(B, H, M, d) output cotangent -> (B, H, c, d) key cotangent, zero on fixed rows."""
-        return (self._vjp_weights(cotangent).transpose(-1, -2) @ self.queries_scaled) * self.free
+        """(B, H, M, d) output cotangent -> (B, H, F, d) cotangent of the free keys (zero on padding)."""
+        return self._vjp_weights(cotangent).transpose(-1, -2) @ self.queries_scaled
 
-    def normal(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """J Jᵀ applied to a (B, H, M, d) cotangent.
+    def normal(self, cotangent: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
+        """(J Jᵀ + ridge·I) applied to a (B, H, M, d) cotangent.
 
         Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
-        two M×c×d products by one M×M×c product.
+        two M×F×d products by one M×M×F product.
         """
-        weights = self._vjp_weights(cotangent) * self.free.transpose(-1, -2)
-        logits_change = self.query_gram @ weights
-        change = self.attention * logits_change
-        return change @ self.values - change.sum(dim=-1, keepdim=True) * self.output
+        change = self.attention_free * (self.query_gram @ self._vjp_weights(cotangent))
+        return self._output_change(change).add_(cotangent, alpha=ridge) if ridge else self._output_change(change)
 
     def normal_diagonal(self) -> torch.Tensor:
         """(B, H, M, d) the diagonal of J Jᵀ, for Jacobi preconditioning.
 
         Entry (i, a) is ‖s·q_i‖² Σ_k A_ik² (v_ka − f_ia)² over the free rows k, expanded so that it costs
-        three M×c×d products.
+        three M×F×d products.
         """
-        squared = self.attention.square() * self.free.transpose(-1, -2)
-        spread = (squared @ self.values.square() - 2 * self.output * (squared @ self.values)
-                  + self.output.square() * squared.sum(dim=-1, keepdim=True))
+        squared = self.attention_free.square()
+        moments = squared @ self.values_centring  # [Σ A² v | −Σ A²]
+        spread = (squared @ self.values_centring[..., :-1].square() - 2 * self.output * moments[..., :-1]
+                  - self.output.square() * moments[..., -1:])
         return self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
 
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
-        centred = cotangent @ self.values.transpose(-1, -2) - (cotangent * self.output).sum(dim=-1, keepdim=True)
-        return self.attention * centred
+        """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ."""
+        row_dots = torch.linalg.vecdot(cotangent, self.output).unsqueeze(-1)
+        centred = torch.cat([cotangent, row_dots], dim=-1) @ self.values_centring.transpose(-1, -2)
+        return centred.mul_(self.attention_free)
 
-    @functools.cached_property
-    def query_gram(self) -> torch.Tensor:
-        return self.queries_scaled @ self.queries_scaled.transpose(-1, -2)
+    def _output_change(self, change: torch.Tensor) -> torch.Tensor:
+        """W V − rowsum(W) ⊙ F for (B, H, M, F) logit-weighted attention changes W on the free rows."""
+        moments = change @ self.values_centring  # [W V | −rowsum(W)]
+        return torch.addcmul(moments[..., :-1], moments[..., -1:], self.output)
 
 
 def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
@@ -300,10 +395,11 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
     loses curvature, which guards the singular systems that ridge 0 produces.
     """
     tiny = torch.finfo(rhs.dtype).tiny
+    eps = torch.finfo(rhs.dtype).eps
     solution = torch.zeros_like(rhs)
     residual = rhs.clone()
     preconditioned = inverse_diagonal * residual
-    direction = preconditioned.clone()
+    direction = preconditioned
     residual_dot = _head_dot(residual, preconditioned)
     threshold_sq = (rtol**2) * _head_dot(rhs, rhs)
     active = _head_dot(residual, residual) > threshold_sq
@@ -312,21 +408,25 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
             break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
-        active = active & (curvature > torch.finfo(rhs.dtype).eps * _head_dot(direction, direction))
+        active &= curvature > eps * _head_dot(direction, direction)
         step = torch.where(active, residual_dot / curvature.clamp_min(tiny), 0.0)
-        solution = solution + step * direction
-        residual = residual - step * operator_direction
+        solution.addcmul_(step, direction)
+        residual.addcmul_(step, operator_direction, value=-1.0)
         preconditioned = inverse_diagonal * residual
         new_residual_dot = _head_dot(residual, preconditioned)
-        direction = preconditioned + (new_residual_dot / residual_dot.clamp_min(tiny)) * direction
+        direction = torch.addcmul(preconditioned, new_residual_dot / residual_dot.clamp_min(tiny), direction)
         residual_dot = new_residual_dot
-        active = active & (_head_dot(residual, residual) > threshold_sq)
+        active &= _head_dot(residual, residual) > threshold_sq
     return solution
 
 
 def _head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-(batch, head) inner product of (B, H, X, Y) tensors, shaped (B, H, 1, 1) for broadcasting."""
-    return (a * b).sum(dim=(-2, -1), keepdim=True)
+    return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2))[..., None, None]
+
+
+def _largest_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    return float((new - old).abs().amax()) if new is not old else 0.0
 
 
 def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
