@@ -114,6 +114,15 @@ def test_dtype_and_attention_are_selectable():
     assert loaded.attn_implementation == "eager"
 
 
+def test_auto_dtype_on_the_cpu_is_float32_even_for_a_half_precision_checkpoint(tmp_path):
+    checkpoint = load_model("tiny-llama", dtype="bfloat16")
+    checkpoint.model.save_pretrained(tmp_path)
+    checkpoint.tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert load_model(str(tmp_path), device="cpu").dtype == torch.float32
+    assert load_model(str(tmp_path), device="cpu", dtype="bfloat16").dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("argument", "value", "named_choice"),
     [
@@ -148,7 +157,7 @@ def test_unknown_hub_id_offline_fails_fast_with_a_clear_error(monkeypatch: pytes
 )
 def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
     started = time.perf_counter()
-    first = load_model("smollm2-135m", cache_dir=tmp_path)
+    first = load_model("smollm2-135m", cache_dir=tmp_path, dtype="bfloat16")
     conversion_seconds = time.perf_counter() - started
 
     assert (first.num_layers, first.num_attention_heads, first.num_key_value_heads, first.head_dim) == (30, 9, 3, 64)
@@ -177,7 +186,7 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
     assert "Paris" in answer
 
     started = time.perf_counter()
-    second = load_model("smollm2-135m", cache_dir=tmp_path)
+    second = load_model("smollm2-135m", cache_dir=tmp_path, dtype="bfloat16")
     cached_load_seconds = time.perf_counter() - started
     assert cached_load_seconds < conversion_seconds / 3
     assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
