@@ -39,14 +39,17 @@ PRESETS = {
 }
 
 
-def interleaved_median_seconds(functions, repeats: int, device: torch.device) -> list[float]:
+def interleaved_median_seconds(functions, repeats: int, device: torch.device, warmup: int = 3) -> list[float]:
     """Median wall time of each function, calling them in turn on every repeat.
 
     Alternating the calls exposes both to the same background load, so their ratio stays stable on a
-    shared machine even when the absolute times drift.
+    shared machine even when the absolute times drift. ``warmup`` untimed rounds come first: a new shape's
+    first calls pay for kernel selection and allocator growth (on the CPU the merge stayed ~40% slower for
+    its first few calls), which a prefill pays once, not once per layer.
     """
-    for function in functions:
-        function()  # warm-up: kernel selection, allocator growth
+    for _ in range(warmup):
+        for function in functions:
+            function()
     times = [[] for _ in functions]
     for _ in range(repeats):
         for function, samples in zip(functions, times):
@@ -125,7 +128,7 @@ def main() -> None:
             grkv_merge_reference(*naive_inputs, kept.cpu(), fixed.cpu(), dtype=torch.float32,
                                  steps=args.steps, query_positions=query_positions.cpu())
 
-        (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"))
+        (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"), warmup=1)
         rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
 
     print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
