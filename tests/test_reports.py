@@ -327,3 +327,23 @@ def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, caps
     assert main(["--sweep-id", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == EXIT_TRACKING_UNAVAILABLE
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "not reachable" in error
+
+
+def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from tracking.reports.figures import task_difference_figure
+    from tracking.reports.stats import BootstrapCI, PairedComparison
+
+    rounding_noise = 1e-17  # what the mean of exact zeros over resamples can come to
+    identical = PairedComparison(
+        treatment="paper default", control="eviction_only", seeds=(0,), tasks=("a", "b", "c"),
+        task_differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
+        control_sd=0.0, ci=BootstrapCI(estimate=0.0, low=0.0, high=rounding_noise, confidence=0.95,
+                                       n_resamples=100), p_value=1.0, better_tasks=0, better_seeds=0)
+    limits = []
+    original_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
+        limits.append(figure.axes[0].get_ylim()), original_savefig(figure, *args, **kwargs))[1])
+    assert task_difference_figure([identical], tmp_path / "differences.png").exists()
+    assert limits == [(-1.0, 1.0)]

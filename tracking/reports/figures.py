@@ -165,6 +165,9 @@ def importance_figure(importances: list[Importance], path: Path) -> Path:
     return _save(figure, path)
 
 
+NEGLIGIBLE_POINTS = 1e-9  # score differences (0-100 points) below this are rounding noise
+
+
 def task_difference_figure(comparisons: list[PairedComparison], path: Path) -> Path:
     """Per-task score difference vs the base press, with the mean and its bootstrap CI."""
     figure = Figure(figsize=(max(6.0, 0.55 * len(comparisons[0].tasks) + 2.5), 3.6 * len(comparisons)),
@@ -183,6 +186,10 @@ def task_difference_figure(comparisons: list[PairedComparison], path: Path) -> P
         ax.set_ylabel("score difference (points)")
         ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_tasks}/"
                      f"{len(differences)} tasks, exact sign-flip p = {comparison.p_value:.3g}", fontsize=9)
+        extent = max(abs(value) for value in (*differences, comparison.ci.low, comparison.ci.high))
+        if extent < NEGLIGIBLE_POINTS:
+            # NOTE: identical scores on every task; autoscaling would blow rounding noise up to 1e-17 ticks.
+            ax.set_ylim(-1.0, 1.0)
         ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3, axis="y")
     return _save(figure, path)
