@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
@@ -14,6 +20,12 @@ from grkv_core.selection import MergingPress, TokenSelection, select_tokens
 from grkv_core.solver import COMPONENTS, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
+
+# NOTE: in these attention classes the input of ``o_proj`` is exactly the concatenation, over query heads,
+# of softmax(scale·q Kᵀ) V over the full prompt (no output gate, no sliding window at prefill of the models we
+# serve), i.e. GRKV's regression target. Other classes get the target recomputed by the solver.
+_OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
+_WINDOW_OUTPUTS = "_grkv_window_outputs"
 
 
 @dataclass
@@ -53,6 +65,11 @@ class GRKVPress(MergingPress):
         lowest window discrepancy (authors' code).
     cg_max_iter, cg_rtol : int, float
         Conjugate-gradient controls of the key step.
+    target_from_forward : bool
+        With the window policy, take the regression target (the full cache's attention outputs for the
+        window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
+        it again (in float32) over the whole cache. It saves one attention pass per layer; the target then
+        carries the model's dtype (bf16 rounding, ~0.4% per entry, on half-precision models).
     """
 
     lambda_k: float = 1e-2
@@ -68,6 +85,7 @@ class GRKVPress(MergingPress):
     accept: str = "always"
     cg_max_iter: int = 16
     cg_rtol: float = 1e-6
+    target_from_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +112,32 @@ class GRKVPress(MergingPress):
         if self.accept not in ACCEPT_RULES:
             raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
 
+    @contextmanager
+    def __call__(self, model):
+        """kvpress's context manager, plus ``o_proj`` pre-hooks that keep the window's attention outputs."""
+        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        attentions = [layer.self_attn for layer in language_model.layers]
+        handles = []
+        try:
+            if self.target_from_forward and self.query_policy == "window":
+                handles = [
+                    attention.o_proj.register_forward_pre_hook(functools.partial(self._keep_window_outputs, attention))
+                    for attention in attentions if isinstance(attention, _OUTPUTS_BEFORE_O_PROJ)
+                ]
+            with super().__call__(model):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attention in attentions:
+                attention.__dict__.pop(_WINDOW_OUTPUTS, None)
+
+    def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
+        outputs = args[0]  # (B, n, H_q·d)
+        if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
+            # NOTE: a copy of the m rows, so that the layer's (B, n, H_q·d) output is not kept alive.
+            setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].clone())
+
     def compress(
         self,
         module: nn.Module,
@@ -114,15 +158,17 @@ class GRKVPress(MergingPress):
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
         )
+        full_outputs = _stack_by_kv_head(module.__dict__.pop(_WINDOW_OUTPUTS, None), surrogate)
         if selection.uniform_budget is not None:
             kept = selection.kept_positions()
             module.kept_positions = kept
-            return self._merge(surrogate, keys, values, kept, self._fixed(selection, kept), module.scaling)
-        return self._merge_per_head(surrogate, keys, values, selection, module.scaling)
+            return self._merge(surrogate, keys, values, kept, self._fixed(selection, kept), module.scaling,
+                               full_outputs)
+        return self._merge_per_head(surrogate, keys, values, selection, module.scaling, full_outputs)
 
     def _merge_per_head(
         self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,
-        scale: float,
+        scale: float, full_outputs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # NOTE: per-head budgets give ragged kept sets, so this path solves one (batch, head) at a time.
         merged_keys, merged_values = keys.clone(), values.clone()
@@ -142,6 +188,7 @@ class GRKVPress(MergingPress):
                 new_keys, new_values = self._merge(
                     head_queries, keys[b : b + 1, h : h + 1], values[b : b + 1, h : h + 1], kept,
                     self._fixed(head, kept), scale,
+                    full_outputs[b : b + 1, h : h + 1] if full_outputs is not None else None,
                 )
                 merged_keys[b, h, kept[0, 0]] = new_keys[0, 0]
                 merged_values[b, h, kept[0, 0]] = new_values[0, 0]
@@ -160,7 +207,7 @@ class GRKVPress(MergingPress):
 
     def _merge(
         self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-        fixed: torch.Tensor, scale: float,
+        fixed: torch.Tensor, scale: float, full_outputs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         solve = dict(
             lambda_k=self.lambda_k / surrogate.loss_weight,
@@ -170,6 +217,7 @@ class GRKVPress(MergingPress):
             scale=scale,
             cg_max_iter=self.cg_max_iter,
             cg_rtol=self.cg_rtol,
+            full_outputs=full_outputs,
         )
         index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
@@ -191,6 +239,19 @@ class GRKVPress(MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
+    """(B, m, H_q·d) attention outputs of the window tokens -> (B, H_kv, groups·m, d), stacked like the queries."""
+    if outputs is None:
+        return None
+    batch, kv_heads, rows, head_dim = surrogate.queries.shape
+    window = surrogate.token_positions.numel()
+    query_heads = kv_heads * (rows // window)
+    if outputs.shape != (batch, window, query_heads * head_dim):
+        return None  # not this forward's window: the solver computes the target itself
+    per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
+    return per_query_head.reshape(batch, kv_heads, rows, head_dim)
+
 
 def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
     """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""

@@ -106,6 +106,7 @@ def grkv_merge(
     scale: float | None = None,
     cg_max_iter: int = 16,
     cg_rtol: float = 1e-6,
+    full_outputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the evicted part of a KV cache into the kept entries by global ridge regression.
 
@@ -135,6 +136,10 @@ def grkv_merge(
         Conjugate-gradient iteration cap of the key step, per head.
     cg_rtol : float
         Relative residual tolerance of the key step's conjugate gradients.
+    full_outputs : torch.Tensor, optional
+        (B, H_kv, M, d) the regression target, softmax(scale·Q Kᵀ) V of ``queries`` over the full cache
+        (causal when ``query_positions`` is given), stacked like ``queries``. Computed here when omitted;
+        ``GRKVPress`` passes the model's own attention outputs, which its prefill forward already computed.
 
     Returns
     -------
@@ -144,7 +149,7 @@ def grkv_merge(
         get the plain evicted cache back, with a warning.
     """
     _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol)
+              scale, cg_max_iter, cg_rtol, full_outputs)
     out_dtype = keys.dtype
     head_dim = keys.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -154,16 +159,20 @@ def grkv_merge(
     full_mask = kept_hidden = sees_nothing = None
     if query_positions is not None:
         query_positions = query_positions.to(device=keys.device, dtype=torch.long)
-        full_mask = _causal_additive_mask(query_positions, keys.shape[2])
+        if full_outputs is None:
+            full_mask = _causal_additive_mask(query_positions, keys.shape[2])
         kept_hidden = kept.long()[:, :, None, :] > query_positions[None, None, :, None]
         sees_nothing = kept_hidden.all(dim=-1, keepdim=True)
         if not bool(sees_nothing.any()):
             sees_nothing = None
 
     queries_scaled = queries.float() * scale
-    # The full cache's outputs never need their (M, n) attention weights: one fused attention kernel.
-    target = F.scaled_dot_product_attention(queries_scaled, keys.float(), values.float(), attn_mask=full_mask,
-                                            scale=1.0)
+    if full_outputs is not None:
+        target = full_outputs.float()
+    else:
+        # The full cache's outputs never need their (M, n) attention weights: one fused attention kernel.
+        target = F.scaled_dot_product_attention(queries_scaled, keys.float(), values.float(), attn_mask=full_mask,
+                                                scale=1.0)
     # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
     # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
     # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
@@ -458,7 +467,7 @@ def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol) -> None:
+              scale, cg_max_iter, cg_rtol, full_outputs) -> None:
     """Raise a ValueError naming the argument for any malformed input (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -514,6 +523,14 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
         raise ValueError(f"cg_max_iter must be an integer >= 1, got {cg_max_iter!r}")
     if not isinstance(cg_rtol, (int, float)) or not 0 < cg_rtol < 1:
         raise ValueError(f"cg_rtol must be in (0, 1), got {cg_rtol!r}")
-    devices = {t.device for t in (queries, keys, values, kept, fixed)}
+    if full_outputs is not None:
+        if not isinstance(full_outputs, torch.Tensor) or full_outputs.shape != queries.shape:
+            shape = tuple(full_outputs.shape) if isinstance(full_outputs, torch.Tensor) else type(full_outputs).__name__
+            raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {shape}")
+        if not full_outputs.is_floating_point():
+            raise ValueError(f"full_outputs must be a floating-point tensor, got {full_outputs.dtype}")
+    tensors = [queries, keys, values, kept, fixed] + ([full_outputs] if full_outputs is not None else [])
+    devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError(f"queries, keys, values, kept and fixed must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError("queries, keys, values, kept, fixed (and full_outputs) must be on one device, "
+                         f"got {sorted(map(str, devices))}")

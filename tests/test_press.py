@@ -208,3 +208,27 @@ def test_unsupported_base_press_is_refused_clearly():
         build_press("snapkvv", RATIO)
     with pytest.raises(ValueError, match="unknown option"):
         build_press("snapkv", RATIO, merge="grkv", lamda_k=1.0)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
+def test_target_from_the_forward_matches_the_recomputed_target(architecture, press_name, monkeypatch):
+    import grkv_core.press as press_module
+
+    model = tiny(architecture).model
+    ids = context_ids(model.config.vocab_size, batch=2, seed=8)
+    supplied = []
+    solver = press_module.grkv_merge
+    monkeypatch.setattr(press_module, "grkv_merge", lambda *args, **kwargs: (
+        supplied.append(kwargs["full_outputs"] is not None), solver(*args, **kwargs))[1])
+    converged = dict(cg_max_iter=300, cg_rtol=1e-7)  # capped CG would amplify the targets' rounding differences
+    reused = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged))
+    assert supplied and all(supplied)
+    supplied.clear()
+    recomputed = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False,
+                                                 **converged))
+    assert supplied and not any(supplied)
+    for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
+        torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
+    assert not any("_grkv_window_outputs" in vars(layer.self_attn) for layer in layers_of(model))

@@ -210,6 +210,8 @@ BAD_ARGUMENTS = [
     ("query_positions", lambda p: p.update(query_positions=torch.arange(5)), "query_positions"),
     ("query_positions", lambda p: p.update(query_positions=-torch.ones(12, dtype=torch.long)), "query_positions"),
     ("scale", lambda p: p.update(scale=0.0), "scale"),
+    ("full_outputs", lambda p: p.update(full_outputs=p["queries"][:, :, :-1]), "full_outputs must have the shape"),
+    ("full_outputs", lambda p: p.update(full_outputs=p["queries"].long()), "full_outputs must be a floating"),
 ]
 
 
@@ -220,3 +222,24 @@ def test_bad_input_gets_a_value_error_naming_the_argument(argument, corrupt, mes
     with pytest.raises(ValueError, match=message) as error:
         grkv_merge(**problem)
     assert argument in str(error.value)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_supplied_full_outputs_are_the_regression_target(causal):
+    problem = random_problem(seed=31, causal=causal)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    options = dict(query_positions=problem["query_positions"], cg_max_iter=400, cg_rtol=1e-7)
+    # The float64 full-cache outputs, as a caller that already holds them (the model's forward) passes them.
+    as64 = {name: t.double() for name, t in tensors.items() if name in ("queries", "keys", "values")}
+    logits = as64["queries"] @ as64["keys"].transpose(-1, -2) / as64["queries"].shape[-1] ** 0.5
+    if causal:
+        hidden = torch.arange(48)[None, :] > problem["query_positions"][:, None]
+        logits = logits.masked_fill(hidden, float("-inf"))
+    full_outputs = torch.softmax(logits, dim=-1) @ as64["values"]
+    supplied_k, supplied_v = grkv_merge(**tensors, full_outputs=full_outputs.float(), **options)
+    computed_k, computed_v = grkv_merge(**tensors, **options)
+    torch.testing.assert_close(supplied_k, computed_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(supplied_v, computed_v, rtol=1e-4, atol=1e-4)
+    # A different target gives a different merge: the argument is really what the regression fits.
+    shifted_k, shifted_v = grkv_merge(**tensors, full_outputs=full_outputs.float() + 0.5, **options)
+    assert not torch.allclose(shifted_v, computed_v, atol=1e-2)
