@@ -347,3 +347,23 @@ def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path
         limits.append(figure.axes[0].get_ylim()), original_savefig(figure, *args, **kwargs))[1])
     assert task_difference_figure([identical], tmp_path / "differences.png").exists()
     assert limits == [(-1.0, 1.0)]
+
+
+def test_loss_performance_axis_is_logarithmic_only_when_the_losses_span_decades(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from tracking.reports.analyses import LossPerformance
+    from tracking.reports.figures import loss_performance_figure
+    from tracking.reports.stats import correlate
+
+    scales = []
+    original_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
+        scales.append(figure.axes[0].get_xscale()), original_savefig(figure, *args, **kwargs))[1])
+    scores = [29.2, 27.1, 27.1, 0.0]
+    for losses, expected in [([0.013, 0.036, 0.156, 5.1], "log"), ([0.02, 0.03, 0.04, 0.05], "linear")]:
+        table = pd.DataFrame({"trial_number": range(4), "configuration": ["trial"] * 4,
+                              "method": ["snapkv+grkv"] * 4, "window_loss": losses, "mean_score": scores})
+        result = LossPerformance(table, [correlate(losses, scores, "window_loss", "mean_score")], "mean_score")
+        loss_performance_figure(result, {"snapkv+grkv": "tab:orange"}, tmp_path / f"{expected}.png")
+        assert scales[-1] == expected

@@ -73,6 +73,12 @@ def _figure_legend(figure: Figure, colors: dict[str, str], frame: pd.DataFrame, 
     figure.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(len(handles), 4))
 
 
+def spans_decades(values: pd.Series, decades: float = 2.0) -> bool:
+    """Whether positive ``values`` span more than ``decades`` orders of magnitude (log axis wanted)."""
+    finite = values[np.isfinite(values)]
+    return bool(len(finite) > 1 and (finite > 0).all() and finite.max() / finite.min() > 10**decades)
+
+
 def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path) -> Path:
     """One panel per discrepancy metric: score against discrepancy, with Pearson/Spearman in the title."""
     table = result.table
@@ -82,9 +88,14 @@ def loss_performance_figure(result: LossPerformance, colors: dict[str, str], pat
         ax = figure.add_subplot(1, panels, index + 1)
         _scatter_trials(ax, table, correlation.x, result.score, colors)
         points = table[[correlation.x, result.score]].dropna()
+        log_x = spans_decades(points[correlation.x])
+        if log_x:
+            # One diverged configuration would otherwise squash every other point against the axis.
+            ax.set_xscale("log")
         if np.isfinite(correlation.pearson_r):
             slope, intercept = np.polyfit(points[correlation.x], points[result.score], 1)
-            span = np.linspace(points[correlation.x].min(), points[correlation.x].max(), 2)
+            span = (np.geomspace if log_x else np.linspace)(points[correlation.x].min(), points[correlation.x].max(),
+                                                            50)
             ax.plot(span, slope * span + intercept, linestyle="--", color="gray", linewidth=1, zorder=2)
             ax.set_title(f"Pearson r = {correlation.pearson_r:+.3f} ({p_value_text(correlation.pearson_p)})\n"
                          f"Spearman ρ = {correlation.spearman_rho:+.3f} ({p_value_text(correlation.spearman_p)}), "
