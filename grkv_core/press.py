@@ -21,9 +21,10 @@ from grkv_core.solver import COMPONENTS, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
 
-# NOTE: in these attention classes the input of ``o_proj`` is exactly the concatenation, over query heads,
-# of softmax(scale·q Kᵀ) V over the full prompt (no output gate, no sliding window at prefill of the models we
-# serve), i.e. GRKV's regression target. Other classes get the target recomputed by the solver.
+# NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
+# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
+# Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
+# becomes the target. Other classes get the target recomputed by the solver.
 _OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 _WINDOW_OUTPUTS = "_grkv_window_outputs"
 
@@ -239,6 +240,7 @@ class GRKVPress(MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
     """(B, m, H_q·d) attention outputs of the window tokens -> (B, H_kv, groups·m, d), stacked like the queries."""

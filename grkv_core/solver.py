@@ -72,9 +72,8 @@ class _Problem:
 
     Shapes: ``queries_scaled`` (B, H, M, d) already multiplied by the softmax scale; ``target`` (B, H, M, d);
     ``keys0``/``values0`` (B, H, c, d); ``free`` (B, H, c, 1) float 0/1 and ``free_rows`` the same rows as
-    indices; ``hidden`` (B, H, M, c) bool, True
-    where a query may not see a kept key (None without causal positions); ``sees_nothing`` (B, H, M, 1) bool,
-    rows that see no kept key at all (None when there is no such row).
+    indices; ``hidden`` (B, H, M, c) bool, True where a query may not see a kept key (None without causal
+    positions); ``sees_nothing`` (B, H, M, 1) bool, rows that see no kept key at all (None when there is none).
     """
 
     queries_scaled: torch.Tensor
