@@ -116,9 +116,8 @@ def main() -> None:
     merge_args = dict(steps=args.steps, query_positions=query_positions)
     # NOTE: in GRKVPress these come out of the layer's prefill forward (the input of o_proj), whose cost is
     # the denominator; here they are computed once, untimed, in the model's dtype.
-    hidden_mask = torch.arange(args.tokens, device=device)[None, :] > query_positions[:, None]
-    window_outputs = torch.nn.functional.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=~hidden_mask)
+    visible = torch.arange(args.tokens, device=device)[None, :] <= query_positions[:, None]
+    window_outputs = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)
 
     def merge_in_press():
         grkv_merge(queries, keys, values, kept.contiguous(), fixed, full_outputs=window_outputs, **merge_args)
@@ -150,7 +149,8 @@ def main() -> None:
     for name, seconds, ratio in rows:
         print(f"{name:36s} {seconds * 1e3:10.2f} {ratio:16.2%}")
     if args.naive:
-        print(f"speed-up of grkv_merge over the naive implementation: {naive_seconds / merge_seconds:.1f}x")
+        # NOTE: against the standalone merge, which, like the naive one, computes the full-cache outputs.
+        print(f"speed-up of grkv_merge over the naive implementation: {naive_seconds / standalone_seconds:.1f}x")
 
 
 if __name__ == "__main__":
