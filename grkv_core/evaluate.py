@@ -369,9 +369,10 @@ def library_versions() -> dict[str, str]:
 class ResultStore:
     """The output JSON of one evaluation, rewritten atomically after every sample (resume-safe)."""
 
-    def __init__(self, path: Path, config: EvalConfig):
+    def __init__(self, path: Path, config: EvalConfig, model_dtype: str):
         self.path = Path(path)
         self.config = config
+        self.model_dtype = model_dtype
         self.results: list[SampleResult] = []
         if self.path.exists():
             stored = json.loads(self.path.read_text())
@@ -379,6 +380,14 @@ class ResultStore:
             if stored_config.resume_key() != config.resume_key():
                 raise ValueError(
                     f"{self.path} holds results of a different configuration; choose another --output or delete it"
+                )
+            # NOTE: dtype="auto" resolves per device (float32 on the CPU), so equal configs can load different
+            # dtypes; files written before the dtype was recorded carry none and resume as before.
+            stored_dtype = stored.get("model_dtype")
+            if stored_dtype is not None and stored_dtype != model_dtype:
+                raise ValueError(
+                    f"{self.path} was written with the model in {stored_dtype}, this run loads it in {model_dtype}; "
+                    f"pass --dtype {stored_dtype} to resume it, or choose another --output"
                 )
             self.results = [SampleResult(**row) for row in stored["samples"]]
 
@@ -391,6 +400,7 @@ class ResultStore:
             "schema_version": RESULT_SCHEMA_VERSION,
             "config": self.config.to_dict(),
             "label": self.config.press.label,
+            "model_dtype": self.model_dtype,
             "versions": library_versions(),
             "summary": summarize(self.results),
             "samples": [asdict(result) for result in self.results],
@@ -426,7 +436,8 @@ def run_evaluation(
     """
     loaded = loaded or load_for(config)
     samples = samples if samples is not None else load_samples(config, loaded.tokenizer)
-    store = ResultStore(Path(output), config) if output is not None else None
+    model_dtype = str(loaded.dtype).removeprefix("torch.")
+    store = ResultStore(Path(output), config, model_dtype) if output is not None else None
     results = list(store.results) if store is not None else []
     done = {result.sample_id for result in results}
     evaluator = Evaluator(loaded, window_size=config.window_size, heldout_tokens=config.heldout_tokens)

@@ -86,6 +86,11 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
                        press=PressConfig("snapkv", 0.9))
     with pytest.raises(ValueError, match="different configuration"):
         run_evaluation(other, output, loaded=tiny, samples=samples, progress=False)
+    assert stored["model_dtype"] == "float32"
+    stored["model_dtype"] = "bfloat16"  # as written by an earlier run whose dtype="auto" meant bfloat16
+    output.write_text(json.dumps(stored))
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        run_evaluation(config, output, loaded=tiny, samples=samples, progress=False)
 
 
 def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
