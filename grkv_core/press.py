@@ -208,7 +208,7 @@ class GRKVPress(MergingPress):
 
     def _merge(
         self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-        fixed: torch.Tensor, scale: float, full_outputs: torch.Tensor | None = None,
+        fixed: torch.Tensor, scale: float, full_outputs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         solve = dict(
             lambda_k=self.lambda_k / surrogate.loss_weight,

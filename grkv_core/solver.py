@@ -57,7 +57,7 @@ class _FreeRows:
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """(B, H, c, X) -> (B, H, F, X): the free rows (padding holds some fixed row)."""
-        return tensor.gather(-2, self.index.unsqueeze(-1).expand(-1, -1, -1, tensor.shape[-1]))
+        return _rows(tensor, self.index)
 
     def scatter_rows(self, rows: torch.Tensor, length: int) -> torch.Tensor:
         """(B, H, F, X) -> (B, H, c, X) with zeros on every row outside the free set."""
@@ -386,8 +386,8 @@ class _AttentionJacobian:
         Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
         two M×F×d products by one M×M×F product.
         """
-        change = self.attention_free * (self.query_gram @ self._vjp_weights(cotangent))
-        return self._output_change(change).add_(cotangent, alpha=ridge) if ridge else self._output_change(change)
+        output_change = self._output_change(self.attention_free * (self.query_gram @ self._vjp_weights(cotangent)))
+        return output_change.add_(cotangent, alpha=ridge) if ridge else output_change
 
     def normal_diagonal(self) -> torch.Tensor:
         """(B, H, M, d) the diagonal of J Jᵀ, for Jacobi preconditioning.
