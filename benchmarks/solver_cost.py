@@ -9,11 +9,22 @@ GRKVPress calls it, handing over the window's full-cache attention outputs that 
 computed (``full_outputs``), (c) grkv_merge standalone, computing them itself, (d) optionally the naive
 explicit-Jacobian implementation (grkv_core.solver_reference) on the same problem, and the ratios.
 Weights are random: the cost of either computation does not depend on their values.
+
+CPU heap (``--heap``). The layer frees ~100 MB of activations per call. With glibc's default settings the
+allocator may hand that memory back to the kernel inside whichever call frees a chunk next, i.e. inside the
+merge: strace shows one brk() shrinking the heap by ~99 MB and taking 9-10 ms within the merge's timed window,
+in some processes and not others, so the merge's time depends on the process. Hence three settings:
+``release`` (default) returns freed memory to the kernel (malloc_trim) untimed before every timed call, so
+each call pays for the memory it touches itself and for nothing another call freed; ``keep`` never returns
+freed memory (mallopt), so every call reuses warm memory, as jemalloc or tcmalloc would; ``as-is`` is glibc's
+defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,13 +52,35 @@ PRESETS = {
 }
 
 
-def interleaved_median_seconds(functions, repeats: int, device: torch.device, warmup: int = 3) -> list[float]:
+HEAP_SETTINGS = ("release", "keep", "as-is")
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit machines.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+
+
+def heap_preparation(setting: str, device: torch.device):
+    """Apply the ``--heap`` setting; return the untimed call to make before every timed call (or None)."""
+    if setting == "as-is" or device.type != "cpu":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "malloc_trim"):
+        raise SystemExit(f"--heap {setting} needs glibc (malloc_trim/mallopt); use --heap as-is on this system")
+    if setting == "keep":
+        if not (libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)):
+            raise SystemExit("mallopt refused the --heap keep settings")
+        return None
+    return lambda: libc.malloc_trim(0)
+
+
+def interleaved_median_seconds(functions, repeats: int, device: torch.device, warmup: int = 3,
+                               before_each=None) -> list[float]:
     """Median wall time of each function, calling them in turn on every repeat.
 
     Alternating the calls exposes both to the same background load, so their ratio stays stable on a
     shared machine even when the absolute times drift. ``warmup`` untimed rounds come first: a new shape's
     first calls pay for kernel selection and allocator growth (on the CPU the merge stayed ~40% slower for
-    its first few calls), which a prefill pays once, not once per layer.
+    its first few calls), which a prefill pays once, not once per layer. ``before_each`` runs untimed
+    before every timed call.
     """
     for _ in range(warmup):
         for function in functions:
@@ -55,6 +88,8 @@ def interleaved_median_seconds(functions, repeats: int, device: torch.device, wa
     times = [[] for _ in functions]
     for _ in range(repeats):
         for function, samples in zip(functions, times):
+            if before_each is not None:
+                before_each()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -75,11 +110,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--heap", choices=HEAP_SETTINGS, default="release",
+                        help="CPU heap handling between timed calls (see the module docstring)")
     parser.add_argument("--naive", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the explicit-Jacobian reference (slow, large memory)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    before_each = heap_preparation(args.heap, device)
     dtype = getattr(torch, args.dtype)
     shape = PRESETS[args.preset]
     torch.manual_seed(0)
@@ -126,7 +164,7 @@ def main() -> None:
         grkv_merge(queries, keys, values, kept.contiguous(), fixed, **merge_args)
 
     layer_seconds, merge_seconds, standalone_seconds = interleaved_median_seconds(
-        [layer_prefill, merge_in_press, merge_standalone], args.repeats, device)
+        [layer_prefill, merge_in_press, merge_standalone], args.repeats, device, before_each=before_each)
     rows = [
         ("decoder layer prefill", layer_seconds, 1.0),
         ("grkv_merge as GRKVPress calls it", merge_seconds, merge_seconds / layer_seconds),
@@ -144,7 +182,7 @@ def main() -> None:
 
     print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
           f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} device={device} dtype={args.dtype} "
-          f"threads={torch.get_num_threads()}")
+          f"threads={torch.get_num_threads()} heap={args.heap if device.type == 'cpu' else 'n/a'}")
     print(f"{'what':36s} {'median ms':>10s} {'/ layer prefill':>16s}")
     for name, seconds, ratio in rows:
         print(f"{name:36s} {seconds * 1e3:10.2f} {ratio:16.2%}")

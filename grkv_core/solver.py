@@ -61,9 +61,9 @@ class _FreeRows:
 
     def scatter_rows(self, rows: torch.Tensor, length: int) -> torch.Tensor:
         """(B, H, F, X) -> (B, H, c, X) with zeros on every row outside the free set."""
-        rows = rows * self.valid.transpose(-1, -2)
-        index = self.index.unsqueeze(-1).expand(-1, -1, -1, rows.shape[-1])
-        return rows.new_zeros(*rows.shape[:2], length, rows.shape[-1]).scatter_(-2, index, rows)
+        scattered = rows.new_zeros(*rows.shape[:2], length, rows.shape[-1])
+        scattered[(*_batch_head_index(rows), self.index)] = rows * self.valid.transpose(-1, -2)
+        return scattered
 
 
 @dataclass(frozen=True)
@@ -234,9 +234,14 @@ def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
     Advanced indexing rather than ``gather`` with an expanded index, which is 2-3x slower on the CPU.
     """
+    return tensor[(*_batch_head_index(tensor), index.long())]
+
+
+def _batch_head_index(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 1, 1) and (1, H, 1) aranges that, with a (B, H, c) row index, address rows of a (B, H, n, ...) tensor."""
     batch = torch.arange(tensor.shape[0], device=tensor.device)[:, None, None]
     head = torch.arange(tensor.shape[1], device=tensor.device)[None, :, None]
-    return tensor[batch, head, index.long()]
+    return batch, head
 
 
 def _causal_additive_mask(query_positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -332,7 +337,10 @@ def _key_step(
     if free_rows.index.shape[-1] == 0:
         return problem.keys0
     jacobian = _AttentionJacobian.at(problem, attention, values)
-    rhs = (problem.target - jacobian.output) + jacobian.jvp(free_rows.rows(keys - problem.keys0))
+    rhs = problem.target - jacobian.output
+    # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
+    if keys is not problem.keys0:
+        rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0))
     inverse_diagonal = 1.0 / (jacobian.normal_diagonal() + lambda_k).clamp_min(torch.finfo(rhs.dtype).tiny)
     dual = _conjugate_gradients(functools.partial(jacobian.normal, ridge=lambda_k), rhs, cg_max_iter, cg_rtol,
                                 inverse_diagonal)
