@@ -337,14 +337,15 @@ def _key_step(
     if free_rows.index.shape[-1] == 0:
         return problem.keys0
     jacobian = _AttentionJacobian.at(problem, attention, values)
-    rhs = problem.target - jacobian.output
+    rhs = problem.target.flatten(0, 1) - jacobian.output
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
-        rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0))
+        rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0).flatten(0, 1))
     inverse_diagonal = 1.0 / (jacobian.normal_diagonal() + lambda_k).clamp_min(torch.finfo(rhs.dtype).tiny)
     dual = _conjugate_gradients(functools.partial(jacobian.normal, ridge=lambda_k), rhs, cg_max_iter, cg_rtol,
                                 inverse_diagonal)
-    return problem.keys0 + free_rows.scatter_rows(jacobian.vjp(dual), keys.shape[-2])
+    key_change = jacobian.vjp(dual).unflatten(0, keys.shape[:2])
+    return problem.keys0 + free_rows.scatter_rows(key_change, keys.shape[-2])
 
 
 @dataclass
@@ -356,9 +357,13 @@ class _AttentionJacobian:
 
     NOTE: only the F free rows enter (``attention_free`` holds A's free columns, zero on padding), so every
     product runs over F ≤ c columns; both row sums ride along in the matrix products through a column of
-    minus ones appended to V (``values_centring`` = [V | −1] on the free rows). Shapes: ``attention_free``
-    (B, H, M, F), ``values_centring`` (B, H, F, d + 1), ``output`` (B, H, M, d) over all kept rows,
-    ``query_gram`` (B, H, M, M).
+    minus ones appended to V (``values_centring`` = [V | −1] on the free rows).
+
+    NOTE: batch and heads are flattened into one leading axis P = B·H, so every product is one ``bmm`` on
+    contiguous 3-D tensors; 4-D ``matmul`` re-plans (expands and reshapes) its operands on every call, which
+    costs as much as the arithmetic at these sizes. Shapes: ``queries_scaled`` (P, M, d), ``attention_free``
+    (P, M, F), ``values_centring`` (P, F, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
+    (P, M, M).
     """
 
     queries_scaled: torch.Tensor
@@ -370,93 +375,100 @@ class _AttentionJacobian:
     @classmethod
     def at(cls, problem: _Problem, attention: torch.Tensor, values: torch.Tensor) -> _AttentionJacobian:
         """Linearise at the attention weights ``attention`` (B, H, M, c) with ``values`` (B, H, c, d)."""
-        free_values = problem.free_rows.rows(values)
+        free_values = problem.free_rows.rows(values).flatten(0, 1)
+        queries_scaled = problem.queries_scaled.flatten(0, 1)
         return cls(
-            queries_scaled=problem.queries_scaled,
-            attention_free=problem.free_rows.columns(attention),
+            queries_scaled=queries_scaled,
+            attention_free=problem.free_rows.columns(attention).flatten(0, 1),
             values_centring=torch.cat([free_values, free_values.new_full(free_values.shape[:-1] + (1,), -1.0)],
                                       dim=-1),
-            output=attention @ values,
-            query_gram=problem.queries_scaled @ problem.queries_scaled.transpose(-1, -2),
+            output=torch.bmm(attention.flatten(0, 1), values.flatten(0, 1)),
+            query_gram=torch.bmm(queries_scaled, queries_scaled.transpose(-1, -2)),
         )
 
     def jvp(self, delta_keys: torch.Tensor) -> torch.Tensor:
-        """(B, H, F, d) perturbation of the free keys -> (B, H, M, d) output perturbation."""
-        return self._output_change(self.attention_free * (self.queries_scaled @ delta_keys.transpose(-1, -2)))
+        """(P, F, d) perturbation of the free keys -> (P, M, d) output perturbation."""
+        logit_change = torch.bmm(self.queries_scaled, delta_keys.transpose(-1, -2))
+        return self._output_change(logit_change.mul_(self.attention_free))
 
     def vjp(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """(B, H, M, d) output cotangent -> (B, H, F, d) cotangent of the free keys (zero on padding)."""
-        return self._vjp_weights(cotangent).transpose(-1, -2) @ self.queries_scaled
+        """(P, M, d) output cotangent -> (P, F, d) cotangent of the free keys (zero on padding)."""
+        return torch.bmm(self._vjp_weights(cotangent).transpose(-1, -2), self.queries_scaled)
 
     def normal(self, cotangent: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
-        """(J Jᵀ + ridge·I) applied to a (B, H, M, d) cotangent.
+        """(J Jᵀ + ridge·I) applied to a (P, M, d) cotangent.
 
         Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
         two M×F×d products by one M×M×F product.
         """
-        output_change = self._output_change(self.attention_free * (self.query_gram @ self._vjp_weights(cotangent)))
+        logit_change = torch.bmm(self.query_gram, self._vjp_weights(cotangent))
+        output_change = self._output_change(logit_change.mul_(self.attention_free))
         return output_change.add_(cotangent, alpha=ridge) if ridge else output_change
 
     def normal_diagonal(self) -> torch.Tensor:
-        """(B, H, M, d) the diagonal of J Jᵀ, for Jacobi preconditioning.
+        """(P, M, d) the diagonal of J Jᵀ, for Jacobi preconditioning.
 
         Entry (i, a) is ‖s·q_i‖² Σ_k A_ik² (v_ka − f_ia)² over the free rows k, expanded so that it costs
         three M×F×d products.
         """
         squared = self.attention_free.square()
-        moments = squared @ self.values_centring  # [Σ A² v | −Σ A²]
-        spread = (squared @ self.values_centring[..., :-1].square() - 2 * self.output * moments[..., :-1]
+        moments = torch.bmm(squared, self.values_centring)  # [Σ A² v | −Σ A²]
+        spread = (torch.bmm(squared, self.values_centring[..., :-1].square()) - 2 * self.output * moments[..., :-1]
                   - self.output.square() * moments[..., -1:])
         return self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
 
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
         """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ."""
         row_dots = torch.linalg.vecdot(cotangent, self.output).unsqueeze(-1)
-        centred = torch.cat([cotangent, row_dots], dim=-1) @ self.values_centring.transpose(-1, -2)
+        centred = torch.bmm(torch.cat([cotangent, row_dots], dim=-1), self.values_centring.transpose(-1, -2))
         return centred.mul_(self.attention_free)
 
     def _output_change(self, change: torch.Tensor) -> torch.Tensor:
-        """W V − rowsum(W) ⊙ F for (B, H, M, F) logit-weighted attention changes W on the free rows."""
-        moments = change @ self.values_centring  # [W V | −rowsum(W)]
+        """W V − rowsum(W) ⊙ F for (P, M, F) logit-weighted attention changes W on the free rows."""
+        moments = torch.bmm(change, self.values_centring)  # [W V | −rowsum(W)]
         return torch.addcmul(moments[..., :-1], moments[..., -1:], self.output)
 
 
 def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
                          inverse_diagonal: torch.Tensor) -> torch.Tensor:
-    """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per (batch, head).
+    """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per leading index.
 
-    ``rhs`` and ``inverse_diagonal`` are (B, H, M, d); inner products run over the last two axes. A head
+    ``rhs`` and ``inverse_diagonal`` are (P, M, d), P = B·H; inner products run over the last two axes. A head
     stops (its step size is zeroed) once its residual norm is below ``rtol``·‖rhs‖ or its search direction
     loses curvature, which guards the singular systems that ridge 0 produces.
+
+    NOTE: the loop updates its tensors in place: each iteration is a few dozen small ops, whose dispatch and
+    allocations cost as much as the operator's products at these sizes.
     """
     tiny = torch.finfo(rhs.dtype).tiny
     eps = torch.finfo(rhs.dtype).eps
     solution = torch.zeros_like(rhs)
     residual = rhs.clone()
     preconditioned = inverse_diagonal * residual
-    direction = preconditioned
+    direction = preconditioned.clone()
     residual_dot = _head_dot(residual, preconditioned)
-    threshold_sq = (rtol**2) * _head_dot(rhs, rhs)
-    active = _head_dot(residual, residual) > threshold_sq
+    threshold_sq = _head_dot(rhs, rhs).mul_(rtol**2)
+    running = _head_dot(residual, residual) > threshold_sq
     for _ in range(max_iter):
-        if not bool(active.any()):
+        if not bool(running.any()):
             break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
-        active &= curvature > eps * _head_dot(direction, direction)
-        step = torch.where(active, residual_dot / curvature.clamp_min(tiny), 0.0)
+        running &= curvature > _head_dot(direction, direction).mul_(eps)
+        # NOTE: `where`, not a multiplication by the flags: a head that lost curvature may divide by ~0 (inf).
+        step = torch.where(running, residual_dot / curvature.clamp_min_(tiny), 0.0)
         solution.addcmul_(step, direction)
         residual.addcmul_(step, operator_direction, value=-1.0)
-        preconditioned = inverse_diagonal * residual
+        torch.mul(inverse_diagonal, residual, out=preconditioned)
         new_residual_dot = _head_dot(residual, preconditioned)
-        direction = torch.addcmul(preconditioned, new_residual_dot / residual_dot.clamp_min(tiny), direction)
+        direction.mul_(new_residual_dot / residual_dot.clamp_min_(tiny)).add_(preconditioned)
         residual_dot = new_residual_dot
-        active &= _head_dot(residual, residual) > threshold_sq
+        running &= _head_dot(residual, residual) > threshold_sq
     return solution
 
 
 def _head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-(batch, head) inner product of (B, H, X, Y) tensors, shaped (B, H, 1, 1) for broadcasting."""
+    """Inner product over the last two axes of (..., X, Y) tensors, shaped (..., 1, 1) for broadcasting."""
     return (a * b).sum(dim=(-2, -1), keepdim=True)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grkv_core.diagnostics import reconstruction_loss
-from grkv_core.solver import grkv_merge
+from grkv_core.solver import _conjugate_gradients, grkv_merge
 from grkv_core.solver_reference import grkv_merge_reference
 
 
@@ -150,6 +150,16 @@ def test_heads_are_solved_independently():
             single_k, single_v = grkv_merge(**single, **options)
             torch.testing.assert_close(batched_k[b, h], single_k[0, 0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(batched_v[b, h], single_v[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_conjugate_gradients_stop_a_head_without_curvature_and_finish_the_others():
+    # Head 0 is 2·I (solution rhs/2); head 1's operator is zero, as with ridge 0 and a Jacobian that vanishes.
+    # Its step must be zeroed, not computed as rhs·rhs / ~0 (inf) and then masked (inf·0 = NaN).
+    rhs = 30.0 * torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))
+    scale = torch.tensor([2.0, 0.0]).view(2, 1, 1)
+    solution = _conjugate_gradients(lambda x: scale * x, rhs, 16, 1e-6, torch.ones_like(rhs))
+    torch.testing.assert_close(solution[0], rhs[0] / 2)
+    assert torch.equal(solution[1], torch.zeros_like(rhs[1]))
 
 
 def evicted_position(kept):
