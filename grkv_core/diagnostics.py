@@ -54,6 +54,26 @@ def reconstruction_loss(
     return float(error.sum() / reference.sum().clamp_min(1e-30))
 
 
+def full_cache_outputs(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H_kv, M, d) float32 attention outputs of ``queries`` over a whole (B, H_kv, n, d) cache.
+
+    Key i sits at position i; with ``query_positions`` (M,) attention is causal. Arguments as in
+    ``reconstruction_loss``.
+    """
+    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
+    visible = None
+    if query_positions is not None:
+        visible = torch.arange(keys.shape[2], device=keys.device) <= query_positions.to(keys.device).long()[:, None]
+    return masked_softmax((queries.float() * scale) @ keys.float().transpose(-1, -2), visible) @ values.float()
+
+
 def discrepancy_per_head(
     queries: torch.Tensor,
     full_keys: torch.Tensor,
@@ -65,11 +85,14 @@ def discrepancy_per_head(
     compressed_positions: torch.Tensor | None = None,
     compressed_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    full_outputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(batch, head) Σ‖Y_full − Y_comp‖² and Σ‖Y_full‖², each (B, H_kv) float32.
 
     Arguments as in ``reconstruction_loss``, plus ``compressed_mask`` (B, H_kv, c) bool: False entries of the
-    compressed cache are invisible (per-head budgets realised by masking, e.g. AdaKV).
+    compressed cache are invisible (per-head budgets realised by masking, e.g. AdaKV); and ``full_outputs``
+    (B, H_kv, M, d): Y_full when the caller already has it (``full_cache_outputs``), to compare several
+    compressed caches against one full-cache pass.
     """
     if queries.ndim != 4 or full_keys.ndim != 4 or compressed_keys.ndim != 4:
         raise ValueError("queries, full_keys and compressed_keys must all be 4-D (B, H_kv, length, d)")
@@ -77,19 +100,23 @@ def discrepancy_per_head(
         raise ValueError("values must have the same shape as their keys")
     if query_positions is not None and compressed_positions is None:
         raise ValueError("compressed_positions is required when query_positions is given")
+    if full_outputs is not None and full_outputs.shape != queries.shape:
+        raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, "
+                         f"got {tuple(full_outputs.shape)}")
     scale = 1.0 / math.sqrt(full_keys.shape[-1]) if scale is None else scale
-    scaled = queries.float() * scale
-    full_visible = compressed_visible = None
+    compressed_visible = None
     if query_positions is not None:
         positions = query_positions.to(full_keys.device).long()
-        full_visible = torch.arange(full_keys.shape[2], device=full_keys.device) <= positions[:, None]
         compressed_visible = compressed_positions.long()[:, :, None, :] <= positions[None, None, :, None]
     if compressed_mask is not None:
         mask = compressed_mask[:, :, None, :]
         compressed_visible = mask if compressed_visible is None else compressed_visible & mask
-    full_out = masked_softmax(scaled @ full_keys.float().transpose(-1, -2), full_visible) @ full_values.float()
+    if full_outputs is None:
+        full_outputs = full_cache_outputs(queries, full_keys, full_values, query_positions=query_positions,
+                                          scale=scale)
+    full_out = full_outputs.float()
     comp_out = (
-        masked_softmax(scaled @ compressed_keys.float().transpose(-1, -2), compressed_visible)
+        masked_softmax((queries.float() * scale) @ compressed_keys.float().transpose(-1, -2), compressed_visible)
         @ compressed_values.float()
     )
     return (full_out - comp_out).square().sum(dim=(-2, -1)), full_out.square().sum(dim=(-2, -1))

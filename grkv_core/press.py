@@ -14,7 +14,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from grkv_core.diagnostics import discrepancy_per_head
+from grkv_core.diagnostics import discrepancy_per_head, full_cache_outputs
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
 from grkv_core.selection import MergingPress, TokenSelection, select_tokens
 from grkv_core.solver import COMPONENTS, grkv_merge
@@ -210,6 +210,10 @@ class GRKVPress(MergingPress):
         self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
         fixed: torch.Tensor, scale: float, full_outputs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.accept == "objective" and full_outputs is None:
+            # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
+            full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
+                                              scale=scale)
         solve = dict(
             lambda_k=self.lambda_k / surrogate.loss_weight,
             lambda_v=self.lambda_v / surrogate.loss_weight,
@@ -234,7 +238,7 @@ class GRKVPress(MergingPress):
         candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
         errors = torch.stack([
             discrepancy_per_head(surrogate.queries, keys, values, k, v, query_positions=surrogate.positions,
-                                 compressed_positions=kept, scale=scale)[0]
+                                 compressed_positions=kept, scale=scale, full_outputs=full_outputs)[0]
             for k, v in candidates
         ])
         best = errors.argmin(dim=0)[..., None, None]

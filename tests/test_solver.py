@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from grkv_core.diagnostics import reconstruction_loss
+from grkv_core.diagnostics import discrepancy_per_head, full_cache_outputs, reconstruction_loss
 from grkv_core.solver import _conjugate_gradients, grkv_merge
 from grkv_core.solver_reference import grkv_merge_reference
 
@@ -234,18 +234,46 @@ def test_bad_input_gets_a_value_error_naming_the_argument(argument, corrupt, mes
     assert argument in str(error.value)
 
 
+def float64_attention_outputs(queries, keys, values, key_positions, query_positions):
+    """softmax(Q Kᵀ/√d) V in float64; causal over (..., n) ``key_positions`` when ``query_positions`` is given."""
+    logits = queries.double() @ keys.double().transpose(-1, -2) / queries.shape[-1] ** 0.5
+    if query_positions is not None:
+        hidden = key_positions[..., None, :] > query_positions[:, None]
+        logits = logits.masked_fill(hidden, float("-inf"))
+    return torch.softmax(logits, dim=-1) @ values.double()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_discrepancy_compares_against_a_supplied_full_cache_pass(causal):
+    problem = random_problem(seed=32, causal=causal)
+    queries, keys, values, kept = (problem[name] for name in ("queries", "keys", "values", "kept"))
+    positions = problem["query_positions"]
+    full64 = float64_attention_outputs(queries, keys, values, torch.arange(48), positions)
+    full = full_cache_outputs(queries, keys, values, query_positions=positions)
+    torch.testing.assert_close(full.double(), full64, rtol=1e-5, atol=1e-6)
+    compressed_keys, compressed_values = gather(keys, kept), gather(values, kept)
+    compressed64 = float64_attention_outputs(queries, compressed_keys, compressed_values, kept, positions)
+    expected_error = (full64 - compressed64).square().sum(dim=(-2, -1))
+    args = dict(query_positions=positions, compressed_positions=kept)
+    for supplied in (None, full):
+        error, reference = discrepancy_per_head(queries, keys, values, compressed_keys, compressed_values,
+                                                full_outputs=supplied, **args)
+        torch.testing.assert_close(error.double(), expected_error, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(reference.double(), full64.square().sum(dim=(-2, -1)), rtol=1e-5, atol=1e-6)
+    # The supplied outputs are really what the compressed cache is compared against.
+    shifted_error, _ = discrepancy_per_head(queries, keys, values, compressed_keys, compressed_values,
+                                            full_outputs=full + 1.0, **args)
+    assert (shifted_error > expected_error.float() + 1.0).all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_supplied_full_outputs_are_the_regression_target(causal):
     problem = random_problem(seed=31, causal=causal)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     options = dict(query_positions=problem["query_positions"], cg_max_iter=400, cg_rtol=1e-7)
     # The float64 full-cache outputs, as a caller that already holds them (the model's forward) passes them.
-    as64 = {name: t.double() for name, t in tensors.items() if name in ("queries", "keys", "values")}
-    logits = as64["queries"] @ as64["keys"].transpose(-1, -2) / as64["queries"].shape[-1] ** 0.5
-    if causal:
-        hidden = torch.arange(48)[None, :] > problem["query_positions"][:, None]
-        logits = logits.masked_fill(hidden, float("-inf"))
-    full_outputs = torch.softmax(logits, dim=-1) @ as64["values"]
+    full_outputs = float64_attention_outputs(problem["queries"], problem["keys"], problem["values"],
+                                             torch.arange(48), problem["query_positions"])
     supplied_k, supplied_v = grkv_merge(**tensors, full_outputs=full_outputs.float(), **options)
     computed_k, computed_v = grkv_merge(**tensors, **options)
     torch.testing.assert_close(supplied_k, computed_k, rtol=1e-4, atol=1e-4)
