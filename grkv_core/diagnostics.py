@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from grkv_core.solver import masked_softmax
+from grkv_core.solver import full_cache_outputs, masked_softmax
 
 
 def reconstruction_loss(
@@ -54,26 +54,6 @@ def reconstruction_loss(
     return float(error.sum() / reference.sum().clamp_min(1e-30))
 
 
-def full_cache_outputs(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    *,
-    query_positions: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """(B, H_kv, M, d) float32 attention outputs of ``queries`` over a whole (B, H_kv, n, d) cache.
-
-    Key i sits at position i; with ``query_positions`` (M,) attention is causal. Arguments as in
-    ``reconstruction_loss``.
-    """
-    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
-    visible = None
-    if query_positions is not None:
-        visible = torch.arange(keys.shape[2], device=keys.device) <= query_positions.to(keys.device).long()[:, None]
-    return masked_softmax((queries.float() * scale) @ keys.float().transpose(-1, -2), visible) @ values.float()
-
-
 def discrepancy_per_head(
     queries: torch.Tensor,
     full_keys: torch.Tensor,
@@ -91,7 +71,7 @@ def discrepancy_per_head(
 
     Arguments as in ``reconstruction_loss``, plus ``compressed_mask`` (B, H_kv, c) bool: False entries of the
     compressed cache are invisible (per-head budgets realised by masking, e.g. AdaKV); and ``full_outputs``
-    (B, H_kv, M, d): Y_full when the caller already has it (``full_cache_outputs``), to compare several
+    (B, H_kv, M, d): Y_full when the caller already has it (``solver.full_cache_outputs``), to compare several
     compressed caches against one full-cache pass.
     """
     if queries.ndim != 4 or full_keys.ndim != 4 or compressed_keys.ndim != 4:

@@ -14,10 +14,10 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from grkv_core.diagnostics import discrepancy_per_head, full_cache_outputs
+from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
 from grkv_core.selection import MergingPress, TokenSelection, select_tokens
-from grkv_core.solver import COMPONENTS, grkv_merge
+from grkv_core.solver import COMPONENTS, full_cache_outputs, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
 

@@ -155,11 +155,9 @@ def grkv_merge(
 
     evicted_keys, evicted_values = _rows(keys, kept), _rows(values, kept)
 
-    full_mask = kept_hidden = sees_nothing = None
+    kept_hidden = sees_nothing = None
     if query_positions is not None:
         query_positions = query_positions.to(device=keys.device, dtype=torch.long)
-        if full_outputs is None:
-            full_mask = _causal_additive_mask(query_positions, keys.shape[2])
         kept_hidden = kept.long()[:, :, None, :] > query_positions[None, None, :, None]
         sees_nothing = kept_hidden.all(dim=-1, keepdim=True)
         if not bool(sees_nothing.any()):
@@ -169,9 +167,7 @@ def grkv_merge(
     if full_outputs is not None:
         target = full_outputs.float()
     else:
-        # The full cache's outputs never need their (M, n) attention weights: one fused attention kernel.
-        target = F.scaled_dot_product_attention(queries_scaled, keys.float(), values.float(), attn_mask=full_mask,
-                                                scale=1.0)
+        target = full_cache_outputs(queries, keys, values, query_positions=query_positions, scale=scale)
     # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
     # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
     # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
@@ -227,6 +223,26 @@ def grkv_merge(
         merged_keys = torch.where(head_ok[..., None, None], merged_keys, evicted_keys)
         merged_values = torch.where(head_ok[..., None, None], merged_values, evicted_values)
     return merged_keys, merged_values
+
+
+def full_cache_outputs(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H_kv, M, d) float32 attention outputs softmax(scale·Q Kᵀ) V of ``queries`` over a whole cache.
+
+    ``keys``/``values`` (B, H_kv, n, d) with key i at position i; with ``query_positions`` (M,) attention is
+    causal. One fused attention kernel: the (M, n) weights are never materialised.
+    """
+    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
+    mask = None
+    if query_positions is not None:
+        mask = _causal_additive_mask(query_positions.to(device=keys.device, dtype=torch.long), keys.shape[2])
+    return F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(), attn_mask=mask, scale=scale)
 
 
 def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from grkv_core.diagnostics import discrepancy_per_head, full_cache_outputs, reconstruction_loss
-from grkv_core.solver import _conjugate_gradients, grkv_merge
+from grkv_core.diagnostics import discrepancy_per_head, reconstruction_loss
+from grkv_core.solver import _conjugate_gradients, full_cache_outputs, grkv_merge
 from grkv_core.solver_reference import grkv_merge_reference
 
 
