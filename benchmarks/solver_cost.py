@@ -11,9 +11,9 @@ explicit-Jacobian implementation (grkv_core.solver_reference) on the same proble
 Weights are random: the cost of either computation does not depend on their values.
 
 CPU heap (``--heap``). The layer frees ~100 MB of activations per call. With glibc's default settings the
-allocator may hand that memory back to the kernel inside whichever call frees a chunk next, i.e. inside the
-merge: strace shows one brk() shrinking the heap by ~99 MB and taking 9-10 ms within the merge's timed window,
-in some processes and not others, so the merge's time depends on the process. Hence three settings:
+allocator may hand that memory back to the kernel inside whichever call frees a chunk next, often the merge:
+``strace -T`` shows brk() calls shrinking the heap by 48-102 MiB in 3-6 ms each, in some processes and not
+others, so the merge's time depends on the process. Hence three settings:
 ``release`` (default) returns freed memory to the kernel (malloc_trim) untimed before every timed call, so
 each call pays for the memory it touches itself and for nothing another call freed; ``keep`` never returns
 freed memory (mallopt), so every call reuses warm memory, as jemalloc or tcmalloc would; ``as-is`` is glibc's
