@@ -16,8 +16,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
-from grkv_core.selection import MergingPress, TokenSelection, select_tokens
-from grkv_core.solver import COMPONENTS, full_cache_outputs, grkv_merge
+from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, select_tokens
+from grkv_core.solver import COMPONENTS, RIDGE_SCALES, full_cache_outputs, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
 
@@ -66,6 +66,11 @@ class GRKVPress(MergingPress):
         lowest window discrepancy (authors' code).
     cg_max_iter, cg_rtol : int, float
         Conjugate-gradient controls of the key step.
+    safeguard : bool
+        Halve the key step per head until the true window loss is no worse than after the value step (a
+        measured deviation from the paper, on by default; see ``grkv_merge``). False is the paper's Alg. 1.
+    ridge_scale : {"absolute", "relative"}
+        "relative" multiplies λ_k and λ_v by a per-head scale of their systems (see ``grkv_merge``).
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
@@ -86,29 +91,38 @@ class GRKVPress(MergingPress):
     accept: str = "always"
     cg_max_iter: int = 16
     cg_rtol: float = 1e-6
+    safeguard: bool = True
+    ridge_scale: str = "absolute"
     target_from_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("lambda_k", "lambda_v"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not 0 <= self.beta <= 1:
-            raise ValueError(f"beta must be in [0, 1], got {self.beta!r}")
+        if not _is_number(self.beta) or not 0 <= self.beta <= 1:
+            raise ValueError(f"beta must be a number in [0, 1], got {self.beta!r}")
+        if not _is_number(self.cg_rtol) or not 0 < self.cg_rtol < 1:
+            raise ValueError(f"cg_rtol must be a number in (0, 1), got {self.cg_rtol!r}")
         for name in ("window_size", "steps", "cg_max_iter"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
             raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+        for name in ("safeguard", "target_from_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.ridge_scale not in RIDGE_SCALES:
+            raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {self.ridge_scale!r}")
         if self.components not in COMPONENTS:
             raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
         if self.query_policy not in QUERY_POLICIES:
             raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {self.query_policy!r}")
         for name in ("max_rel_update_k", "max_rel_update_v"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            if value is not None and not (_is_number(value) and value > 0):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
         if self.accept not in ACCEPT_RULES:
             raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
@@ -136,8 +150,9 @@ class GRKVPress(MergingPress):
     def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
         outputs = args[0]  # (B, n, H_q·d)
         if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
-            # NOTE: a copy of the m rows, so that the layer's (B, n, H_q·d) output is not kept alive.
-            setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].clone())
+            # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
+            # mode, its autograd graph is kept alive.
+            setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].detach().clone())
 
     def compress(
         self,
@@ -196,11 +211,17 @@ class GRKVPress(MergingPress):
         return merged_keys, merged_values
 
     def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
-        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score."""
+        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
+
+        NOTE: the top-beta ranking runs on the base press's genuine scores only: positions it scores
+        artificially (its own observation window or sinks, ``forced_score_span``) are not candidates, else a base
+        window wider than GRKV's would take every top-beta slot.
+        """
         length = selection.scores.shape[-1]
         protected = (kept < self.n_sink) | (kept >= length - self.window_size)
-        candidates = ~protected
-        kept_scores = selection.scores.gather(-1, kept).masked_fill(protected, float("-inf"))
+        forced_head, forced_tail = forced_score_span(self.press)
+        candidates = ~protected & (kept >= forced_head) & (kept < length - forced_tail)
+        kept_scores = selection.scores.gather(-1, kept).masked_fill(~candidates, float("-inf"))
         order = kept_scores.argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1], device=kept.device).expand_as(order))
         n_top = (candidates.sum(dim=-1, keepdim=True) * self.beta).floor().long()
@@ -223,6 +244,8 @@ class GRKVPress(MergingPress):
             cg_max_iter=self.cg_max_iter,
             cg_rtol=self.cg_rtol,
             full_outputs=full_outputs,
+            safeguard=self.safeguard,
+            ridge_scale=self.ridge_scale,
         )
         index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
@@ -244,6 +267,10 @@ class GRKVPress(MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:

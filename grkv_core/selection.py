@@ -8,10 +8,12 @@ handled here: score-then-top-k with one budget per layer (every ``ScorerPress``)
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from kvpress import AdaKVPress, BasePress, CriticalAdaKVPress, PyramidKVPress, ScorerPress
+from kvpress import (AdaKVPress, BasePress, CriticalAdaKVPress, ExpectedAttentionPress, PyramidKVPress, ScorerPress,
+                     SnapKVPress)
 from kvpress.utils import compute_n_kept
 from torch import nn
 
@@ -43,6 +45,23 @@ class TokenSelection:
             raise ValueError("per-head budgets have no rectangular (B, H_kv, c) kept-position tensor")
         batch, heads, _ = self.kept_mask.shape
         return self.kept_mask.nonzero()[:, 2].view(batch, heads, self.uniform_budget)
+
+
+def forced_score_span(press: BasePress) -> tuple[int, int]:
+    """(head, tail): the base press gives its first ``head`` and last ``tail`` positions an artificial top score.
+
+    SnapKV-style presses (SnapKV, PyramidKV, and the presses wrapping them) keep their observation window by
+    scoring it max + 1; ExpectedAttention does the same for its first ``n_sink`` positions. Those scores say
+    "always keep", not "important", so rankings by importance must leave these positions out.
+    """
+    head = tail = 0
+    while press is not None:
+        if isinstance(press, SnapKVPress):
+            tail = max(tail, press.window_size)
+        if isinstance(press, ExpectedAttentionPress):
+            head = max(head, press.n_sink)
+        press = getattr(press, "press", None)
+    return head, tail
 
 
 def is_supported_base_press(press: BasePress) -> bool:
@@ -132,10 +151,38 @@ class MergingPress(BasePress):
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
 
+    @contextmanager
+    def __call__(self, model):
+        """kvpress's context manager, refusing padded batches before any layer runs."""
+        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        guard = language_model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            guard.remove()
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        # NOTE: compression never builds an autograd graph, whether or not the caller's forward runs in grad
+        # mode (a model fresh from `from_pretrained` does): the merged cache is data, not a differentiable output.
+        with torch.no_grad():
+            return super().forward_hook(module, input, kwargs, output)
+
     @property
     def compression_ratio(self) -> float:
         return compression_ratio_of(self.press)
 
     @compression_ratio.setter
     def compression_ratio(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ValueError(f"compression_ratio must be a number in [0, 1), got {value!r}")
         self.press.compression_ratio = value
+
+
+def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: a merging press fits every query and key of the prompt, so pad tokens would be fitted."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
+        raise ValueError("merging presses do not support padded batches: the attention_mask marks padding, which "
+                         "would be merged into the cache; compress each sequence on its own (batch 1) or batch "
+                         "sequences of equal length without padding")

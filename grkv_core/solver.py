@@ -11,6 +11,18 @@ It alternates an exact value step (ridge regression in dual/Woodbury form, an M�
 linearised key step (dual ridge problem solved by conjugate gradients with analytic, matrix-free
 Jacobian products). Everything is batched over batch and KV heads.
 
+Two deviations from the paper, both options (``safeguard=False, ridge_scale="absolute"`` is the paper's
+Alg. 1 exactly):
+
+- ``safeguard`` (on by default): the linearised key step predicts a decrease of the window loss on every
+  head, but where it moves logits far (sharp heads) the true loss can rise instead; the step direction is
+  a descent direction, only its length is wrong. The safeguard evaluates the true window loss per head and
+  halves the step until it is no worse than after the value step, else keeps the value step's keys
+  (benchmarks/RESULTS.md §6 has the measurement behind it).
+- ``ridge_scale="relative"``: λ multiplies a per-head scale of each system (the mean diagonal of X_G X_Gᵀ for
+  the value step, of J Jᵀ for the key step), so one λ means the same across heads and models whose caches
+  differ in scale.
+
 This module imports torch only: no transformers, no kvpress.
 """
 
@@ -25,9 +37,13 @@ import torch
 import torch.nn.functional as F
 
 COMPONENTS = ("kv", "k", "v")
+RIDGE_SCALES = ("absolute", "relative")
 
 # NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this.
 EARLY_STOP_TOL = 1e-9
+# NOTE: the safeguard tries the key step at lengths 1, 1/2, ..., 2^-MAX_HALVINGS before keeping the value
+# step's keys; on real SmolLM2 heads the accepted length never went below 1/4 (benchmarks/RESULTS.md §6).
+MAX_HALVINGS = 4
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,12 @@ class _Problem:
         """(B, H, M, c) attention weights of the queries over ``keys`` (B, H, c, d)."""
         return _fused_masked_softmax(self.queries_scaled @ keys.transpose(-1, -2), self.hidden, self.sees_nothing)
 
+    def window_error(self, attention: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """(B, H) Σ‖Y − A V‖² over the window for attention weights ``attention`` and ``values``."""
+        return (self.target - attention @ values).square_().sum(dim=(-2, -1))
 
+
+@torch.no_grad()
 def grkv_merge(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -106,6 +127,8 @@ def grkv_merge(
     cg_max_iter: int = 16,
     cg_rtol: float = 1e-6,
     full_outputs: torch.Tensor | None = None,
+    safeguard: bool = True,
+    ridge_scale: str = "absolute",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the evicted part of a KV cache into the kept entries by global ridge regression.
 
@@ -139,6 +162,14 @@ def grkv_merge(
         (B, H_kv, M, d) the regression target, softmax(scale·Q Kᵀ) V of ``queries`` over the full cache
         (causal when ``query_positions`` is given), stacked like ``queries``. Computed here when omitted;
         ``GRKVPress`` passes the model's own attention outputs, which its prefill forward already computed.
+    safeguard : bool
+        After each key step, evaluate the true window loss per head and halve the step (at most
+        ``MAX_HALVINGS`` times) until it is no worse than after that round's value step; a head where no
+        length passes keeps its keys. Heads where the full step already passes get exactly the paper's
+        result. False is the paper's Alg. 1.
+    ridge_scale : {"absolute", "relative"}
+        "absolute" (the paper): λ_k and λ_v are used as given. "relative": each is multiplied, per head and
+        round, by the mean diagonal of its system (X_G X_Gᵀ for values, J Jᵀ for keys).
 
     Returns
     -------
@@ -148,7 +179,7 @@ def grkv_merge(
         get the plain evicted cache back, with a warning.
     """
     _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol, full_outputs)
+              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale)
     out_dtype = keys.dtype
     head_dim = keys.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -193,11 +224,14 @@ def grkv_merge(
         # Both steps of one round see the attention at the current keys (the key step linearises there).
         attention = problem.attention(new_keys)
         if components in ("kv", "v"):
-            step_values = _value_step(problem, attention, lambda_v)
+            step_values = _value_step(problem, attention, lambda_v, ridge_scale)
         else:
             step_values = new_values
         if components in ("kv", "k"):
-            step_keys = _key_step(problem, new_keys, attention, step_values, lambda_k, cg_max_iter, cg_rtol)
+            step_keys = _key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale, cg_max_iter,
+                                  cg_rtol)
+            if safeguard:
+                step_keys = _safeguarded(problem, new_keys, step_keys, attention, step_values)
         else:
             step_keys = new_keys
         # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
@@ -225,6 +259,38 @@ def grkv_merge(
     return merged_keys, merged_values
 
 
+def _safeguarded(problem: _Problem, keys: torch.Tensor, step_keys: torch.Tensor, attention: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+    """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
+
+    ``attention`` (B, H, M, c) is the attention at ``keys``, ``values`` the round's new values; the bar is the
+    window loss at (``keys``, ``values``), i.e. after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are
+    tried in turn; a head that passes none keeps ``keys``.
+
+    NOTE: a head that passes at length 1 gets ``step_keys`` itself (not keys + 1·step, which may round
+    differently), so where the paper's step lowers the loss the result is unchanged bit for bit.
+    """
+    bar = problem.window_error(attention, values)
+    passed_full = problem.window_error(problem.attention(step_keys), values) <= bar
+    if bool(passed_full.all()):
+        return step_keys
+    step = step_keys - keys
+    accepted = passed_full.clone()
+    length = torch.zeros_like(bar)
+    trial = 1.0
+    for _ in range(MAX_HALVINGS):
+        trial /= 2
+        candidate = torch.add(keys, step, alpha=trial)
+        passes = ~accepted & (problem.window_error(problem.attention(candidate), values) <= bar)
+        length = torch.where(passes, trial, length)
+        accepted |= passes
+        if bool(accepted.all()):
+            break
+    shortened = torch.addcmul(keys, length[..., None, None], step)
+    return torch.where(passed_full[..., None, None], step_keys, shortened)
+
+
+@torch.no_grad()
 def full_cache_outputs(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -307,28 +373,34 @@ def _fused_masked_softmax(logits: torch.Tensor, hidden: torch.Tensor | None,
     return weights
 
 
-def _value_step(problem: _Problem, attention: torch.Tensor, lambda_v: float) -> torch.Tensor:
+def _value_step(problem: _Problem, attention: torch.Tensor, lambda_v: float, ridge_scale: str) -> torch.Tensor:
     """Exact ridge refit of the free values given the (B, H, M, c) attention at the current keys (dual, M×M)."""
     residual = problem.target - attention @ problem.values0
     attention_free = attention * problem.free.transpose(-1, -2)
     gram = attention_free @ attention_free.transpose(-1, -2)
-    dual = _ridge_solve(gram, residual, lambda_v)
+    ridge = lambda_v
+    if ridge_scale == "relative":
+        ridge = lambda_v * gram.diagonal(dim1=-2, dim2=-1).mean(dim=-1)[..., None, None]
+    dual = _ridge_solve(gram, residual, ridge)
     return problem.values0 + attention_free.transpose(-1, -2) @ dual
 
 
-def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
+def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
     """Solve (gram + ridge·I) z = rhs for symmetric PSD ``gram`` (..., M, M), robust to ridge = 0.
 
-    A positive ridge makes the system positive definite: Cholesky. Without one (or if Cholesky meets a
-    numerically singular matrix) an eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm
-    least-squares solution, so ridge = 0 never yields NaN.
+    ``ridge`` is a number or a (..., 1, 1) tensor (one per system). A positive ridge makes the system positive
+    definite: Cholesky. Without one (or if Cholesky meets a numerically singular matrix) an
+    eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm least-squares solution, so ridge = 0
+    never yields NaN.
     """
-    if ridge > 0:
-        factor, info = torch.linalg.cholesky_ex(gram + ridge * torch.eye(gram.shape[-1], device=gram.device))
+    positive = ridge > 0 if isinstance(ridge, (int, float)) else bool((ridge > 0).all())
+    identity = torch.eye(gram.shape[-1], device=gram.device)
+    if positive:
+        factor, info = torch.linalg.cholesky_ex(gram + ridge * identity)
         if not bool(info.any()):
             return torch.cholesky_solve(rhs, factor)
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
-    shifted = eigenvalues + ridge
+    shifted = eigenvalues + (ridge if isinstance(ridge, (int, float)) else ridge[..., 0])
     cutoff = shifted.amax(dim=-1, keepdim=True) * gram.shape[-1] * torch.finfo(gram.dtype).eps
     inverse = torch.where(shifted > cutoff, 1.0 / shifted.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
     projected = eigenvectors.transpose(-1, -2) @ rhs
@@ -341,6 +413,7 @@ def _key_step(
     attention: torch.Tensor,
     values: torch.Tensor,
     lambda_k: float,
+    ridge_scale: str,
     cg_max_iter: int,
     cg_rtol: float,
 ) -> torch.Tensor:
@@ -357,9 +430,27 @@ def _key_step(
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
         rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0).flatten(0, 1))
-    inverse_diagonal = 1.0 / (jacobian.normal_diagonal() + lambda_k).clamp_min(torch.finfo(rhs.dtype).tiny)
-    dual = _conjugate_gradients(functools.partial(jacobian.normal, ridge=lambda_k), rhs, cg_max_iter, cg_rtol,
-                                inverse_diagonal)
+    normal_diagonal = jacobian.normal_diagonal()
+    ridge = lambda_k
+    if ridge_scale == "relative":
+        ridge = lambda_k * normal_diagonal.mean(dim=(-2, -1), keepdim=True)
+    diagonal = normal_diagonal + ridge
+    # NOTE: scale-invariant guards. An entry whose diagonal is negligible against its head's largest (a query
+    # row whose attention over the free rows underflowed: its row of J is zero) gets no preconditioning
+    # weight instead of 1/tiny ≈ 1e38, which would swamp the search direction; CG then works on the rest.
+    head_scale = diagonal.amax(dim=(-2, -1), keepdim=True)
+    significant = diagonal > head_scale * torch.finfo(diagonal.dtype).eps
+    inverse_diagonal = torch.where(significant, 1.0 / diagonal.clamp_min(torch.finfo(diagonal.dtype).tiny), 0.0)
+    operator = functools.partial(jacobian.normal, ridge=ridge)
+    dual = _conjugate_gradients(operator, rhs, cg_max_iter, cg_rtol, inverse_diagonal, head_scale)
+    stalled = (dual == 0).all(dim=-1).all(dim=-1) & ((rhs * significant) != 0).any(dim=-1).any(dim=-1)
+    if bool(stalled.any()):
+        warnings.warn(
+            f"grkv_merge: the key step made no progress on {int(stalled.sum())} of {stalled.numel()} (batch, head) "
+            "pairs (their linearised system has no usable curvature); those heads keep the value step's keys.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     key_change = jacobian.vjp(dual).unflatten(0, keys.shape[:2])
     return problem.keys0 + free_rows.scatter_rows(key_change, keys.shape[-2])
 
@@ -411,14 +502,16 @@ class _AttentionJacobian:
         """(P, M, d) output cotangent -> (P, F, d) cotangent of the free keys (zero on padding)."""
         return torch.bmm(self._vjp_weights(cotangent).transpose(-1, -2), self.queries_scaled)
 
-    def normal(self, cotangent: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
-        """(J Jᵀ + ridge·I) applied to a (P, M, d) cotangent.
+    def normal(self, cotangent: torch.Tensor, ridge: float | torch.Tensor = 0.0) -> torch.Tensor:
+        """(J Jᵀ + ridge·I) applied to a (P, M, d) cotangent; ``ridge`` a number or (P, 1, 1) per head.
 
         Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
         two M×F×d products by one M×M×F product.
         """
         logit_change = torch.bmm(self.query_gram, self._vjp_weights(cotangent))
         output_change = self._output_change(logit_change.mul_(self.attention_free))
+        if isinstance(ridge, torch.Tensor):
+            return output_change.addcmul_(cotangent, ridge)
         return output_change.add_(cotangent, alpha=ridge) if ridge else output_change
 
     def normal_diagonal(self) -> torch.Tensor:
@@ -446,12 +539,14 @@ class _AttentionJacobian:
 
 
 def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
-                         inverse_diagonal: torch.Tensor) -> torch.Tensor:
+                         inverse_diagonal: torch.Tensor, operator_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per leading index.
 
     ``rhs`` and ``inverse_diagonal`` are (P, M, d), P = B·H; inner products run over the last two axes. A head
     stops (its step size is zeroed) once its residual norm is below ``rtol``·‖rhs‖ or its search direction
-    loses curvature, which guards the singular systems that ridge 0 produces.
+    loses curvature, which guards the singular systems that ridge 0 produces. Curvature is judged against
+    ``operator_scale`` (P, 1, 1), the operator's largest diagonal entry per head (1 when omitted), so the
+    guard does not depend on the units of the problem.
 
     NOTE: the loop updates its tensors in place: each iteration is a few dozen small ops, whose dispatch and
     allocations cost as much as the operator's products at these sizes.
@@ -470,7 +565,8 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
             break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
-        running &= curvature > _head_dot(direction, direction).mul_(eps)
+        negligible = _head_dot(direction, direction).mul_(eps)
+        running &= curvature > (negligible if operator_scale is None else negligible.mul_(operator_scale))
         # NOTE: `where`, not a multiplication by the flags: a head that lost curvature may divide by ~0 (inf).
         step = torch.where(running, residual_dot / curvature.clamp_min_(tiny), 0.0)
         solution.addcmul_(step, direction)
@@ -502,7 +598,7 @@ def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol, full_outputs) -> None:
+              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale) -> None:
     """Raise a ValueError naming the argument for any malformed input (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -538,7 +634,7 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
     if budget > 1 and bool((kept.sort(dim=-1).values.diff(dim=-1) == 0).any()):
         raise ValueError("kept must not repeat a position within a (batch, head)")
     for name, lam in (("lambda_k", lambda_k), ("lambda_v", lambda_v)):
-        if not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {lam!r}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -554,10 +650,14 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
             raise ValueError("query_positions must be non-negative")
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-    if not isinstance(cg_max_iter, int) or cg_max_iter < 1:
+    if not isinstance(cg_max_iter, int) or isinstance(cg_max_iter, bool) or cg_max_iter < 1:
         raise ValueError(f"cg_max_iter must be an integer >= 1, got {cg_max_iter!r}")
-    if not isinstance(cg_rtol, (int, float)) or not 0 < cg_rtol < 1:
+    if not isinstance(cg_rtol, (int, float)) or isinstance(cg_rtol, bool) or not 0 < cg_rtol < 1:
         raise ValueError(f"cg_rtol must be in (0, 1), got {cg_rtol!r}")
+    if not isinstance(safeguard, bool):
+        raise ValueError(f"safeguard must be True or False, got {safeguard!r}")
+    if ridge_scale not in RIDGE_SCALES:
+        raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {ridge_scale!r}")
     if full_outputs is not None:
         if not isinstance(full_outputs, torch.Tensor) or full_outputs.shape != queries.shape:
             shape = tuple(full_outputs.shape) if isinstance(full_outputs, torch.Tensor) else type(full_outputs).__name__

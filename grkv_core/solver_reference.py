@@ -13,7 +13,7 @@ import math
 import torch
 from torch.func import jacrev
 
-from grkv_core.solver import EARLY_STOP_TOL, masked_softmax
+from grkv_core.solver import EARLY_STOP_TOL, MAX_HALVINGS, masked_softmax
 
 
 def grkv_merge_reference(
@@ -29,6 +29,8 @@ def grkv_merge_reference(
     components: str = "kv",
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
+    safeguard: bool = True,
+    ridge_scale: str = "absolute",
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``grkv_merge`` (minus the CG knobs); returns tensors in ``dtype``."""
@@ -40,13 +42,13 @@ def grkv_merge_reference(
         for h in range(heads):
             merged_keys[b, h], merged_values[b, h] = _merge_one_head(
                 queries[b, h].to(dtype), keys[b, h].to(dtype), values[b, h].to(dtype), kept[b, h], fixed[b, h],
-                lambda_k, lambda_v, steps, components, query_positions, scale,
+                lambda_k, lambda_v, steps, components, query_positions, scale, safeguard, ridge_scale,
             )
     return merged_keys, merged_values
 
 
 def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components,
-                    query_positions, scale):
+                    query_positions, scale, safeguard, ridge_scale):
     n_queries, head_dim = queries.shape
     if query_positions is None:
         full_visible = kept_visible = None
@@ -67,8 +69,9 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             x = masked_softmax(scale * queries @ k_t.T, kept_visible)
             x_free = x[:, free]
             residual = target - x @ values0
-            gram = x_free @ x_free.T + lambda_v * torch.eye(n_queries, dtype=x.dtype)
-            z = torch.linalg.lstsq(gram, residual).solution if lambda_v == 0 else torch.linalg.solve(gram, residual)
+            ridge = lambda_v * ((x_free**2).sum() / n_queries if ridge_scale == "relative" else 1.0)
+            gram = x_free @ x_free.T + ridge * torch.eye(n_queries, dtype=x.dtype)
+            z = torch.linalg.lstsq(gram, residual).solution if ridge == 0 else torch.linalg.solve(gram, residual)
             v_new = values0.clone()
             v_new[free] = values0[free] + x_free.T @ z
         else:
@@ -83,10 +86,19 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             error = (target - attend(k_t, v_new, kept_visible)).reshape(-1)
             offset = (k_t[free] - keys0[free]).reshape(-1)
             rhs = error + jacobian @ offset
-            system = jacobian @ jacobian.T + lambda_k * torch.eye(jacobian.shape[0], dtype=jacobian.dtype)
-            alpha = torch.linalg.lstsq(system, rhs[:, None]).solution[:, 0] if lambda_k == 0 else torch.linalg.solve(system, rhs)
+            ridge = lambda_k * ((jacobian**2).sum() / jacobian.shape[0] if ridge_scale == "relative" else 1.0)
+            system = jacobian @ jacobian.T + ridge * torch.eye(jacobian.shape[0], dtype=jacobian.dtype)
+            alpha = torch.linalg.lstsq(system, rhs[:, None]).solution[:, 0] if ridge == 0 else torch.linalg.solve(system, rhs)
             k_new = keys0.clone()
             k_new[free] = keys0[free] + (jacobian.T @ alpha).reshape(-1, head_dim)
+            if safeguard:
+                def window_error(k):
+                    return (target - attend(k, v_new, kept_visible)).square().sum()
+
+                bar = window_error(k_t)
+                lengths = [0.5**i for i in range(MAX_HALVINGS + 1)]
+                length = next((t for t in lengths if window_error(k_t + t * (k_new - k_t)) <= bar), 0.0)
+                k_new = k_t + length * (k_new - k_t)
         else:
             k_new = k_t
         k_t, v_t = k_new, v_new

@@ -121,9 +121,11 @@ class StorageSection(_Strict):
 
 BASELINES = ("paper_default", "eviction_only")
 
-# The paper's defaults (Sec. 4.1), enqueued first so every sweep is anchored to them.
+# The paper's defaults (Sec. 4.1), enqueued first so every sweep is anchored to them. The paper's Alg. 1 has no
+# safeguard and an absolute ridge; a sweep that does not search those options runs GRKVPress's defaults.
 PAPER_DEFAULTS = {"lambda_k": 1e-2, "lambda_v": 1e-2, "beta": 0.1, "window_size": 32, "steps": 1,
-                  "components": "kv", "query_policy": "window", "accept": "always"}
+                  "components": "kv", "query_policy": "window", "accept": "always", "safeguard": False,
+                  "ridge_scale": "absolute"}
 
 
 class SweepConfig(_Strict):

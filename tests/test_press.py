@@ -14,6 +14,8 @@ from grkv_core.diagnostics import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.press import GRKVPress
+from grkv_core.selection import TokenSelection
+from transformers import DynamicCache
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
 from conftest import assert_batch_elements_compressed_independently
@@ -65,7 +67,7 @@ def test_grkv_over_base_press_compresses_and_generates(architecture, press_name)
     # NOTE: kvpress masks per-head evictions with a fake key that must repel every query of a forward pass;
     # its hyperplane search can fail for multi-token inputs on random weights, so masking presses get a
     # one-token question here.
-    question = torch.tensor([loaded.tokenizer.encode("?" if press_name in NOT_EAGER else "Q: what?")])
+    question = torch.tensor([loaded.tokenizer.encode("Q" if press_name in NOT_EAGER else "Q: what?")])
     before = cache_lengths(cache)
     answer = answer_question(model, cache, question, CONTEXT, max_new_tokens=6, stop_token_ids=set())
     assert len(answer.token_ids) == 6
@@ -189,13 +191,85 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("lambda_k", -1.0), ("lambda_v", float("inf")), ("beta", 1.5), ("window_size", 0), ("steps", 0),
-    ("n_sink", -1), ("components", "kq"), ("query_policy", "random"), ("max_rel_update_k", 0.0),
-    ("accept", "sometimes"),
+    ("lambda_k", -1.0), ("lambda_v", float("inf")), ("beta", 1.5), ("beta", "0.1"), ("window_size", 0),
+    ("steps", 0), ("steps", True), ("n_sink", -1), ("components", "kq"), ("query_policy", "random"),
+    ("max_rel_update_k", 0.0), ("accept", "sometimes"), ("cg_rtol", -1), ("cg_rtol", "1e-6"),
+    ("safeguard", "yes"), ("ridge_scale", "per-head"), ("target_from_forward", 1),
 ])
 def test_bad_press_options_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         GRKVPress(press=build_press("snapkv", RATIO), **{field: value})
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "0.5", None])
+def test_compression_ratio_set_after_construction_is_checked(value):
+    press = build_press("snapkv", RATIO, merge="grkv")
+    with pytest.raises(ValueError, match="compression_ratio"):
+        press.compression_ratio = value
+    press.compression_ratio = 0.5
+    assert press.press.compression_ratio == 0.5
+
+
+@pytest.mark.parametrize("merge", ["grkv", "cam"])
+def test_compression_in_grad_mode_builds_no_graph(merge):
+    """The README's library example on a model fresh from from_pretrained: parameters require grad and no
+    torch.no_grad is in sight. Compression must work and leave no autograd graph in the cache."""
+    model = load_model("tiny-llama", attn_implementation="sdpa", dtype="float32").model
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    ids = context_ids(model.config.vocab_size, length=CONTEXT)
+    cache = DynamicCache()
+    with torch.enable_grad(), build_press("snapkv", RATIO, merge=merge)(model):
+        output = model.model(input_ids=ids, past_key_values=cache)
+    assert output.last_hidden_state.requires_grad, "the forward itself ran in grad mode"
+    assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
+    for layer in cache.layers:
+        assert layer.keys.grad_fn is None and layer.values.grad_fn is None
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+    assert not any("_grkv_window_outputs" in vars(layer.self_attn) for layer in layers_of(model))
+
+
+@pytest.mark.parametrize("merge", ["grkv", "kvmerger"])
+def test_padded_batches_are_refused_and_unpadded_masks_accepted(merge):
+    model = tiny("tiny-llama").model
+    ids = context_ids(model.config.vocab_size, batch=2, seed=9)
+    padded = torch.ones_like(ids)
+    padded[1, :7] = 0  # left padding of the second sequence
+    press = build_press("snapkv", RATIO, merge=merge)
+    with torch.inference_mode(), press(model), pytest.raises(ValueError, match="padded batches.*attention_mask"):
+        model.model(input_ids=ids, attention_mask=padded, past_key_values=DynamicCache())
+    cache = DynamicCache()
+    with torch.inference_mode(), press(model):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+    assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
+
+
+def test_paper_snapkv_window_and_genuine_top_beta_ranking():
+    from kvpress import SnapKVPress
+
+    snapkv = build_press("snapkv", RATIO)
+    assert (snapkv.window_size, snapkv.kernel_size) == (32, 5)
+    assert build_press("adakv", RATIO).press.window_size == 32
+    assert build_press("criticalkv", RATIO).press.window_size == 32
+    # kvpress's own SnapKV (window 64) scores its last 64 positions max + 1; GRKV protects its last 32. The
+    # top-beta fixed tokens must be the genuinely best-scored ones, none of the 32 artificially scored ones.
+    length, budget = 400, 120
+    generator = torch.Generator().manual_seed(0)
+    genuine = torch.rand(1, 2, length - 64, generator=generator)
+    scores = torch.cat([genuine, torch.full((1, 2, 64), float(genuine.max()) + 1)], dim=-1)
+    kept = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+    selection = TokenSelection(scores=scores, kept_mask=torch.zeros(1, 2, length, dtype=torch.bool),
+                               uniform_budget=budget)
+    press = GRKVPress(press=SnapKVPress(compression_ratio=RATIO, window_size=64), beta=0.25)
+    fixed = press._fixed(selection, kept)
+    ranked = fixed & (kept >= press.n_sink) & (kept < length - press.window_size)
+    assert not (ranked & (kept >= length - 64)).any()
+    candidates = (kept >= press.n_sink) & (kept < length - 64)
+    for h in range(2):
+        candidate_scores = scores[0, h, kept[0, h][candidates[0, h]]]
+        expected = int(candidates[0, h].sum() * 0.25)
+        assert int(ranked[0, h].sum()) == expected
+        assert scores[0, h, kept[0, h][ranked[0, h]]].min() >= candidate_scores.topk(expected).values.min()
 
 
 def test_unsupported_base_press_is_refused_clearly():

@@ -40,14 +40,15 @@ def relative_update_error(fast, reference, start):
     return ((fast.double() - reference).norm() / update.norm()).item()
 
 
+@pytest.mark.parametrize("safeguard", [False, True], ids=["paper", "safeguard"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("components", ["kv", "k", "v"])
 @pytest.mark.parametrize("steps", [1, 2, 3])
-def test_matches_float64_reference(causal, components, steps):
+def test_matches_float64_reference(causal, components, steps, safeguard):
     for trial in range(3):
         problem = random_problem(seed=1000 * steps + 100 * trial + 10 * causal + len(components), causal=causal)
         options = dict(lambda_k=0.05, lambda_v=1e-2, steps=steps, components=components,
-                       query_positions=problem["query_positions"])
+                       query_positions=problem["query_positions"], safeguard=safeguard)
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
         as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
@@ -222,6 +223,9 @@ BAD_ARGUMENTS = [
     ("scale", lambda p: p.update(scale=0.0), "scale"),
     ("full_outputs", lambda p: p.update(full_outputs=p["queries"][:, :, :-1]), "full_outputs must have the shape"),
     ("full_outputs", lambda p: p.update(full_outputs=p["queries"].long()), "full_outputs must be a floating"),
+    ("safeguard", lambda p: p.update(safeguard="yes"), "safeguard must be True or False"),
+    ("ridge_scale", lambda p: p.update(ridge_scale="per-head"), "ridge_scale must be one of"),
+    ("lambda_k", lambda p: p.update(lambda_k="0.1"), "lambda_k must be a finite number"),
 ]
 
 
@@ -281,3 +285,153 @@ def test_supplied_full_outputs_are_the_regression_target(causal):
     # A different target gives a different merge: the argument is really what the regression fits.
     shifted_k, shifted_v = grkv_merge(**tensors, full_outputs=full_outputs.float() + 0.5, **options)
     assert not torch.allclose(shifted_v, computed_v, atol=1e-2)
+
+
+def window_errors(problem, merged_keys, merged_values):
+    """(B, H) Σ‖Y_full − Y_comp‖² of the problem's queries for a compressed cache on its kept positions."""
+    return discrepancy_per_head(problem["queries"], problem["keys"], problem["values"], merged_keys, merged_values,
+                                query_positions=problem["query_positions"], compressed_positions=problem["kept"])[0]
+
+
+def overshooting_problem(seed, sharpness=3.0, **shape):
+    """A random problem whose attention is sharp enough that the paper's full key step raises the window loss."""
+    problem = random_problem(seed=seed, causal=True, **shape)
+    problem["queries"] = problem["queries"] * sharpness
+    return problem
+
+
+SMOLLM2_HEADS = dict(batch=1, heads=3, n_queries=96, length=1024, budget=102, head_dim=64)
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 3.0, 6.0])
+@pytest.mark.parametrize("shape", [dict(batch=2, heads=3, n_queries=24, length=128, budget=24, head_dim=16),
+                                   SMOLLM2_HEADS], ids=["small", "smollm2"])
+def test_safeguard_orders_window_losses_per_head(sharpness, shape):
+    """Per head: window loss after GRKV <= after the value step (GRV) <= plain eviction."""
+    for seed in range(3):
+        problem = overshooting_problem(seed, sharpness, **shape)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        positions = problem["query_positions"]
+        evicted = window_errors(problem, gather(problem["keys"], problem["kept"]),
+                                gather(problem["values"], problem["kept"]))
+        value_step = window_errors(problem, *grkv_merge(**tensors, components="v", query_positions=positions))
+        merged = window_errors(problem, *grkv_merge(**tensors, query_positions=positions))
+        assert (value_step <= evicted * (1 + 1e-5)).all()
+        assert (merged <= value_step * (1 + 1e-5)).all()
+
+
+def test_paper_step_overshoots_where_the_safeguard_holds():
+    """The overshooting problems are real: without the safeguard the key step raises the loss above GRV's."""
+    problem = overshooting_problem(0, 3.0, **SMOLLM2_HEADS)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    positions = problem["query_positions"]
+    value_step = window_errors(problem, *grkv_merge(**tensors, components="v", query_positions=positions))
+    paper = window_errors(problem, *grkv_merge(**tensors, safeguard=False, query_positions=positions))
+    assert (paper > value_step).any()
+
+
+def test_safeguard_leaves_steps_that_already_lower_the_loss_unchanged():
+    for seed in range(5):
+        problem = overshooting_problem(seed, sharpness=1.0, batch=2, heads=3, n_queries=24, length=128, budget=24,
+                                       head_dim=16)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        positions = problem["query_positions"]
+        paper_k, paper_v = grkv_merge(**tensors, safeguard=False, query_positions=positions)
+        value_step = window_errors(problem, *grkv_merge(**tensors, components="v", query_positions=positions))
+        assert (window_errors(problem, paper_k, paper_v) <= value_step).all(), "this problem must not overshoot"
+        guarded_k, guarded_v = grkv_merge(**tensors, query_positions=positions)
+        assert torch.equal(guarded_k, paper_k) and torch.equal(guarded_v, paper_v)
+
+
+def test_safeguarded_steps_match_the_float64_reference_where_they_backtrack():
+    shortened = 0
+    for seed in range(6):
+        problem = overshooting_problem(seed, sharpness=3.0, batch=1, heads=4)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        options = dict(query_positions=problem["query_positions"], lambda_k=0.05, lambda_v=1e-2)
+        fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
+        paper_k, _ = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, safeguard=False, **options)
+        shortened += int((fast_k != paper_k).any(dim=-1).any(dim=-1).sum())
+        as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+        ref_k, ref_v = grkv_merge_reference(**as64, **options)
+        assert relative_update_error(fast_k, ref_k, gather(as64["keys"], as64["kept"])) < 1e-4
+        assert relative_update_error(fast_v, ref_v, gather(as64["values"], as64["kept"])) < 1e-4
+    assert shortened >= 4, "the reference comparison must cover shortened steps"
+
+
+@pytest.mark.parametrize("ridge_scale,lambda_k,lambda_v", [("absolute", 0.0, 0.0), ("relative", 1e-2, 1e-2)])
+def test_merge_update_does_not_depend_on_the_scale_of_the_values(ridge_scale, lambda_k, lambda_v):
+    """ΔK is invariant to V -> s·V without a ridge, and with a relative one; the guards must not break that.
+
+    s is a power of two, so every product of the scaled problem is exactly the scaled product: any difference
+    comes from a decision (preconditioner, curvature guard) that depends on the units of the problem."""
+    problem = random_problem(seed=41, causal=True, n_queries=24, length=96, budget=20, head_dim=16)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    options = dict(query_positions=problem["query_positions"], lambda_k=lambda_k, lambda_v=lambda_v,
+                   ridge_scale=ridge_scale, safeguard=False, cg_max_iter=64, cg_rtol=1e-7)
+    keys, values = grkv_merge(**tensors, **options)
+    scale = 2.0**-17
+    scaled_keys, scaled_values = grkv_merge(**{**tensors, "values": tensors["values"] * scale}, **options)
+    start = gather(problem["keys"], problem["kept"])
+    assert (keys - start).abs().amax() > 1e-2, "the key step must move"
+    assert relative_update_error(scaled_keys, keys.double(), start.double()) < 1e-4
+    torch.testing.assert_close(scaled_values / scale, values, rtol=1e-4, atol=1e-4)
+
+
+def test_relative_ridge_matches_the_float64_reference():
+    for seed in range(3):
+        problem = random_problem(seed=70 + seed, causal=True)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        options = dict(query_positions=problem["query_positions"], lambda_k=0.3, lambda_v=0.1, steps=2,
+                       ridge_scale="relative", safeguard=False)
+        fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
+        as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+        ref_k, ref_v = grkv_merge_reference(**as64, **options)
+        absolute_k, _ = grkv_merge(**tensors, **{**options, "ridge_scale": "absolute"})
+        assert relative_update_error(fast_k, ref_k, gather(as64["keys"], as64["kept"])) < 1e-4
+        assert relative_update_error(fast_v, ref_v, gather(as64["values"], as64["kept"])) < 1e-4
+        assert not torch.allclose(absolute_k, fast_k, atol=1e-3), "the relative ridge must change the result"
+
+
+def test_zero_ridge_key_step_survives_rows_whose_free_attention_underflows():
+    """A query row held by a fixed key (its attention over the free rows underflows to 0) must not stop the key
+    step of its head: before the scale-invariant guards the 1/0 Jacobi weight ended CG at iteration 1."""
+    problem = random_problem(seed=17, batch=1, heads=2, n_queries=12, length=64, budget=24, head_dim=8,
+                             fixed_fraction=0.0)
+    problem["fixed"][..., 0] = True
+    anchor = torch.stack([problem["keys"][0, h, problem["kept"][0, h, 0]] for h in range(2)])  # each head's fixed key
+    problem["queries"][0, :, 0] = 60.0 * anchor / anchor.norm(dim=-1, keepdim=True)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    options = dict(lambda_k=0.0, components="k", safeguard=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keys, values = grkv_merge(**tensors, cg_max_iter=200, cg_rtol=1e-7, **options)
+    start = gather(problem["keys"], problem["kept"])
+    moved = (keys - start)[..., 1:, :].flatten(2).norm(dim=-1) / start[..., 1:, :].flatten(2).norm(dim=-1)
+    assert (moved > 1e-2).all(), f"key step skipped: relative movement {moved.tolist()}"
+    # The minimum-norm solution is the limit of the ridge solutions as λ -> 0 (the reference's lstsq at exactly
+    # 0 truncates this problem's small singular values at its own cutoff instead).
+    as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+    ref_k, _ = grkv_merge_reference(**as64, **{**options, "lambda_k": 1e-9})
+    assert relative_update_error(keys, ref_k, start.double()) < 1e-3
+
+
+def test_a_stalled_key_step_is_reported(monkeypatch):
+    import grkv_core.solver as solver
+
+    monkeypatch.setattr(solver, "_conjugate_gradients", lambda operator, rhs, *args: torch.zeros_like(rhs))
+    problem = random_problem(seed=4)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    with pytest.warns(RuntimeWarning, match="key step made no progress on 4 of 4"):
+        keys, _ = grkv_merge(**tensors)
+    assert torch.equal(keys, gather(problem["keys"], problem["kept"]))
+
+
+def test_merge_builds_no_autograd_graph_from_inputs_that_require_grad():
+    problem = random_problem(seed=6, causal=True, length=160, budget=40)
+    tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+    for name in ("queries", "keys", "values"):
+        tensors[name] = tensors[name].clone().requires_grad_(True)
+    with torch.enable_grad():
+        keys, values = grkv_merge(**tensors, query_positions=problem["query_positions"])
+    assert keys.grad_fn is None and values.grad_fn is None and not keys.requires_grad

@@ -129,6 +129,17 @@ def test_invalid_config_gives_one_line_error_naming_the_field(tmp_path):
         load_config(bad_space)
 
 
+def test_safeguard_and_ridge_scale_are_searched_and_the_paper_default_trial_is_the_paper():
+    from sweeps.space import baseline_params, suggest_press
+
+    config = load_config(REPO / "sweeps" / "configs" / "ruler-snapkv.yaml")
+    paper = dict(baseline_params(config))["paper_default"]
+    assert paper["safeguard"] is False and paper["ridge_scale"] == "absolute"
+    params = {**paper, "lambda_k": 0.5, "lambda_v": 0.5, "safeguard": True, "ridge_scale": "relative"}
+    press = suggest_press(optuna.trial.FixedTrial(params), config).build()
+    assert press.safeguard is True and press.ridge_scale == "relative" and press.lambda_k == 0.5
+
+
 def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(tmp_path):
     state = tmp_path / "state"
     result = subprocess.run(

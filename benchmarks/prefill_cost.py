@@ -1,0 +1,104 @@
+"""End-to-end prefill cost of GRKV: a whole model's prefill under the base press alone and with GRKV behind it.
+
+    PYTHONPATH=. python benchmarks/prefill_cost.py                      # SmolLM2-135M, 2,048 essay tokens, CPU
+    PYTHONPATH=. python benchmarks/prefill_cost.py --variant cg8=cg_max_iter:8 --rounds 7
+
+Every round prefills the same prompt (``--tokens`` tokens of the Paul Graham essays, the RULER haystack) once
+under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), SnapKV + GRKV as the paper
+writes it (``safeguard=False``), and any ``--variant``. Alternating the presses inside each round exposes
+them to the same background load, so the ratios stay meaningful on a shared machine; the medians over
+``--rounds`` rounds (after one untimed warm-up round) and their ratios to the base press are printed. The
+prefill is everything GRKV adds to (scoring, selection, surrogate queries, the merge, the cache swap), so
+this is the cost a user sees, unlike ``solver_cost.py``, which times the merge against one layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from grkv_core.benchmarks.ruler import load_essay_corpus
+from grkv_core.generation import prefill
+from grkv_core.models import load_model
+from grkv_core.registry import build_press
+
+
+def essay_prompt(tokenizer, tokens: int) -> torch.Tensor:
+    """(1, tokens) ids of the essay haystack's first ``tokens`` tokens."""
+    words = load_essay_corpus().words
+    ids = tokenizer.encode(" ".join(words[: 2 * tokens]), add_special_tokens=False)
+    if len(ids) < tokens:
+        raise SystemExit(f"the essay corpus holds only {len(ids)} tokens; ask for fewer with --tokens")
+    return torch.tensor([ids[:tokens]])
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME=key:value[,key:value...]`` -> (name, GRKV options); values parsed as JSON where they can be."""
+    name, _, spec = text.partition("=")
+    options = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition(":")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    if not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME=key:value[,key:value...]")
+    return name, options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--press", default="snapkv")
+    parser.add_argument("--compression-ratio", type=float, default=0.9)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=key:value,...",
+                        help="another GRKV configuration to time, e.g. cg8=cg_max_iter:8")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    ids = essay_prompt(loaded.tokenizer, args.tokens)
+    presses = {
+        args.press: build_press(args.press, args.compression_ratio),
+        f"{args.press}+grkv": build_press(args.press, args.compression_ratio, merge="grkv"),
+        f"{args.press}+grkv (paper, no safeguard)": build_press(args.press, args.compression_ratio, merge="grkv",
+                                                                safeguard=False),
+    }
+    for text in args.variant:
+        name, options = parse_variant(text)
+        presses[f"{args.press}+grkv {name}"] = build_press(args.press, args.compression_ratio, merge="grkv",
+                                                           **options)
+    on_cuda = loaded.model.device.type == "cuda"
+    times: dict[str, list[float]] = {name: [] for name in presses}
+    for round_index in range(args.rounds + 1):
+        for name, press in presses.items():
+            if on_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            prefill(loaded.model, ids, press)
+            if on_cuda:
+                torch.cuda.synchronize()
+            if round_index > 0:  # round 0 warms up every press's shapes
+                times[name].append(time.perf_counter() - start)
+
+    base = statistics.median(times[args.press])
+    print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
+          f"rounds={args.rounds} threads={torch.get_num_threads()} device={loaded.model.device} "
+          f"dtype={loaded.model.dtype}")
+    print(f"{'press':44s} {'median s':>9s} {'vs base':>9s}   per-round ratios")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        per_round = " ".join(f"{sample / base_sample - 1:+.1%}" for sample, base_sample in zip(samples, times[args.press]))
+        print(f"{name:44s} {median:9.3f} {median / base - 1:+9.1%}   {per_round}")
+
+
+if __name__ == "__main__":
+    main()
