@@ -26,7 +26,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _merge_options(args) -> dict:
     options = {}
-    for name in ("lambda_k", "lambda_v", "beta", "window_size", "steps", "n_sink", "components", "query_policy"):
+    for name in ("lambda_k", "lambda_v", "beta", "window_size", "steps", "n_sink", "components", "query_policy",
+                 "safeguard", "ridge_scale", "cg_max_iter"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -142,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--n-sink", dest="n_sink", type=int)
     evaluate.add_argument("--components", choices=["kv", "k", "v"])
     evaluate.add_argument("--query-policy", dest="query_policy", choices=["window", "stratified"])
+    evaluate.add_argument("--safeguard", action=argparse.BooleanOptionalAction, default=None,
+                          help="shorten the key step where it would raise the window loss (default on; "
+                               "--no-safeguard is the paper's Alg. 1)")
+    evaluate.add_argument("--ridge-scale", dest="ridge_scale", choices=["absolute", "relative"])
+    evaluate.add_argument("--cg-max-iter", dest="cg_max_iter", type=int)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     evaluate.set_defaults(handler=cmd_eval)
 

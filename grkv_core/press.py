@@ -89,7 +89,7 @@ class GRKVPress(MergingPress):
     max_rel_update_k: float | None = None
     max_rel_update_v: float | None = None
     accept: str = "always"
-    cg_max_iter: int = 16
+    cg_max_iter: int = 4
     cg_rtol: float = 1e-6
     safeguard: bool = True
     ridge_scale: str = "absolute"
@@ -247,10 +247,12 @@ class GRKVPress(MergingPress):
             safeguard=self.safeguard,
             ridge_scale=self.ridge_scale,
         )
-        index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
         merged_keys, merged_values = grkv_merge(surrogate.queries, keys, values, kept, fixed,
                                                 components=self.components, **solve)
+        if self.accept == "always" and self.max_rel_update_k is None and self.max_rel_update_v is None:
+            return merged_keys, merged_values
+        index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
         merged_keys = _cap_update(evicted_keys, merged_keys, self.max_rel_update_k)
         merged_values = _cap_update(evicted_values, merged_values, self.max_rel_update_v)
         if self.accept == "always":

@@ -124,7 +124,7 @@ def grkv_merge(
     components: str = "kv",
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
-    cg_max_iter: int = 16,
+    cg_max_iter: int = 4,
     cg_rtol: float = 1e-6,
     full_outputs: torch.Tensor | None = None,
     safeguard: bool = True,
@@ -228,10 +228,10 @@ def grkv_merge(
         else:
             step_values = new_values
         if components in ("kv", "k"):
-            step_keys = _key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale, cg_max_iter,
-                                  cg_rtol)
+            step_keys, value_step_error = _key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale,
+                                                    cg_max_iter, cg_rtol)
             if safeguard:
-                step_keys = _safeguarded(problem, new_keys, step_keys, attention, step_values)
+                step_keys = _safeguarded(problem, new_keys, step_keys, value_step_error, step_values)
         else:
             step_keys = new_keys
         # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
@@ -259,18 +259,17 @@ def grkv_merge(
     return merged_keys, merged_values
 
 
-def _safeguarded(problem: _Problem, keys: torch.Tensor, step_keys: torch.Tensor, attention: torch.Tensor,
+def _safeguarded(problem: _Problem, keys: torch.Tensor, step_keys: torch.Tensor, bar: torch.Tensor,
                  values: torch.Tensor) -> torch.Tensor:
     """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
 
-    ``attention`` (B, H, M, c) is the attention at ``keys``, ``values`` the round's new values; the bar is the
-    window loss at (``keys``, ``values``), i.e. after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are
-    tried in turn; a head that passes none keeps ``keys``.
+    ``values`` are the round's new values and ``bar`` (B, H) the window loss at (``keys``, ``values``), i.e.
+    after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are tried in turn; a head that passes none keeps
+    ``keys``.
 
     NOTE: a head that passes at length 1 gets ``step_keys`` itself (not keys + 1·step, which may round
     differently), so where the paper's step lowers the loss the result is unchanged bit for bit.
     """
-    bar = problem.window_error(attention, values)
     passed_full = problem.window_error(problem.attention(step_keys), values) <= bar
     if bool(passed_full.all()):
         return step_keys
@@ -393,14 +392,16 @@ def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Ten
     eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm least-squares solution, so ridge = 0
     never yields NaN.
     """
-    positive = ridge > 0 if isinstance(ridge, (int, float)) else bool((ridge > 0).all())
-    identity = torch.eye(gram.shape[-1], device=gram.device)
-    if positive:
-        factor, info = torch.linalg.cholesky_ex(gram + ridge * identity)
+    per_system = isinstance(ridge, torch.Tensor)
+    diagonal_shift = ridge[..., 0] if per_system else ridge  # (..., 1) or a number
+    if bool((ridge > 0).all()) if per_system else ridge > 0:
+        shifted_gram = gram.clone()
+        shifted_gram.diagonal(dim1=-2, dim2=-1).add_(diagonal_shift)
+        factor, info = torch.linalg.cholesky_ex(shifted_gram)
         if not bool(info.any()):
             return torch.cholesky_solve(rhs, factor)
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
-    shifted = eigenvalues + (ridge if isinstance(ridge, (int, float)) else ridge[..., 0])
+    shifted = eigenvalues + diagonal_shift
     cutoff = shifted.amax(dim=-1, keepdim=True) * gram.shape[-1] * torch.finfo(gram.dtype).eps
     inverse = torch.where(shifted > cutoff, 1.0 / shifted.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
     projected = eigenvectors.transpose(-1, -2) @ rhs
@@ -421,12 +422,14 @@ def _key_step(
 
     Solves (J Jᵀ + λ_k I) α = vec(E) + J vec(K - K⁰) per head by conjugate gradients, where J is the
     Jacobian of f(K) = softmax(s Q Kᵀ) V restricted to the free rows, applied without ever forming it.
+    Returns the new keys and ‖E‖² per head (B, H), the window loss before the step.
     """
     free_rows = problem.free_rows
     if free_rows.index.shape[-1] == 0:
-        return problem.keys0
+        return problem.keys0, problem.window_error(attention, values)
     jacobian = _AttentionJacobian.at(problem, attention, values)
     rhs = problem.target.flatten(0, 1) - jacobian.output
+    error = _head_dot(rhs, rhs).view(keys.shape[:2])
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
         rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0).flatten(0, 1))
@@ -442,8 +445,7 @@ def _key_step(
     significant = diagonal > head_scale * torch.finfo(diagonal.dtype).eps
     inverse_diagonal = torch.where(significant, 1.0 / diagonal.clamp_min(torch.finfo(diagonal.dtype).tiny), 0.0)
     operator = functools.partial(jacobian.normal, ridge=ridge)
-    dual = _conjugate_gradients(operator, rhs, cg_max_iter, cg_rtol, inverse_diagonal, head_scale)
-    stalled = (dual == 0).all(dim=-1).all(dim=-1) & ((rhs * significant) != 0).any(dim=-1).any(dim=-1)
+    dual, stalled = _conjugate_gradients(operator, rhs, cg_max_iter, cg_rtol, inverse_diagonal, head_scale)
     if bool(stalled.any()):
         warnings.warn(
             f"grkv_merge: the key step made no progress on {int(stalled.sum())} of {stalled.numel()} (batch, head) "
@@ -452,7 +454,7 @@ def _key_step(
             stacklevel=3,
         )
     key_change = jacobian.vjp(dual).unflatten(0, keys.shape[:2])
-    return problem.keys0 + free_rows.scatter_rows(key_change, keys.shape[-2])
+    return problem.keys0 + free_rows.scatter_rows(key_change, keys.shape[-2]), error
 
 
 @dataclass
@@ -539,17 +541,22 @@ class _AttentionJacobian:
 
 
 def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
-                         inverse_diagonal: torch.Tensor, operator_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         inverse_diagonal: torch.Tensor, operator_scale: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per leading index.
 
     ``rhs`` and ``inverse_diagonal`` are (P, M, d), P = B·H; inner products run over the last two axes. A head
-    stops (its step size is zeroed) once its residual norm is below ``rtol``·‖rhs‖ or its search direction
-    loses curvature, which guards the singular systems that ridge 0 produces. Curvature is judged against
-    ``operator_scale`` (P, 1, 1), the operator's largest diagonal entry per head (1 when omitted), so the
-    guard does not depend on the units of the problem.
+    stops (its step size is zeroed) once its preconditioned residual norm rᵀD⁻¹r falls below ``rtol``² times
+    its initial value, or once its search direction loses curvature, which guards the singular systems that
+    ridge 0 produces. Curvature is judged against ``operator_scale`` (P, 1, 1), the operator's largest diagonal
+    entry per head (1 when omitted), so the guard does not depend on the units of the problem.
+
+    Returns the (P, M, d) solution and a (P,) bool flag of the heads that had something to solve (a residual
+    the preconditioner reaches) but never took a step.
 
     NOTE: the loop updates its tensors in place: each iteration is a few dozen small ops, whose dispatch and
-    allocations cost as much as the operator's products at these sizes.
+    allocations cost as much as the operator's products at these sizes; the last iteration skips the residual
+    and direction updates that only a next iteration would read.
     """
     tiny = torch.finfo(rhs.dtype).tiny
     eps = torch.finfo(rhs.dtype).eps
@@ -558,29 +565,37 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
     preconditioned = inverse_diagonal * residual
     direction = preconditioned.clone()
     residual_dot = _head_dot(residual, preconditioned)
-    threshold_sq = _head_dot(rhs, rhs).mul_(rtol**2)
-    running = _head_dot(residual, residual) > threshold_sq
-    for _ in range(max_iter):
+    threshold = residual_dot * rtol**2
+    running = residual_dot > threshold
+    solvable = running.clone()
+    stepped = torch.zeros_like(running)
+    for iteration in range(max_iter):
         if not bool(running.any()):
             break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
         negligible = _head_dot(direction, direction).mul_(eps)
         running &= curvature > (negligible if operator_scale is None else negligible.mul_(operator_scale))
+        stepped |= running
         # NOTE: `where`, not a multiplication by the flags: a head that lost curvature may divide by ~0 (inf).
         step = torch.where(running, residual_dot / curvature.clamp_min_(tiny), 0.0)
         solution.addcmul_(step, direction)
+        if iteration + 1 == max_iter:
+            break
         residual.addcmul_(step, operator_direction, value=-1.0)
         torch.mul(inverse_diagonal, residual, out=preconditioned)
         new_residual_dot = _head_dot(residual, preconditioned)
         direction.mul_(new_residual_dot / residual_dot.clamp_min_(tiny)).add_(preconditioned)
         residual_dot = new_residual_dot
-        running &= _head_dot(residual, residual) > threshold_sq
-    return solution
+        running &= residual_dot > threshold
+    return solution, (solvable & ~stepped).flatten()
 
 
 def _head_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Inner product over the last two axes of (..., X, Y) tensors, shaped (..., 1, 1) for broadcasting."""
+    """Inner product over the last two axes of (..., X, Y) tensors, shaped (..., 1, 1) for broadcasting.
+
+    NOTE: multiply-and-sum, not a (1 × XY)·(XY × 1) ``bmm``: at CG's sizes the bmm costs 5x more on the CPU.
+    """
     return (a * b).sum(dim=(-2, -1), keepdim=True)
 
 

@@ -129,3 +129,17 @@ def test_cli_bad_arguments_end_in_one_line(tmp_path):
 def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     result = Evaluator(tiny, heldout_tokens=2).evaluate_sample(samples[0], PressConfig("snapkv", 0.75, merge))
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None
+
+
+def test_eval_flags_reach_the_grkv_press():
+    from grkv_core.cli import _merge_options, build_parser
+    from grkv_core.registry import build_press
+
+    args = build_parser().parse_args(["eval", "--merge", "grkv", "--no-safeguard", "--ridge-scale", "relative",
+                                      "--cg-max-iter", "4", "--lambda-k", "0.5"])
+    options = _merge_options(args)
+    assert options == {"safeguard": False, "ridge_scale": "relative", "cg_max_iter": 4, "lambda_k": 0.5}
+    press = build_press("snapkv", 0.9, merge="grkv", **options)
+    assert (press.safeguard, press.ridge_scale, press.cg_max_iter, press.lambda_k) == (False, "relative", 4, 0.5)
+    defaults = _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"]))
+    assert defaults == {}, "unset flags must leave the press's own defaults"

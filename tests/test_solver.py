@@ -158,9 +158,10 @@ def test_conjugate_gradients_stop_a_head_without_curvature_and_finish_the_others
     # Its step must be zeroed, not computed as rhs·rhs / ~0 (inf) and then masked (inf·0 = NaN).
     rhs = 30.0 * torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))
     scale = torch.tensor([2.0, 0.0]).view(2, 1, 1)
-    solution = _conjugate_gradients(lambda x: scale * x, rhs, 16, 1e-6, torch.ones_like(rhs))
+    solution, stalled = _conjugate_gradients(lambda x: scale * x, rhs, 16, 1e-6, torch.ones_like(rhs))
     torch.testing.assert_close(solution[0], rhs[0] / 2)
     assert torch.equal(solution[1], torch.zeros_like(rhs[1]))
+    assert stalled.tolist() == [False, True]
 
 
 def evicted_position(kept):
@@ -332,7 +333,7 @@ def test_paper_step_overshoots_where_the_safeguard_holds():
 
 def test_safeguard_leaves_steps_that_already_lower_the_loss_unchanged():
     for seed in range(5):
-        problem = overshooting_problem(seed, sharpness=1.0, batch=2, heads=3, n_queries=24, length=128, budget=24,
+        problem = overshooting_problem(seed, sharpness=0.5, batch=2, heads=3, n_queries=24, length=128, budget=24,
                                        head_dim=16)
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         positions = problem["query_positions"]
@@ -419,7 +420,8 @@ def test_zero_ridge_key_step_survives_rows_whose_free_attention_underflows():
 def test_a_stalled_key_step_is_reported(monkeypatch):
     import grkv_core.solver as solver
 
-    monkeypatch.setattr(solver, "_conjugate_gradients", lambda operator, rhs, *args: torch.zeros_like(rhs))
+    monkeypatch.setattr(solver, "_conjugate_gradients", lambda operator, rhs, *args: (
+        torch.zeros_like(rhs), torch.ones(rhs.shape[0], dtype=torch.bool)))
     problem = random_problem(seed=4)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     with pytest.warns(RuntimeWarning, match="key step made no progress on 4 of 4"):
