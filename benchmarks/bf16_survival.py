@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import transformers
 
 from grkv_core.benchmarks import load_dataset_samples
 from grkv_core.diagnostics import discrepancy_per_head
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--compression-ratio", type=float, default=0.9)
     parser.add_argument("--window-size", type=int, default=32)
     args = parser.parse_args()
+    transformers.utils.logging.disable_progress_bar()
 
     loaded = load_model(args.model, dtype="float32")
     model = loaded.model

@@ -68,18 +68,22 @@ class RecordingGRKVPress(GRKVPress):
         return keys.gather(2, index), values.gather(2, index)
 
 
+# NOTE: options left out take grkv_merge's defaults (λ = 1e-2, safeguard on, 4 CG iterations).
 CONFIGS: dict[str, dict | None] = {
     "snapkv (evicted)": None,
     "grv (values only)": dict(components="v"),
-    "grkv paper (no safeguard, cg 16)": dict(safeguard=False),
+    "grkv paper (no safeguard, cg 16)": dict(safeguard=False, cg_max_iter=16),
+    "grkv paper, cg 4": dict(safeguard=False),
     "grkv paper, cg converged": dict(safeguard=False, cg_max_iter=200, cg_rtol=1e-7),
-    "grkv safeguard, cg 16": dict(),
+    "grkv safeguard, cg 16": dict(cg_max_iter=16),
     "grkv safeguard, cg 8": dict(cg_max_iter=8),
     "grkv safeguard, cg 6": dict(cg_max_iter=6),
     "grkv safeguard, cg 4": dict(cg_max_iter=4),
     "grkv safeguard, cg 3": dict(cg_max_iter=3),
     "grkv safeguard, cg 2": dict(cg_max_iter=2),
     "grkv safeguard, cg converged": dict(cg_max_iter=200, cg_rtol=1e-7),
+    "grkv paper, λ_k=0": dict(safeguard=False, lambda_k=0.0),
+    "grkv safeguard, λ_k=0": dict(lambda_k=0.0),
 }
 for _lam in (1e-2, 1e-1, 1.0):
     for _scale in ("absolute", "relative"):

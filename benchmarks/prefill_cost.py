@@ -6,8 +6,15 @@
 Every round prefills the same prompt (``--tokens`` tokens of the Paul Graham essays, the RULER haystack) once
 under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), SnapKV + GRKV as the paper
 writes it (``safeguard=False``), and any ``--variant``. Alternating the presses inside each round exposes
-them to the same background load, so the ratios stay meaningful on a shared machine; the medians over
-``--rounds`` rounds (after one untimed warm-up round) and their ratios to the base press are printed. The
+them to the same background load, so the ratios stay meaningful on a shared machine; printed are the median
+time over ``--rounds`` rounds (after one untimed warm-up round) and the median of the per-round ratios to the
+base press (each round's presses share that round's load). On a shared 2-core machine a whole prefill still
+varies by ±5% between consecutive runs, so the script also times, inside the same prefills, each press's
+compression hook (kvpress's ``forward_hook``: scoring, selection and, for GRKV, the merge), summed over the
+layers: GRKV's hook time minus the base press's, over the base prefill, is the overhead with the layers'
+noise taken out ("added in hooks"). ``--heap`` controls glibc's
+heap between prefills as in ``solver_cost.py`` (``keep`` by default: freed memory is reused, never handed back
+mid-prefill, which otherwise adds 3-6 ms stalls at random places). The
 prefill is everything GRKV adds to (scoring, selection, surrogate queries, the merge, the cache swap), so
 this is the cost a user sees, unlike ``solver_cost.py``, which times the merge against one layer.
 """
@@ -20,11 +27,13 @@ import statistics
 import time
 
 import torch
+import transformers
 
 from grkv_core.benchmarks.ruler import load_essay_corpus
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
+from solver_cost import HEAP_SETTINGS, heap_preparation
 
 
 def essay_prompt(tokenizer, tokens: int) -> torch.Tensor:
@@ -34,6 +43,22 @@ def essay_prompt(tokenizer, tokens: int) -> torch.Tensor:
     if len(ids) < tokens:
         raise SystemExit(f"the essay corpus holds only {len(ids)} tokens; ask for fewer with --tokens")
     return torch.tensor([ids[:tokens]])
+
+
+def timed_hook(hook, total: list[float], on_cuda: bool):
+    """Wrap a press's forward hook so that its wall time accumulates in ``total[0]``."""
+
+    def timed(*args, **kwargs):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        output = hook(*args, **kwargs)
+        if on_cuda:
+            torch.cuda.synchronize()
+        total[0] += time.perf_counter() - start
+        return output
+
+    return timed
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -60,11 +85,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--heap", choices=HEAP_SETTINGS, default="keep", help="CPU heap handling (solver_cost.py)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=key:value,...",
                         help="another GRKV configuration to time, e.g. cg8=cg_max_iter:8")
     args = parser.parse_args()
+    transformers.utils.logging.disable_progress_bar()
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    before_each = heap_preparation(args.heap, loaded.model.device)
     ids = essay_prompt(loaded.tokenizer, args.tokens)
     presses = {
         args.press: build_press(args.press, args.compression_ratio),
@@ -77,9 +105,14 @@ def main() -> None:
         presses[f"{args.press}+grkv {name}"] = build_press(args.press, args.compression_ratio, merge="grkv",
                                                            **options)
     on_cuda = loaded.model.device.type == "cuda"
+    hook_seconds = {name: [0.0] for name in presses}
+    for name, press in presses.items():
+        press.forward_hook = timed_hook(press.forward_hook, hook_seconds[name], on_cuda)
     times: dict[str, list[float]] = {name: [] for name in presses}
     for round_index in range(args.rounds + 1):
         for name, press in presses.items():
+            if before_each is not None:
+                before_each()
             if on_cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -88,16 +121,20 @@ def main() -> None:
                 torch.cuda.synchronize()
             if round_index > 0:  # round 0 warms up every press's shapes
                 times[name].append(time.perf_counter() - start)
+            else:
+                hook_seconds[name][0] = 0.0
 
-    base = statistics.median(times[args.press])
     print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
           f"rounds={args.rounds} threads={torch.get_num_threads()} device={loaded.model.device} "
-          f"dtype={loaded.model.dtype}")
-    print(f"{'press':44s} {'median s':>9s} {'vs base':>9s}   per-round ratios")
+          f"dtype={loaded.model.dtype} heap={args.heap}")
+    print(f"{'press':44s} {'median s':>9s} {'vs base':>9s} {'added in hooks':>15s}   per-round ratios")
+    base_prefill = statistics.median(times[args.press])
     for name, samples in times.items():
-        median = statistics.median(samples)
-        per_round = " ".join(f"{sample / base_sample - 1:+.1%}" for sample, base_sample in zip(samples, times[args.press]))
-        print(f"{name:44s} {median:9.3f} {median / base - 1:+9.1%}   {per_round}")
+        ratios = [sample / base_sample - 1 for sample, base_sample in zip(samples, times[args.press])]
+        per_round = " ".join(f"{ratio:+.1%}" for ratio in ratios)
+        added = (hook_seconds[name][0] - hook_seconds[args.press][0]) / args.rounds / base_prefill
+        print(f"{name:44s} {statistics.median(samples):9.3f} {statistics.median(ratios):+9.1%} {added:+15.2%}   "
+              f"{per_round}")
 
 
 if __name__ == "__main__":

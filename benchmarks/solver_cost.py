@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=0.10, help="fraction of the cache kept")
     parser.add_argument("--window", type=int, default=32, help="surrogate query tokens m")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--cg-max-iter", type=int, default=4, help="GRKVPress's default")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7)
@@ -153,7 +154,7 @@ def main() -> None:
     fixed = (kept < 4) | (kept >= args.tokens - m)
     fixed = fixed | (torch.rand(fixed.shape, device=device) < 0.1)
     query_positions = recent.repeat(groups)
-    merge_args = dict(steps=args.steps, query_positions=query_positions)
+    merge_args = dict(steps=args.steps, query_positions=query_positions, cg_max_iter=args.cg_max_iter)
     # NOTE: in GRKVPress these come out of the layer's prefill forward (the input of o_proj), whose cost is
     # the denominator; here they are computed once, untimed, in the model's dtype.
     visible = torch.arange(args.tokens, device=device)[None, :] <= query_positions[:, None]
@@ -162,14 +163,20 @@ def main() -> None:
     def merge_in_press():
         grkv_merge(queries, keys, values, kept.contiguous(), fixed, full_outputs=window_outputs, **merge_args)
 
+    def merge_in_press_unguarded():
+        grkv_merge(queries, keys, values, kept.contiguous(), fixed, full_outputs=window_outputs, safeguard=False,
+                   **merge_args)
+
     def merge_standalone():
         grkv_merge(queries, keys, values, kept.contiguous(), fixed, **merge_args)
 
-    layer_seconds, merge_seconds, standalone_seconds = interleaved_median_seconds(
-        [layer_prefill, merge_in_press, merge_standalone], args.repeats, device, before_each=before_each)
+    layer_seconds, merge_seconds, unguarded_seconds, standalone_seconds = interleaved_median_seconds(
+        [layer_prefill, merge_in_press, merge_in_press_unguarded, merge_standalone], args.repeats, device,
+        before_each=before_each)
     rows = [
         ("decoder layer prefill", layer_seconds, 1.0),
         ("grkv_merge as GRKVPress calls it", merge_seconds, merge_seconds / layer_seconds),
+        ("  same, safeguard=False", unguarded_seconds, unguarded_seconds / layer_seconds),
         ("grkv_merge standalone", standalone_seconds, standalone_seconds / layer_seconds),
     ]
     # NOTE: the reference forms each head's (M·d) × (F·d) Jacobian in float32, F = its free rows.
@@ -183,7 +190,7 @@ def main() -> None:
 
         def naive():
             grkv_merge_reference(*naive_inputs, kept.cpu(), fixed.cpu(), dtype=torch.float32,
-                                 steps=args.steps, query_positions=query_positions.cpu())
+                                 steps=args.steps, query_positions=query_positions.cpu(), safeguard=False)
 
         (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"), warmup=1)
         rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
@@ -194,6 +201,9 @@ def main() -> None:
     print(f"{'what':36s} {'median ms':>10s} {'/ layer prefill':>16s}")
     for name, seconds, ratio in rows:
         print(f"{name:36s} {seconds * 1e3:10.2f} {ratio:16.2%}")
+    print(f"the safeguard's share of the merge as GRKVPress calls it: "
+          f"{(merge_seconds - unguarded_seconds) / merge_seconds:.1%} "
+          f"({(merge_seconds - unguarded_seconds) * 1e3:.2f} ms, {args.cg_max_iter} CG iterations)")
     if run_naive:
         # NOTE: against the standalone merge, which, like the naive one, computes the full-cache outputs.
         print(f"speed-up of grkv_merge over the naive implementation: {naive_seconds / standalone_seconds:.1f}x")

@@ -68,7 +68,8 @@ class GRKVPress(MergingPress):
         Conjugate-gradient controls of the key step.
     safeguard : bool
         Halve the key step per head until the true window loss is no worse than after the value step (a
-        measured deviation from the paper, on by default; see ``grkv_merge``). False is the paper's Alg. 1.
+        measured deviation from the paper, on by default; see ``grkv_merge``). The paper's Alg. 1 exactly is
+        ``safeguard=False`` with the key step solved to convergence (``cg_max_iter=200, cg_rtol=1e-7``).
     ridge_scale : {"absolute", "relative"}
         "relative" multiplies λ_k and λ_v by a per-head scale of their systems (see ``grkv_merge``).
     target_from_forward : bool

@@ -66,15 +66,18 @@ def surrogate_queries(
     length = hidden_states.shape[1]
     m = min(n_queries, length)
     device = hidden_states.device
+    cos, sin = position_embeddings
     if policy == "window":
+        # NOTE: slices (views), not index copies: the window is the prompt's last m tokens.
         token_positions = torch.arange(length - m, length, device=device)
-        rope_positions = token_positions
+        hidden = hidden_states[:, length - m:]
+        cos, sin = cos[:, length - m:], sin[:, length - m:]
     else:
         token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
-        rope_positions = torch.full_like(token_positions, length - 1)
-    queries = get_prerope_query_states(module, hidden_states[:, token_positions])
-    cos, sin = position_embeddings
-    cos, sin = cos[:, rope_positions].unsqueeze(1), sin[:, rope_positions].unsqueeze(1)
+        hidden = hidden_states[:, token_positions]
+        cos, sin = cos[:, length - 1:].expand(-1, m, -1), sin[:, length - 1:].expand(-1, m, -1)
+    queries = get_prerope_query_states(module, hidden)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     queries = queries * cos + rotate_half(queries) * sin
     batch, query_heads, _, head_dim = queries.shape
     kv_heads = module.config.num_key_value_heads

@@ -134,7 +134,7 @@ def test_safeguard_and_ridge_scale_are_searched_and_the_paper_default_trial_is_t
 
     config = load_config(REPO / "sweeps" / "configs" / "ruler-snapkv.yaml")
     paper = dict(baseline_params(config))["paper_default"]
-    assert paper["safeguard"] is False and paper["ridge_scale"] == "absolute"
+    assert paper["safeguard"] is False and paper["ridge_scale"] == "absolute" and paper["cg_max_iter"] == 200
     params = {**paper, "lambda_k": 0.5, "lambda_v": 0.5, "safeguard": True, "ridge_scale": "relative"}
     press = suggest_press(optuna.trial.FixedTrial(params), config).build()
     assert press.safeguard is True and press.ridge_scale == "relative" and press.lambda_k == 0.5
