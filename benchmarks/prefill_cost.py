@@ -1,7 +1,7 @@
 """End-to-end prefill cost of GRKV: a whole model's prefill under the base press alone and with GRKV behind it.
 
     PYTHONPATH=. python benchmarks/prefill_cost.py                      # SmolLM2-135M, 2,048 essay tokens, CPU
-    PYTHONPATH=. python benchmarks/prefill_cost.py --variant cg8=cg_max_iter:8 --rounds 7
+    PYTHONPATH=. python benchmarks/prefill_cost.py --variant cg8=grkv:cg_max_iter=8 --rounds 7
 
 Every round prefills the same prompt (``--tokens`` tokens of the Paul Graham essays, the RULER haystack) once
 under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), SnapKV + GRKV as the paper
@@ -22,7 +22,6 @@ this is the cost a user sees, unlike ``solver_cost.py``, which times the merge a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -30,6 +29,7 @@ import torch
 import transformers
 
 from grkv_core.benchmarks.ruler import load_essay_corpus
+from grkv_core.cli import parse_merge_variant
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
@@ -61,21 +61,6 @@ def timed_hook(hook, total: list[float], on_cuda: bool):
     return timed
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME=key:value[,key:value...]`` -> (name, GRKV options); values parsed as JSON where they can be."""
-    name, _, spec = text.partition("=")
-    options = {}
-    for item in filter(None, spec.split(",")):
-        key, _, value = item.partition(":")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    if not name:
-        raise SystemExit(f"--variant {text!r}: expected NAME=key:value[,key:value...]")
-    return name, options
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -86,8 +71,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--heap", choices=HEAP_SETTINGS, default="keep", help="CPU heap handling (solver_cost.py)")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=key:value,...",
-                        help="another GRKV configuration to time, e.g. cg8=cg_max_iter:8")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
+                        help="another merger configuration to time (grkv compare's --merge-variant syntax), "
+                             "e.g. cg8=grkv:cg_max_iter=8")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
 
@@ -101,9 +87,9 @@ def main() -> None:
                                                                 safeguard=False),
     }
     for text in args.variant:
-        name, options = parse_variant(text)
-        presses[f"{args.press}+grkv {name}"] = build_press(args.press, args.compression_ratio, merge="grkv",
-                                                           **options)
+        name, merge, options = parse_merge_variant(text)
+        presses[f"{args.press}+{merge} {name}"] = build_press(args.press, args.compression_ratio, merge=merge,
+                                                              **options)
     on_cuda = loaded.model.device.type == "cuda"
     hook_seconds = {name: [0.0] for name in presses}
     for name, press in presses.items():

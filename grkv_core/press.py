@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
-from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, select_tokens
+from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, is_number, select_tokens
 from grkv_core.solver import COMPONENTS, RIDGE_SCALES, full_cache_outputs, grkv_merge
 
 ACCEPT_RULES = ("always", "objective")
@@ -100,11 +100,11 @@ class GRKVPress(MergingPress):
         super().__post_init__()
         for name in ("lambda_k", "lambda_v"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not _is_number(self.beta) or not 0 <= self.beta <= 1:
+        if not is_number(self.beta) or not 0 <= self.beta <= 1:
             raise ValueError(f"beta must be a number in [0, 1], got {self.beta!r}")
-        if not _is_number(self.cg_rtol) or not 0 < self.cg_rtol < 1:
+        if not is_number(self.cg_rtol) or not 0 < self.cg_rtol < 1:
             raise ValueError(f"cg_rtol must be a number in (0, 1), got {self.cg_rtol!r}")
         for name in ("window_size", "steps", "cg_max_iter"):
             value = getattr(self, name)
@@ -123,7 +123,7 @@ class GRKVPress(MergingPress):
             raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {self.query_policy!r}")
         for name in ("max_rel_update_k", "max_rel_update_v"):
             value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value > 0):
+            if value is not None and not (is_number(value) and value > 0):
                 raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
         if self.accept not in ACCEPT_RULES:
             raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
@@ -270,10 +270,6 @@ class GRKVPress(MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:

@@ -174,9 +174,14 @@ class MergingPress(BasePress):
 
     @compression_ratio.setter
     def compression_ratio(self, value: float) -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        if not is_number(value) or not 0 <= value < 1:
             raise ValueError(f"compression_ratio must be a number in [0, 1), got {value!r}")
         self.press.compression_ratio = value
+
+
+def is_number(value) -> bool:
+    """A real number given as int or float (bool excluded, although it subclasses int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
