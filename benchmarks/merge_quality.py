@@ -81,6 +81,7 @@ CONFIGS: dict[str, dict | None] = {
     "grkv safeguard, cg 4": dict(cg_max_iter=4),
     "grkv safeguard, cg 3": dict(cg_max_iter=3),
     "grkv safeguard, cg 2": dict(cg_max_iter=2),
+    "grkv safeguard, cg 1": dict(cg_max_iter=1),
     "grkv safeguard, cg converged": dict(cg_max_iter=200, cg_rtol=1e-7),
     "grkv paper, λ_k=0": dict(safeguard=False, lambda_k=0.0),
     "grkv safeguard, λ_k=0": dict(lambda_k=0.0),
