@@ -5,20 +5,23 @@
 >>> with GRKVPress(SnapKVPress(compression_ratio=0.9))(model):
 ...     model.model(input_ids=context_ids, past_key_values=cache)
 
-The solver alone (``grkv_core.solver.grkv_merge``) needs only torch; the rest imports kvpress lazily.
+The configuration (``grkv_core.config``) imports nothing heavy, the solver alone (``grkv_core.solver.grkv_merge``)
+needs only torch, and the press imports kvpress: each loads only when asked for.
 """
 
 __version__ = "0.1.0"
-
-from grkv_core.solver import grkv_merge  # noqa: E402
 
 __all__ = ["GRKVPress", "grkv_merge", "__version__"]
 
 
 def __getattr__(name):
-    # NOTE: kvpress (and so transformers) load only when the press is asked for, keeping the solver light.
+    # NOTE: lazy, so that importing any submodule (the light configuration above all) loads no torch or kvpress.
     if name == "GRKVPress":
         from grkv_core.press import GRKVPress
 
         return GRKVPress
+    if name == "grkv_merge":
+        from grkv_core.solver import grkv_merge
+
+        return grkv_merge
     raise AttributeError(f"module 'grkv_core' has no attribute {name!r}")

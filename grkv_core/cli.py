@@ -7,31 +7,59 @@ import json
 import sys
 from pathlib import Path
 
+from grkv_core.config import (
+    ATTN_IMPLEMENTATIONS,
+    DATASETS,
+    DEVICES,
+    DTYPES,
+    EVICTION_PRESS_NAMES,
+    FULL_CACHE,
+    GRKV_DEFAULTS,
+    GRKV_OPTION_SPECS,
+    MERGER_NAMES,
+)
+
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Argument errors end in one line naming the command, like every other ``grkv`` error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="HF id, local dir, smollm2-135m or tiny-llama/-mistral/-qwen3")
-    parser.add_argument("--dataset", default="ruler", choices=["ruler", "ruler-hub", "longbench"])
+    parser.add_argument("--dataset", default="ruler", choices=DATASETS)
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of the dataset's)")
     parser.add_argument("--context-length", type=int, default=2048, help="RULER prompt length in tokens")
     parser.add_argument("--samples", type=int, default=5, help="samples per task")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flash_attention_2"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--attn-implementation", default=None, choices=ATTN_IMPLEMENTATIONS)
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--data-dir", default=None, help="folder with PaulGrahamEssays.json, squad/hotpotqa JSON")
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _add_grkv_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per GRKV option, derived from its spec; an option left out keeps the press's default."""
+    group = parser.add_argument_group("GRKV options (with --merge grkv)")
+    for name, spec in GRKV_OPTION_SPECS.items():
+        flag = "--" + name.replace("_", "-")
+        default = "none" if GRKV_DEFAULTS[name] is None else GRKV_DEFAULTS[name]
+        text = f"{spec.help} (default: {default})".replace("%", "%%")
+        if spec.kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif spec.kind is str:
+            group.add_argument(flag, dest=name, choices=spec.choices, help=text)
+        else:
+            group.add_argument(flag, dest=name, type=spec.kind, metavar=spec.kind.__name__.upper(), help=text)
+
+
 def _merge_options(args) -> dict:
-    options = {}
-    for name in ("lambda_k", "lambda_v", "beta", "window_size", "steps", "n_sink", "components", "query_policy",
-                 "safeguard", "ridge_scale", "cg_max_iter"):
-        value = getattr(args, name, None)
-        if value is not None:
-            options[name] = value
-    return options
+    return {name: getattr(args, name) for name in GRKV_OPTION_SPECS if getattr(args, name) is not None}
 
 
 def parse_merge_variant(text: str) -> tuple[str, str, dict]:
@@ -53,13 +81,13 @@ def parse_merge_variant(text: str) -> tuple[str, str, dict]:
 
 
 def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None):
-    from grkv_core.evaluate import EvalConfig, PressConfig
+    from grkv_core.config import EvalConfig, PressConfig
 
     return EvalConfig(
         model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
         context_length=args.context_length if args.dataset == "ruler" else None, samples=args.samples,
         seed=args.seed,
-        press=PressConfig(press, ratio if press != "full" else 0.0, merge, merge_options, variant),
+        press=PressConfig(press, ratio if press != FULL_CACHE else 0.0, merge, merge_options, variant),
         dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device, data_dir=args.data_dir,
     )
 
@@ -80,7 +108,7 @@ def cmd_compare(args) -> int:
     from grkv_core.evaluate import format_table, load_for, load_samples, run_evaluation
 
     output_dir = Path(args.output_dir)
-    configs = [_config(args, "full", 0.0, "none", {})]
+    configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
     variants = [parse_merge_variant(text) for text in args.merge_variant]
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
@@ -127,34 +155,22 @@ def cmd_analyze(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grkv", description="GRKV: KV-cache merging evaluation")
+    parser = _OneLineErrorParser(prog="grkv", description="GRKV: KV-cache merging evaluation")
     commands = parser.add_subparsers(dest="command", required=True)
 
     evaluate = commands.add_parser("eval", help="evaluate one press configuration")
     _add_common(evaluate)
-    evaluate.add_argument("--press", default="snapkv")
+    evaluate.add_argument("--press", default="snapkv", choices=(*EVICTION_PRESS_NAMES, FULL_CACHE))
     evaluate.add_argument("--compression-ratio", type=float, default=0.9)
-    evaluate.add_argument("--merge", default="none")
-    evaluate.add_argument("--lambda-k", dest="lambda_k", type=float)
-    evaluate.add_argument("--lambda-v", dest="lambda_v", type=float)
-    evaluate.add_argument("--beta", type=float)
-    evaluate.add_argument("--window-size", dest="window_size", type=int)
-    evaluate.add_argument("--steps", type=int)
-    evaluate.add_argument("--n-sink", dest="n_sink", type=int)
-    evaluate.add_argument("--components", choices=["kv", "k", "v"])
-    evaluate.add_argument("--query-policy", dest="query_policy", choices=["window", "stratified"])
-    evaluate.add_argument("--safeguard", action=argparse.BooleanOptionalAction, default=None,
-                          help="shorten the key step where it would raise the window loss (default on; "
-                               "--no-safeguard is the paper's Alg. 1)")
-    evaluate.add_argument("--ridge-scale", dest="ridge_scale", choices=["absolute", "relative"])
-    evaluate.add_argument("--cg-max-iter", dest="cg_max_iter", type=int)
+    evaluate.add_argument("--merge", default="none", choices=MERGER_NAMES)
+    _add_grkv_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     evaluate.set_defaults(handler=cmd_eval)
 
     compare = commands.add_parser("compare", help="full cache vs an eviction press vs the press + GRKV")
     _add_common(compare)
     compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
-    compare.add_argument("--press", default="snapkv")
+    compare.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
     compare.add_argument("--compression-ratios", type=float, nargs="+", default=[0.9])
     compare.add_argument("--merge-variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
                          help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
@@ -164,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "cross-window consistency")
     _add_common(analyze)
     analyze.set_defaults(tasks=["niah_single_2", "qa_2"], samples=2)
-    analyze.add_argument("--press", default="snapkv")
-    analyze.add_argument("--compare", nargs="*", default=["h2o"], help="more eviction presses to tabulate")
+    analyze.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
+    analyze.add_argument("--compare", nargs="*", default=["h2o"], choices=EVICTION_PRESS_NAMES,
+                         help="more eviction presses to tabulate")
     analyze.add_argument("--compression-ratio", type=float, default=0.9)
     analyze.add_argument("--candidate-range", type=int, default=32,
                          help="local matching rule: carriers at most this many positions away")

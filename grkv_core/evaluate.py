@@ -17,87 +17,21 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from grkv_core.benchmarks import EvalSample, load_dataset_samples, score_prediction
+from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.diagnostics import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, prefill
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.queries import surrogate_queries
-from grkv_core.registry import NOT_EAGER, build_press, required_attention
+from grkv_core.registry import NOT_EAGER, required_attention
 
 RESULT_SCHEMA_VERSION = 1
-
-
-@dataclass(frozen=True)
-class PressConfig:
-    """What compresses the cache: an eviction press by name, its budget, and an optional merger."""
-
-    press: str = "snapkv"
-    compression_ratio: float = 0.9
-    merge: str = "none"
-    merge_options: dict[str, Any] = field(default_factory=dict)
-    variant: str | None = None
-
-    def __post_init__(self) -> None:
-        self.build()  # NOTE: building is cheap and validates every name and option before any work starts
-
-    def build(self):
-        return build_press(self.press, self.compression_ratio, self.merge, **self.merge_options)
-
-    @property
-    def label(self) -> str:
-        if self.press == "full":
-            return "full"
-        budget = f"{1 - self.compression_ratio:.0%}"
-        merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
-        return f"{self.press} {budget}{merger}"
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Everything that determines an evaluation's results (and so whether a run can be resumed)."""
-
-    model: str = "smollm2-135m"
-    dataset: str = "ruler"
-    tasks: tuple[str, ...] | None = None
-    context_length: int | None = 2048
-    samples: int = 5
-    seed: int = 0
-    press: PressConfig = field(default_factory=PressConfig)
-    dtype: str = "auto"
-    attn_implementation: str | None = None
-    device: str = "auto"
-    data_dir: str | None = None
-    window_size: int = 32
-    heldout_tokens: int = 8
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "EvalConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown evaluation config field(s): {sorted(unknown)}")
-        data = dict(data)
-        data["press"] = PressConfig(**data.get("press", {}))
-        if data.get("tasks") is not None:
-            data["tasks"] = tuple(data["tasks"])
-        return cls(**data)
-
-    def resume_key(self) -> dict:
-        """The fields a resumed run must share with the stored one (more samples may be added)."""
-        key = self.to_dict()
-        key.pop("samples")
-        key["tasks"] = list(key["tasks"]) if key["tasks"] is not None else None
-        return key
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -14,12 +13,11 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
+from grkv_core.config import GRKVOptions
 from grkv_core.diagnostics import discrepancy_per_head
-from grkv_core.queries import QUERY_POLICIES, SurrogateQueries, surrogate_queries
-from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, is_number, select_tokens
-from grkv_core.solver import COMPONENTS, RIDGE_SCALES, full_cache_outputs, grkv_merge
-
-ACCEPT_RULES = ("always", "objective")
+from grkv_core.queries import SurrogateQueries, surrogate_queries
+from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, select_tokens
+from grkv_core.solver import full_cache_outputs, grkv_merge
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
@@ -30,7 +28,7 @@ _WINDOW_OUTPUTS = "_grkv_window_outputs"
 
 
 @dataclass
-class GRKVPress(MergingPress):
+class GRKVPress(GRKVOptions, MergingPress):
     """Keep the base press's tokens and merge the evicted ones into them by global ridge regression.
 
     The base press decides which tokens stay; GRKV then refits the kept keys and values so that attention
@@ -79,54 +77,9 @@ class GRKVPress(MergingPress):
         carries the model's dtype (bf16 rounding, ~0.4% per entry, on half-precision models).
     """
 
-    lambda_k: float = 1e-2
-    lambda_v: float = 1e-2
-    beta: float = 0.1
-    window_size: int = 32
-    steps: int = 1
-    n_sink: int = 4
-    components: str = "kv"
-    query_policy: str = "window"
-    max_rel_update_k: float | None = None
-    max_rel_update_v: float | None = None
-    accept: str = "always"
-    cg_max_iter: int = 4
-    cg_rtol: float = 1e-6
-    safeguard: bool = True
-    ridge_scale: str = "absolute"
-    target_from_forward: bool = True
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("lambda_k", "lambda_v"):
-            value = getattr(self, name)
-            if not is_number(value) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not is_number(self.beta) or not 0 <= self.beta <= 1:
-            raise ValueError(f"beta must be a number in [0, 1], got {self.beta!r}")
-        if not is_number(self.cg_rtol) or not 0 < self.cg_rtol < 1:
-            raise ValueError(f"cg_rtol must be a number in (0, 1), got {self.cg_rtol!r}")
-        for name in ("window_size", "steps", "cg_max_iter"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
-        for name in ("safeguard", "target_from_forward"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.ridge_scale not in RIDGE_SCALES:
-            raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {self.ridge_scale!r}")
-        if self.components not in COMPONENTS:
-            raise ValueError(f"components must be one of {COMPONENTS}, got {self.components!r}")
-        if self.query_policy not in QUERY_POLICIES:
-            raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {self.query_policy!r}")
-        for name in ("max_rel_update_k", "max_rel_update_v"):
-            value = getattr(self, name)
-            if value is not None and not (is_number(value) and value > 0):
-                raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
-        if self.accept not in ACCEPT_RULES:
-            raise ValueError(f"accept must be one of {ACCEPT_RULES}, got {self.accept!r}")
+        self.check_options()
 
     @contextmanager
     def __call__(self, model):

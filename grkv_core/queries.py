@@ -9,7 +9,8 @@ from kvpress.utils import get_prerope_query_states
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-QUERY_POLICIES = ("window", "stratified")
+from grkv_core.config import QUERY_POLICIES
+
 
 
 @dataclass(frozen=True)

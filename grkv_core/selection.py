@@ -17,6 +17,8 @@ from kvpress import (AdaKVPress, BasePress, CriticalAdaKVPress, ExpectedAttentio
 from kvpress.utils import compute_n_kept
 from torch import nn
 
+from grkv_core.config import is_number
+
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 
 
@@ -177,11 +179,6 @@ class MergingPress(BasePress):
         if not is_number(value) or not 0 <= value < 1:
             raise ValueError(f"compression_ratio must be a number in [0, 1), got {value!r}")
         self.press.compression_ratio = value
-
-
-def is_number(value) -> bool:
-    """A real number given as int or float (bool excluded, although it subclasses int)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -25,7 +25,7 @@ convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
 - ``cg_max_iter=4``: the key step's CG stops after 4 iterations; behind the safeguard that keeps about half of
   16 iterations' gain over the value step alone at about half the merge's cost (RESULTS §6).
 
-This module imports torch only: no transformers, no kvpress.
+This module imports torch and the light ``grkv_core.config`` only: no transformers, no kvpress.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-COMPONENTS = ("kv", "k", "v")
-RIDGE_SCALES = ("absolute", "relative")
+from grkv_core.config import COMPONENTS, RIDGE_SCALES
 
 # NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this.
 EARLY_STOP_TOL = 1e-9

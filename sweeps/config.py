@@ -8,7 +8,19 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grkv_core.registry import EVICTION_PRESSES, MERGERS
+from grkv_core.config import (
+    ATTN_IMPLEMENTATIONS,
+    BASELINES,
+    COMPRESSION_RATIO_SPEC,
+    DATASETS,
+    DTYPES,
+    EVICTION_ONLY,
+    EVICTION_PRESS_NAMES,
+    MERGER_NAMES,
+    OBJECTIVE_METRICS,
+    SEARCHABLE_SPECS,
+    OptionSpec,
+)
 
 
 class ConfigError(ValueError):
@@ -60,12 +72,12 @@ Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discrimin
 
 class ModelSection(_Strict):
     name: str = "smollm2-135m"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
+    dtype: Literal[DTYPES] = "auto"
+    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = None
 
 
 class DataSection(_Strict):
-    dataset: Literal["ruler", "ruler-hub", "longbench"] = "ruler"
+    dataset: Literal[DATASETS] = "ruler"
     tasks: list[str] | None = None
     context_length: int | None = 2048
     samples: int = Field(default=5, ge=1)
@@ -77,18 +89,24 @@ class PressSection(_Strict):
     """The eviction press the merger sits behind, and its budget (the ratio may also be searched)."""
 
     name: str = "snapkv"
-    compression_ratio: float = Field(default=0.9, ge=0.0, lt=1.0)
+    compression_ratio: float = 0.9
 
     @field_validator("name")
     @classmethod
     def _known(cls, name):
-        if name not in EVICTION_PRESSES:
-            raise ValueError(f"unknown press {name!r}; choose from {sorted(EVICTION_PRESSES)}")
+        if name not in EVICTION_PRESS_NAMES:
+            raise ValueError(f"unknown press {name!r}; choose from {sorted(EVICTION_PRESS_NAMES)}")
         return name
+
+    @field_validator("compression_ratio")
+    @classmethod
+    def _budget(cls, ratio):
+        COMPRESSION_RATIO_SPEC.check("compression_ratio", ratio)
+        return ratio
 
 
 class Objective(_Strict):
-    metric: Literal["mean_score", "ttft_s", "window_loss", "heldout_loss", "kv_bytes", "decode_ms_per_token"]
+    metric: Literal[OBJECTIVE_METRICS]
     direction: Literal["maximize", "minimize"]
 
 
@@ -119,14 +137,16 @@ class StorageSection(_Strict):
     state_dir: str = "~/.grkv/sweeps"
 
 
-BASELINES = ("paper_default", "eviction_only")
-
-# The paper's defaults (Sec. 4.1), enqueued first so every sweep is anchored to them. The paper's Alg. 1 has no
-# safeguard, an absolute ridge and solves the key step exactly (CG to convergence); a sweep that does not
-# search those options runs GRKVPress's defaults instead.
-PAPER_DEFAULTS = {"lambda_k": 1e-2, "lambda_v": 1e-2, "beta": 0.1, "window_size": 32, "steps": 1,
-                  "components": "kv", "query_policy": "window", "accept": "always", "safeguard": False,
-                  "ridge_scale": "absolute", "cg_max_iter": 200}
+def _range_problem(param, spec: OptionSpec) -> str | None:
+    """Why a search-space parameter can propose a value its option does not accept, or None."""
+    if isinstance(param, CategoricalParam):
+        rejected = [choice for choice in param.choices if not spec.accepts(choice)]
+        return f"choice(s) {rejected} rejected: must be {spec.describe()}" if rejected else None
+    if spec.kind not in (int, float) or (isinstance(param, FloatParam) and spec.kind is int):
+        return f"type: {param.type} cannot set it: must be {spec.describe()} (use type: categorical)"
+    ends = [param.low, param.high, *([0.0] if isinstance(param, FloatParam) and param.include_zero else [])]
+    rejected = [end for end in ends if not spec.accepts(end)]
+    return f"bound(s) {rejected} rejected: must be {spec.describe()}" if rejected else None
 
 
 class SweepConfig(_Strict):
@@ -140,7 +160,7 @@ class SweepConfig(_Strict):
                                         min_length=1)
     sampler: SamplerSection = SamplerSection()
     trials: int = Field(ge=1)
-    baselines: list[Literal["paper_default", "eviction_only"]] = Field(default_factory=lambda: list(BASELINES))
+    baselines: list[Literal[BASELINES]] = Field(default_factory=lambda: list(BASELINES))
     workers: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
     storage: StorageSection = StorageSection()
@@ -148,19 +168,22 @@ class SweepConfig(_Strict):
     @field_validator("merge")
     @classmethod
     def _mergers(cls, merge):
-        unknown = [name for name in merge if name not in MERGERS]
+        unknown = [name for name in merge if name not in MERGER_NAMES]
         if unknown:
-            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)}")
+            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGER_NAMES)}")
         return merge
 
     @model_validator(mode="after")
     def _consistent(self):
-        searchable = {"compression_ratio", "max_rel_update_k", "max_rel_update_v", *PAPER_DEFAULTS, "n_sink"}
-        unknown = sorted(set(self.search_space) - searchable)
+        unknown = sorted(set(self.search_space) - set(SEARCHABLE_SPECS))
         if unknown:
-            raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(searchable)}")
-        if "eviction_only" in self.baselines and "none" not in self.merge:
-            raise ValueError("baselines: 'eviction_only' needs 'none' among merge choices")
+            raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(SEARCHABLE_SPECS)}")
+        for name, param in self.search_space.items():
+            problem = _range_problem(param, SEARCHABLE_SPECS[name])
+            if problem:
+                raise ValueError(f"search_space.{name}: {problem}")
+        if EVICTION_ONLY in self.baselines and "none" not in self.merge:
+            raise ValueError(f"baselines: '{EVICTION_ONLY}' needs 'none' among merge choices")
         if self.sampler.type == "grid" and any(not isinstance(p, CategoricalParam) for p in self.search_space.values()):
             raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
         return self

@@ -19,16 +19,22 @@ import optuna
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from grkv_core.evaluate import EvalConfig, PressConfig
+from grkv_core.config import (
+    BASELINE_TAG,
+    BASELINES_ENQUEUED_ATTR,
+    RECOVERED_TAG,
+    REQUEUED_ATTR,
+    TRIAL_TAG,
+    EvalConfig,
+    PressConfig,
+)
 from sweeps.config import SweepConfig
 from sweeps.space import baseline_params, make_sampler, suggest_press
-from tracking.mlflow_tracker import TRIAL_TAG, SweepTracker, check_tracking_server, trial_metrics
+from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from workers.trial_worker import TrialWorker
 
 log = logging.getLogger("grkv.sweep")
 
-BASELINE_ATTR = "grkv.baseline"
-REQUEUED_ATTR = "grkv.requeued"
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
@@ -125,10 +131,10 @@ class SweepDriver:
         self.tracker = SweepTracker.open(self.config.tracking.tracking_uri, self.config.tracking.experiment,
                                          self.sweep_id, self.config.model_dump(mode="json"))
         self.reconcile()
-        if not self.study.user_attrs.get("grkv.baselines_enqueued"):
+        if not self.study.user_attrs.get(BASELINES_ENQUEUED_ATTR):
             for name, params in baseline_params(self.config):
-                self.study.enqueue_trial(params, user_attrs={BASELINE_ATTR: name})
-            self.study.set_user_attr("grkv.baselines_enqueued", True)
+                self.study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
+            self.study.set_user_attr(BASELINES_ENQUEUED_ATTR, True)
 
     def reconcile(self) -> None:
         """Bring Optuna, MLflow and the state directory back in line after an interrupted run."""
@@ -147,8 +153,8 @@ class SweepDriver:
             if outcome is not None and outcome["status"] == "ok":
                 if not finished:
                     run_id = self.tracker.start_trial(frozen.number, frozen.params,
-                                                      frozen.user_attrs.get(BASELINE_ATTR))
-                    self.tracker.client.set_tag(run_id, "grkv.recovered", "true")
+                                                      frozen.user_attrs.get(BASELINE_TAG))
+                    self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
                     self.tracker.finish_trial(run_id, outcome, worker_timing(outcome))
                 self.study.tell(frozen.number, objective_values(self.config, outcome["summary"]))
                 log.info("trial %d: recovered its finished result", frozen.number)
@@ -194,7 +200,7 @@ class SweepDriver:
                 started = time.perf_counter()
                 trial = self.study.ask()
                 press = suggest_press(trial, self.config)
-                run_id = self.tracker.start_trial(trial.number, trial.params, trial.user_attrs.get(BASELINE_ATTR))
+                run_id = self.tracker.start_trial(trial.number, trial.params, trial.user_attrs.get(BASELINE_TAG))
                 worker = idle.pop()
                 reference = workers[worker].evaluate.remote(trial.number, _press_dict(press))
                 in_flight[reference] = InFlight(trial, press, run_id, worker, 0, time.time(),

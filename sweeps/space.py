@@ -6,12 +6,11 @@ import warnings
 
 import optuna
 
-from grkv_core.evaluate import PressConfig
-from sweeps.config import PAPER_DEFAULTS, CategoricalParam, FloatParam, IntParam, SweepConfig
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig, is_number
+from sweeps.config import CategoricalParam, FloatParam, IntParam, SweepConfig
 
-# NOTE: an exact zero is its own categorical switch, so log-uniform ranges stay valid and TPE can learn
-# "no ridge" as a separate mode (the paper's lambda = 0 ablation).
-ZERO_SUFFIX = "_is_zero"
+# NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
+# and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).
 
 
 def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
@@ -37,23 +36,26 @@ def _suggest(trial: optuna.Trial, name: str, param):
 
 
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
-    """The trials enqueued first: the paper's defaults behind the press, and the press alone."""
+    """The trials enqueued first: the paper's Alg. 1 behind the press (its options among the searched ones; a
+    sweep that does not search an option runs GRKVPress's default), and the press alone."""
     baselines = []
-    if "paper_default" in config.baselines and "grkv" in config.merge:
+    if PAPER_DEFAULT in config.baselines and "grkv" in config.merge:
         params = {"merge": "grkv"}
-        for name, value in PAPER_DEFAULTS.items():
+        for name, value in PAPER_GRKV_OPTIONS.items():
             param = config.search_space.get(name)
             if param is None:
                 continue
-            if isinstance(param, CategoricalParam) and value not in param.choices:
-                warnings.warn(f"paper default {name}={value!r} is not among the searched choices; left to the sampler")
+            expressible = value in param.choices if isinstance(param, CategoricalParam) else is_number(value)
+            if not expressible:
+                warnings.warn(f"paper default {name}={value!r} cannot be proposed by the searched {param.type} "
+                              "parameter; left to the sampler")
                 continue
             params[name] = value
             if isinstance(param, FloatParam) and param.include_zero:
                 params[name + ZERO_SUFFIX] = False
-        baselines.append(("paper_default", params))
-    if "eviction_only" in config.baselines:
-        baselines.append(("eviction_only", {"merge": "none"}))
+        baselines.append((PAPER_DEFAULT, params))
+    if EVICTION_ONLY in config.baselines:
+        baselines.append((EVICTION_ONLY, {"merge": "none"}))
     return baselines
 
 

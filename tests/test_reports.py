@@ -17,6 +17,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.study import StudyDirection
 from scipy import stats
 
+from grkv_core.config import TRIAL_TAG
 from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
 from tracking.mlflow_tracker import SweepTracker
 from tracking.reports import (
@@ -261,8 +262,8 @@ def test_ablation_table_better_counts_and_held_defaults(store, ablation_sweep):
 def test_rebuilt_optuna_study_and_importances(store, ablation_sweep):
     rebuilt = rebuild_study(load_sweep(MlflowClient(store), "ablation-sweep"))
     study = rebuilt.study
-    assert [t.user_attrs["grkv.trial_number"] for t in study.trials] == list(range(8))
-    assert study.best_trial.user_attrs["grkv.trial_number"] == 6  # eviction at 12%, the sweep's best score
+    assert [t.user_attrs[TRIAL_TAG] for t in study.trials] == list(range(8))
+    assert study.best_trial.user_attrs[TRIAL_TAG] == 6  # eviction at 12%, the sweep's best score
     first = study.trials[0]
     assert first.distributions["lambda_k"] == FloatDistribution(1e-3, 1.0, log=True)
     assert first.distributions["steps"] == IntDistribution(1, 3)
@@ -280,7 +281,7 @@ def test_multi_objective_study_has_a_pareto_front_and_importances_per_objective(
     assert [o.metric for o in rebuilt.objectives] == ["mean_score", "heldout_loss"]
     assert rebuilt.study.directions == [StudyDirection.MAXIMIZE, StudyDirection.MINIMIZE]
     # Trial 0 has both the best score (50) and the lowest held-out loss (1): it alone is Pareto-optimal.
-    assert [t.user_attrs["grkv.trial_number"] for t in rebuilt.study.best_trials] == [0]
+    assert [t.user_attrs[TRIAL_TAG] for t in rebuilt.study.best_trials] == [0]
     importances = param_importances(rebuilt)
     assert [i.objective.metric for i in importances] == ["mean_score", "heldout_loss"]
     assert all(i.evaluator.startswith("PED-ANOVA") and "lambda_v" in i.importances for i in importances)

@@ -23,8 +23,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from grkv_core.config import RECOVERED_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG
 from sweeps.config import ConfigError, load_config
-from tracking.mlflow_tracker import ROLE_TAG, SWEEP_TAG, TRIAL_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -113,7 +113,7 @@ def assert_one_finished_child_per_complete_trial(children, study):
     assert numbers == sorted(t.number for t in complete_trials(study))
     for run in finished:
         # A trial recovered after a driver crash has no driver-side timing: nobody watched it finish.
-        required = REQUIRED_METRICS - ({"service_overhead_s"} if run.data.tags.get("grkv.recovered") else set())
+        required = REQUIRED_METRICS - ({"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else set())
         assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
 
 

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-SWEEP_TAG = "grkv.sweep_id"
-ROLE_TAG = "grkv.role"
-TRIAL_TAG = "grkv.trial_number"
-PARENT_TAG = "mlflow.parentRunId"
+from grkv_core.config import (
+    BASELINE_TAG,
+    BEST_TRIALS_TAG,
+    PARENT_TAG,
+    ROLE_TAG,
+    STATUS_TAG,
+    SWEEP_TAG,
+    TRIAL_TAG,
+    WORKER_PID_TAG,
+)
 
 
 class TrackingUnavailableError(RuntimeError):
@@ -94,7 +100,7 @@ class SweepTracker:
         tags = {PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
                 TRIAL_TAG: str(trial_number)}
         if baseline:
-            tags["grkv.baseline"] = baseline
+            tags[BASELINE_TAG] = baseline
         run = self.client.create_run(self.experiment_id, run_name=f"trial-{trial_number}", tags=tags)
         self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
         return run.info.run_id
@@ -104,8 +110,8 @@ class SweepTracker:
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome["summary"]), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              tags=[RunTag("grkv.status", "ok"),
-                                    RunTag("grkv.worker_pid", str(outcome["worker"]["pid"]))])
+                              tags=[RunTag(STATUS_TAG, "ok"),
+                                    RunTag(WORKER_PID_TAG, str(outcome["worker"]["pid"]))])
         rows = [
             {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
              "score": row["scores"][index]}
@@ -115,7 +121,7 @@ class SweepTracker:
         self.client.set_terminated(run_id, "FINISHED")
 
     def fail_trial(self, run_id: str, error: str, status: str = "FAILED") -> None:
-        self.client.set_tag(run_id, "grkv.status", "failed")
+        self.client.set_tag(run_id, STATUS_TAG, "failed")
         self.client.log_text(run_id, error, "error.txt")
         self.client.set_terminated(run_id, status)
 
@@ -128,7 +134,7 @@ class SweepTracker:
             for index, value in enumerate(best[0]["values"]):
                 metrics.append(Metric(f"best_objective_{index}", value, now, completed))
         self.client.log_batch(self.parent_run_id, metrics=metrics,
-                              tags=[RunTag("grkv.best_trials", json.dumps(best)[:4900])])
+                              tags=[RunTag(BEST_TRIALS_TAG, json.dumps(best)[:4900])])
 
     def close(self, status: str, summary_csv: str | None = None) -> None:
         if summary_csv is not None:

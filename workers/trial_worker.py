@@ -10,7 +10,8 @@ from dataclasses import asdict
 import ray
 import torch
 
-from grkv_core.evaluate import EvalConfig, Evaluator, PressConfig, load_for, load_samples, summarize
+from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.evaluate import Evaluator, load_for, load_samples, summarize
 
 
 @ray.remote

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tracking.reports.data import EVICTION_ONLY, PAPER_DEFAULT, SCORE_PREFIX, SweepRuns, effective_hyperparameters
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT
+from tracking.reports.data import SCORE_PREFIX, SweepRuns, effective_hyperparameters
 from tracking.reports.stats import Correlation, PairedComparison, compare_configs, correlate, pareto_front
 
 MIB = 2**20

@@ -16,15 +16,9 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from tracking.mlflow_tracker import PARENT_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG
+from grkv_core.config import BASELINE_TAG, PARENT_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG, ZERO_SUFFIX
 
-BASELINE_TAG = "grkv.baseline"
 SCORE_PREFIX = "score."
-# NOTE: the same suffix as sweeps.space.ZERO_SUFFIX; importing sweeps would load torch and kvpress
-# (~10 s) just to read a run table.
-ZERO_SUFFIX = "_is_zero"
-PAPER_DEFAULT = "paper_default"
-EVICTION_ONLY = "eviction_only"
 _PAGE = 1000
 _INTEGER = re.compile(r"[+-]?\d+")
 

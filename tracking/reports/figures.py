@@ -9,8 +9,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.analyses import LossPerformance, TradeOff
-from tracking.reports.data import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text
 from tracking.reports.stats import PairedComparison

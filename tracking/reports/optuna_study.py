@@ -19,9 +19,9 @@ import pandas as pd
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.importance import BaseImportanceEvaluator
 
-from tracking.reports.data import ZERO_SUFFIX, Objective, SweepRuns
+from grkv_core.config import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, TRIAL_TAG, ZERO_SUFFIX
+from tracking.reports.data import Objective, SweepRuns
 
-TRIAL_NUMBER_ATTR = "grkv.trial_number"
 # PED-ANOVA's authors advise at least this many trials in the top quantile it contrasts with the rest.
 MIN_TOP_TRIALS = 5
 
@@ -36,8 +36,8 @@ class RebuiltStudy:
 
     def history(self) -> pd.DataFrame:
         """``trial_number`` (the sweep's own numbering), ``baseline``, ``method`` and one column per objective."""
-        rows = [{"trial_number": t.user_attrs[TRIAL_NUMBER_ATTR], "baseline": t.user_attrs.get("grkv.baseline"),
-                 "method": t.user_attrs["grkv.method"],
+        rows = [{"trial_number": t.user_attrs[TRIAL_TAG], "baseline": t.user_attrs.get(BASELINE_TAG),
+                 "method": t.user_attrs[METHOD_ATTR],
                  **{o.metric: value for o, value in zip(self.objectives, t.values)}} for t in self.study.trials]
         return pd.DataFrame(rows)
 
@@ -131,9 +131,9 @@ def rebuild_study(runs: SweepRuns) -> RebuiltStudy:
         study.add_trial(optuna.trial.create_trial(
             params=params, distributions={name: distributions[name] for name in params},
             values=[float(v) for v in values],
-            user_attrs={TRIAL_NUMBER_ATTR: int(row["trial_number"]), "grkv.run_id": row["run_id"],
-                        "grkv.method": row["method"],
-                        "grkv.baseline": row["baseline"] if isinstance(row["baseline"], str) else None},
+            user_attrs={TRIAL_TAG: int(row["trial_number"]), RUN_ID_ATTR: row["run_id"],
+                        METHOD_ATTR: row["method"],
+                        BASELINE_TAG: row["baseline"] if isinstance(row["baseline"], str) else None},
         ))
     return RebuiltStudy(study, objectives, notes)
 

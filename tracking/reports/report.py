@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, TRIAL_TAG
 from tracking.reports import figures
 from tracking.reports.analyses import (
     MIB,
@@ -21,8 +22,8 @@ from tracking.reports.analyses import (
     significance,
     trade_off,
 )
-from tracking.reports.data import EVICTION_ONLY, PAPER_DEFAULT, SweepRuns, load_sweep
-from tracking.reports.optuna_study import TRIAL_NUMBER_ATTR, Importance, param_importances, rebuild_study
+from tracking.reports.data import SweepRuns, load_sweep
+from tracking.reports.optuna_study import Importance, param_importances, rebuild_study
 from tracking.reports.render import (
     Section,
     ablation_display,
@@ -304,7 +305,7 @@ def _optuna_section(runs: SweepRuns, colors: dict[str, str], writer: _Writer) ->
         *rebuilt.notes, *[_importance_line(i) for i in importances]])
     if len(rebuilt.objectives) > 1:
         objectives = ", ".join(f"{o.metric} {o.direction}" for o in rebuilt.objectives)
-        front = sorted(t.user_attrs[TRIAL_NUMBER_ATTR] for t in rebuilt.study.best_trials)
+        front = sorted(t.user_attrs[TRIAL_TAG] for t in rebuilt.study.best_trials)
         section.lines.append(f"Pareto-optimal trials over ({objectives}): {', '.join(map(str, front))}")
     table = pd.DataFrame([{"objective": i.objective.metric, "evaluator": i.evaluator, "param": name,
                            "importance": value} for i in importances for name, value in i.importances.items()],

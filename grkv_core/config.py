@@ -1,0 +1,246 @@
+"""The project's vocabulary, defined once: names, GRKV's options with their checks, the paper's defaults, and
+the press and evaluation configurations.
+
+Everything else derives from this module: ``GRKVPress`` takes its fields from ``GRKVOptions``, the ``grkv``
+command line builds one flag per option, a sweep's searchable parameters and their validation come from
+``GRKV_OPTION_SPECS``, and MLflow logs the resolved options. A new GRKV option added here is reachable from the
+command line and from a sweep config without touching either.
+
+NOTE: this module imports nothing heavy (no torch, kvpress or transformers), so validating a sweep config or
+parsing a command line stays instant; ``PressConfig.build`` imports the registry only when called.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
+EVICTION_PRESS_NAMES = ("snapkv", "pyramidkv", "streamingllm", "h2o", "expected_attention", "knorm", "criticalkv",
+                        "adakv", "criticaladakv")
+FULL_CACHE = "full"
+MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger")
+DATASETS = ("ruler", "ruler-hub", "longbench")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DEVICES = ("auto", "cpu", "cuda")
+# Per-trial summary metrics a sweep may optimise (keys of ``grkv_core.evaluate.summarize``).
+OBJECTIVE_METRICS = ("mean_score", "ttft_s", "window_loss", "heldout_loss", "kv_bytes", "decode_ms_per_token")
+
+# The service's MLflow tags, which double as Optuna user attributes where both record the same fact.
+SWEEP_TAG = "grkv.sweep_id"
+ROLE_TAG = "grkv.role"  # "sweep" on the parent run, "trial" on each child
+TRIAL_TAG = "grkv.trial_number"
+PARENT_TAG = "mlflow.parentRunId"
+BASELINE_TAG = "grkv.baseline"
+STATUS_TAG = "grkv.status"
+WORKER_PID_TAG = "grkv.worker_pid"
+RECOVERED_TAG = "grkv.recovered"
+BEST_TRIALS_TAG = "grkv.best_trials"
+METHOD_ATTR = "grkv.method"
+RUN_ID_ATTR = "grkv.run_id"
+REQUEUED_ATTR = "grkv.requeued"
+BASELINES_ENQUEUED_ATTR = "grkv.baselines_enqueued"
+# Baseline trials a sweep enqueues first, and the suffix of the switch that proposes an exact zero for a
+# log-uniform float (the paper's lambda = 0 ablation).
+PAPER_DEFAULT = "paper_default"
+EVICTION_ONLY = "eviction_only"
+BASELINES = (PAPER_DEFAULT, EVICTION_ONLY)
+ZERO_SUFFIX = "_is_zero"
+
+COMPONENTS = ("kv", "k", "v")
+RIDGE_SCALES = ("absolute", "relative")
+QUERY_POLICIES = ("window", "stratified")
+ACCEPT_RULES = ("always", "objective")
+
+
+def is_number(value) -> bool:
+    """A real number given as int or float (bool excluded, although it subclasses int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What values one option takes, for checks, command-line flags and sweep validation.
+
+    ``kind`` is float, int, bool or str (then ``choices`` lists the values). Numbers are bounded by ``low`` and
+    ``high`` (inclusive unless ``low_open``/``high_open``); ``nullable`` also admits None.
+    """
+
+    help: str
+    kind: type
+    choices: tuple = ()
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    nullable: bool = False
+
+    def accepts(self, value) -> bool:
+        if value is None:
+            return self.nullable
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if self.kind is str:
+            return value in self.choices
+        if self.kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
+            return False
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        """The accepted values in words, e.g. "an integer >= 1" or "one of ('kv', 'k', 'v')"."""
+        if self.kind is bool:
+            text = "True or False"
+        elif self.kind is str:
+            text = f"one of {self.choices}"
+        else:
+            noun = "an integer" if self.kind is int else "a finite number"
+            if self.low is not None and self.high is not None:
+                text = (f"{noun} in {'(' if self.low_open else '['}{self.low:g}, "
+                        f"{self.high:g}{')' if self.high_open else ']'}")
+            elif self.low is not None:
+                text = f"{noun} {'>' if self.low_open else '>='} {self.low:g}"
+            else:
+                text = noun
+        return f"None or {text}" if self.nullable else text
+
+    def check(self, name: str, value) -> None:
+        if not self.accepts(value):
+            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+
+
+def _option(default, spec: OptionSpec):
+    return field(default=default, metadata={"spec": spec})
+
+
+@dataclass
+class GRKVOptions:
+    """GRKV's options (``GRKVPress`` fields besides the base press). Defaults are the library's; see
+    ``PAPER_GRKV_OPTIONS`` for the paper's Alg. 1 exactly.
+
+    NOTE: not frozen, because ``GRKVPress`` inherits these fields and kvpress presses are mutable.
+    """
+
+    lambda_k: float = _option(1e-2, OptionSpec(
+        "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)", float, low=0.0))
+    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0))
+    beta: float = _option(0.1, OptionSpec(
+        "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
+        "held fixed", float, low=0.0, high=1.0))
+    window_size: int = _option(32, OptionSpec("m, the number of surrogate query tokens", int, low=1))
+    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1))
+    n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
+    components: str = _option("kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str,
+                                               choices=COMPONENTS))
+    query_policy: str = _option("window", OptionSpec(
+        "surrogate queries: the last m prompt tokens (paper) or strata of the prompt (authors' code)", str,
+        choices=QUERY_POLICIES))
+    max_rel_update_k: float | None = _option(None, OptionSpec(
+        "trust-region cap per head, |dK| <= cap |K0| (authors' code: 0.025)", float, low=0.0, low_open=True,
+        nullable=True))
+    max_rel_update_v: float | None = _option(None, OptionSpec(
+        "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)", float, low=0.0, low_open=True,
+        nullable=True))
+    accept: str = _option("always", OptionSpec(
+        "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code)", str,
+        choices=ACCEPT_RULES))
+    cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
+    cg_rtol: float = _option(1e-6, OptionSpec("relative residual tolerance of the key step's conjugate gradients",
+                                              float, low=0.0, high=1.0, low_open=True, high_open=True))
+    safeguard: bool = _option(True, OptionSpec(
+        "shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool))
+    ridge_scale: str = _option("absolute", OptionSpec(
+        "'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES))
+    target_from_forward: bool = _option(True, OptionSpec(
+        "take the regression target from the prefill's own attention outputs instead of recomputing it", bool))
+
+    def check_options(self) -> None:
+        """Raise a ValueError naming the first option whose value is not accepted."""
+        for name, spec in GRKV_OPTION_SPECS.items():
+            spec.check(name, getattr(self, name))
+
+
+GRKV_OPTION_SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in fields(GRKVOptions)}
+GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
+
+# The paper's Alg. 1 (Sec. 4.1 defaults): no safeguard and the key step solved to convergence; a sweep enqueues
+# it first (the searched options among these) so every sweep is anchored to the paper.
+PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
+
+# A sweep searches the budget and every GRKV option.
+COMPRESSION_RATIO_SPEC = OptionSpec("fraction of the context's KV pairs removed", float, low=0.0, high=1.0,
+                                    high_open=True)
+SEARCHABLE_SPECS: dict[str, OptionSpec] = {"compression_ratio": COMPRESSION_RATIO_SPEC, **GRKV_OPTION_SPECS}
+
+
+@dataclass(frozen=True)
+class PressConfig:
+    """What compresses the cache: an eviction press by name, its budget, and an optional merger."""
+
+    press: str = "snapkv"
+    compression_ratio: float = 0.9
+    merge: str = "none"
+    merge_options: dict[str, Any] = field(default_factory=dict)
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        self.build()  # NOTE: building is cheap and validates every name and option before any work starts
+
+    def build(self):
+        from grkv_core.registry import build_press
+
+        return build_press(self.press, self.compression_ratio, self.merge, **self.merge_options)
+
+    @property
+    def label(self) -> str:
+        if self.press == FULL_CACHE:
+            return FULL_CACHE
+        budget = f"{1 - self.compression_ratio:.0%}"
+        merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
+        return f"{self.press} {budget}{merger}"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything that determines an evaluation's results (and so whether a run can be resumed)."""
+
+    model: str = "smollm2-135m"
+    dataset: str = "ruler"
+    tasks: tuple[str, ...] | None = None
+    context_length: int | None = 2048
+    samples: int = 5
+    seed: int = 0
+    press: PressConfig = field(default_factory=PressConfig)
+    dtype: str = "auto"
+    attn_implementation: str | None = None
+    device: str = "auto"
+    data_dir: str | None = None
+    window_size: int = 32
+    heldout_tokens: int = 8
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EvalConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown evaluation config field(s): {sorted(unknown)}")
+        data = dict(data)
+        data["press"] = PressConfig(**data.get("press", {}))
+        if data.get("tasks") is not None:
+            data["tasks"] = tuple(data["tasks"])
+        return cls(**data)
+
+    def resume_key(self) -> dict:
+        """The fields a resumed run must share with the stored one (more samples may be added)."""
+        key = self.to_dict()
+        key.pop("samples")
+        key["tasks"] = list(key["tasks"]) if key["tasks"] is not None else None
+        return key

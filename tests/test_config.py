@@ -1,0 +1,149 @@
+"""The configuration spine: every GRKV option is defined once and reachable from the CLI and a sweep config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+
+from grkv_core.config import (
+    EVICTION_PRESS_NAMES,
+    GRKV_DEFAULTS,
+    GRKV_OPTION_SPECS,
+    MERGER_NAMES,
+    PAPER_GRKV_OPTIONS,
+    GRKVOptions,
+    OptionSpec,
+    PressConfig,
+)
+from sweeps.config import ConfigError, SweepConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def a_value_other_than_the_default(name: str):
+    """A value the option accepts that differs from its default, so reaching the press is observable."""
+    spec, default = GRKV_OPTION_SPECS[name], GRKV_DEFAULTS[name]
+    if spec.kind is bool:
+        value = not default
+    elif spec.kind is str:
+        value = next(choice for choice in spec.choices if choice != default)
+    elif spec.kind is int:
+        value = default + 1
+    else:
+        value = 0.5 if default is None else default / 2
+    assert spec.accepts(value) and value != default
+    return value
+
+
+def test_the_config_modules_load_no_heavy_package():
+    code = ("import sys, grkv_core.config, sweeps.config; "
+            "print(sorted(m for m in ('torch', 'kvpress', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_registry_implements_exactly_the_named_presses_and_mergers():
+    from grkv_core.registry import EVICTION_PRESSES, MERGERS
+
+    assert tuple(EVICTION_PRESSES) == EVICTION_PRESS_NAMES
+    assert tuple(MERGERS) == MERGER_NAMES
+
+
+def test_grkv_press_fields_are_exactly_the_options():
+    from dataclasses import fields
+
+    from grkv_core.press import GRKVPress
+
+    press_fields = {f.name: f.default for f in fields(GRKVPress)}
+    assert {name: press_fields[name] for name in GRKV_OPTION_SPECS} == GRKV_DEFAULTS
+    assert set(press_fields) - set(GRKV_OPTION_SPECS) == {"press"}
+
+
+@pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))
+def test_every_grkv_option_is_settable_from_the_cli(name):
+    from grkv_core.cli import _merge_options, build_parser
+
+    value = a_value_other_than_the_default(name)
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        arguments = [flag if value else "--no-" + flag[2:]]
+    else:
+        arguments = [flag, str(value)]
+    options = _merge_options(build_parser().parse_args(["eval", "--merge", "grkv", *arguments]))
+    assert options == {name: value}
+    assert getattr(PressConfig("snapkv", 0.9, "grkv", options).build(), name) == value
+
+
+@pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))
+def test_every_grkv_option_is_settable_from_a_sweep_config(name):
+    from sweeps.space import suggest_press
+
+    value = a_value_other_than_the_default(name)
+    config = SweepConfig(name="walk", trials=1, baselines=["paper_default"],
+                         search_space={name: {"type": "categorical", "choices": [value]}})
+    study = optuna.create_study()
+    press_config = suggest_press(study.ask(), config)
+    assert press_config.merge_options == {name: value}
+    assert getattr(press_config.build(), name) == value
+
+
+def test_unset_cli_flags_keep_the_press_defaults():
+    from grkv_core.cli import _merge_options, build_parser
+
+    assert _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"])) == {}
+
+
+@pytest.mark.parametrize("name, param, problem", [
+    ("components", {"type": "categorical", "choices": ["kv", "kq"]}, "choice(s) ['kq'] rejected"),
+    ("window_size", {"type": "float", "low": 8.0, "high": 64.0}, "type: float cannot set it"),
+    ("safeguard", {"type": "int", "low": 0, "high": 1}, "type: int cannot set it"),
+    ("beta", {"type": "float", "low": 0.0, "high": 1.5}, "bound(s) [1.5] rejected"),
+    ("max_rel_update_k", {"type": "float", "low": 0.01, "high": 0.1, "include_zero": True}, "bound(s) [0.0]"),
+    ("compression_ratio", {"type": "float", "low": 0.5, "high": 1.0}, "bound(s) [1.0] rejected"),
+])
+def test_a_search_space_the_options_reject_is_a_one_line_error(tmp_path, name, param, problem):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"name: bad\ntrials: 1\nsearch_space:\n  {name}: {param}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    message = str(raised.value)
+    assert f"search_space.{name}: {problem}" in message and "\n" not in message
+
+
+def test_the_paper_baseline_skips_what_a_searched_parameter_cannot_express():
+    from sweeps.space import baseline_params
+
+    config = SweepConfig(name="caps", trials=1, baselines=["paper_default"], search_space={
+        "max_rel_update_k": {"type": "float", "low": 0.01, "high": 0.1},
+        "cg_max_iter": {"type": "int", "low": 1, "high": 8},
+        "safeguard": {"type": "categorical", "choices": [True, False]},
+    })
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paper = dict(baseline_params(config))["paper_default"]
+    assert paper == {"merge": "grkv", "cg_max_iter": PAPER_GRKV_OPTIONS["cg_max_iter"], "safeguard": False}
+    assert any("max_rel_update_k=None" in str(warning.message) for warning in caught)
+
+
+def test_paper_options_are_alg_1_and_build():
+    press = PressConfig("snapkv", 0.9, "grkv", PAPER_GRKV_OPTIONS).build()
+    assert press.safeguard is False and press.cg_max_iter >= 100 and press.lambda_k == press.lambda_v == 1e-2
+
+
+@pytest.mark.parametrize("value, accepted", [(0.0, True), (1.0, True), (0.5, True), (1.5, False), (-0.1, False),
+                                             (float("nan"), False), (True, False), ("0.5", False), (None, False)])
+def test_a_closed_float_range_accepts_exactly_its_numbers(value, accepted):
+    assert OptionSpec("", float, low=0.0, high=1.0).accepts(value) is accepted
+
+
+def test_options_name_the_first_rejected_field():
+    with pytest.raises(ValueError, match=r"^steps must be an integer >= 1, got 0$"):
+        GRKVOptions(steps=0).check_options()
+    with pytest.raises(ValueError, match=r"^max_rel_update_v must be None or a finite number > 0, got 0$"):
+        GRKVOptions(max_rel_update_v=0).check_options()
