@@ -207,7 +207,13 @@ class PressConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Everything that determines an evaluation's results (and so whether a run can be resumed)."""
+    """Everything that determines an evaluation's results (and so whether a run can be resumed).
+
+    ``loss_window`` is the number of last prompt positions whose queries measure the window discrepancy,
+    and ``heldout_tokens`` the number of first generated tokens whose queries measure the held-out one.
+    NOTE: ``loss_window`` is the probe's, not the press's surrogate window (GRKV's ``window_size``, m): it
+    stays fixed while a sweep searches m, so every trial's window loss is measured on the same queries.
+    """
 
     model: str = "smollm2-135m"
     dataset: str = "ruler"
@@ -220,7 +226,7 @@ class EvalConfig:
     attn_implementation: str | None = None
     device: str = "auto"
     data_dir: str | None = None
-    window_size: int = 32
+    loss_window: int = 32
     heldout_tokens: int = 8
 
     def to_dict(self) -> dict:
@@ -228,11 +234,13 @@ class EvalConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> EvalConfig:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | {"window_size"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown evaluation config field(s): {sorted(unknown)}")
         data = dict(data)
+        if "window_size" in data:  # NOTE: result files written before the rename (same meaning)
+            data["loss_window"] = data.pop("window_size")
         data["press"] = PressConfig(**data.get("press", {}))
         if data.get("tasks") is not None:
             data["tasks"] = tuple(data["tasks"])

@@ -65,9 +65,9 @@ class _ReconstructionProbe:
     keeps the post-RoPE queries of the first ``heldout_tokens`` generated tokens.
     """
 
-    def __init__(self, model, window_size: int, heldout_tokens: int):
+    def __init__(self, model, loss_window: int, heldout_tokens: int):
         self.model = model
-        self.window_size = window_size
+        self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens
         self.full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.window_inputs: dict[int, tuple] = {}
@@ -96,8 +96,8 @@ class _ReconstructionProbe:
         if layer not in self.full:
             self.full[layer] = (cache_layer.keys, cache_layer.values)
             cos, sin = kwargs["position_embeddings"]
-            self.window_inputs[layer] = (module, hidden[:, -self.window_size:], cos[:, -self.window_size:],
-                                         sin[:, -self.window_size:], hidden.shape[1])
+            self.window_inputs[layer] = (module, hidden[:, -self.loss_window:], cos[:, -self.loss_window:],
+                                         sin[:, -self.loss_window:], hidden.shape[1])
         elif self.collect_heldout and hidden.shape[1] == 1:
             captured = self.heldout.setdefault(layer, [])
             if len(captured) < self.heldout_tokens:
@@ -129,7 +129,7 @@ class _ReconstructionProbe:
         error = reference = 0.0
         for layer, view in enumerate(views):
             module, hidden, cos, sin, length = self.window_inputs[layer]
-            window = surrogate_queries(module, hidden, (cos, sin), n_queries=self.window_size)
+            window = surrogate_queries(module, hidden, (cos, sin), n_queries=self.loss_window)
             # surrogate_queries numbered the window from 0; shift to its true place at the prompt's end.
             positions = window.positions + (length - hidden.shape[1])
             full_keys, full_values = self.full[layer]
@@ -190,15 +190,16 @@ class Evaluator:
     ----------
     loaded : LoadedModel
         From ``grkv_core.models.load_model``.
-    window_size : int
-        m of the surrogate window on which the window reconstruction loss is measured.
+    loss_window : int
+        Number of last prompt positions whose queries measure the window reconstruction loss (the same for
+        every press, whatever surrogate window the press itself uses).
     heldout_tokens : int
         Number of first generated tokens whose queries form the held-out set (0 disables it).
     """
 
-    def __init__(self, loaded: LoadedModel, window_size: int = 32, heldout_tokens: int = 8):
+    def __init__(self, loaded: LoadedModel, loss_window: int = 32, heldout_tokens: int = 8):
         self.loaded = loaded
-        self.window_size = window_size
+        self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens
         self.stop_ids = stop_token_ids(loaded)
 
@@ -217,7 +218,7 @@ class Evaluator:
         on_cuda = model.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(model.device)
-        probe = _ReconstructionProbe(model, self.window_size, self.heldout_tokens) if measure_reconstruction else None
+        probe = _ReconstructionProbe(model, self.loss_window, self.heldout_tokens) if measure_reconstruction else None
         with probe if probe is not None else contextlib.nullcontext():
             prefill_start = time.perf_counter()
             cache = prefill(model, context_ids, press)
@@ -374,7 +375,7 @@ def run_evaluation(
     store = ResultStore(Path(output), config, model_dtype) if output is not None else None
     results = list(store.results) if store is not None else []
     done = {result.sample_id for result in results}
-    evaluator = Evaluator(loaded, window_size=config.window_size, heldout_tokens=config.heldout_tokens)
+    evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens)
     pending = [sample for sample in samples if sample.sample_id not in done]
     for sample in tqdm(pending, desc=config.press.label, disable=not progress, unit="sample"):
         result = evaluator.evaluate_sample(sample, config.press)

@@ -16,6 +16,7 @@ from grkv_core.config import (
     GRKV_OPTION_SPECS,
     MERGER_NAMES,
     PAPER_GRKV_OPTIONS,
+    EvalConfig,
     GRKVOptions,
     OptionSpec,
     PressConfig,
@@ -147,3 +148,13 @@ def test_options_name_the_first_rejected_field():
         GRKVOptions(steps=0).check_options()
     with pytest.raises(ValueError, match=r"^max_rel_update_v must be None or a finite number > 0, got 0$"):
         GRKVOptions(max_rel_update_v=0).check_options()
+
+
+def test_eval_config_round_trips_and_reads_the_loss_window_of_older_result_files():
+    config = EvalConfig(tasks=("niah_single_1",), press=PressConfig("snapkv", 0.8, "grkv", {"window_size": 16}),
+                        loss_window=24)
+    assert EvalConfig.from_dict(config.to_dict()) == config
+    legacy = {key: value for key, value in config.to_dict().items() if key != "loss_window"}
+    assert EvalConfig.from_dict({**legacy, "window_size": 24}) == config
+    with pytest.raises(ValueError, match="unknown evaluation config field"):
+        EvalConfig.from_dict({**legacy, "windowsize": 24})

@@ -31,7 +31,7 @@ class TrialWorker:
         self.base_config = EvalConfig.from_dict(eval_config)
         self.loaded = load_for(self.base_config)
         self.samples = load_samples(self.base_config, self.loaded.tokenizer)
-        self.evaluator = Evaluator(self.loaded, window_size=self.base_config.window_size,
+        self.evaluator = Evaluator(self.loaded, loss_window=self.base_config.loss_window,
                                    heldout_tokens=self.base_config.heldout_tokens)
         self.model_loads = 1
         self.trials_evaluated = 0
