@@ -15,7 +15,7 @@ import statistics
 
 from mlflow.tracking import MlflowClient
 
-from tracking.mlflow_tracker import ROLE_TAG, SWEEP_TAG, TRIAL_TAG
+from grkv_core.config import ROLE_TAG, SWEEP_TAG, TRIAL_TAG, WORKER_PID_TAG
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     if not runs:
         raise SystemExit(f"no finished trials for sweep {args.sweep_id!r}")
     rows = sorted(((int(r.data.tags[TRIAL_TAG]), r.data.metrics["trial_eval_s"], r.data.metrics["service_overhead_s"],
-                    int(r.data.metrics["worker_model_loads"]), r.data.tags.get("grkv.worker_pid")) for r in runs))
+                    int(r.data.metrics["worker_model_loads"]), r.data.tags.get(WORKER_PID_TAG)) for r in runs))
     print(f"{'trial':>5s} {'eval s':>9s} {'overhead s':>11s} {'overhead %':>11s} {'worker pid':>10s} {'loads':>5s}")
     for number, evaluation, overhead, loads, pid in rows:
         print(f"{number:5d} {evaluation:9.2f} {overhead:11.3f} {overhead / evaluation:11.2%} {pid:>10s} {loads:5d}")

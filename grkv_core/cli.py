@@ -105,7 +105,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from grkv_core.evaluate import format_table, load_for, load_samples, run_evaluation
+    from grkv_core.evaluate import EvaluationSetup, format_table, run_evaluation
 
     output_dir = Path(args.output_dir)
     configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
@@ -114,12 +114,11 @@ def cmd_compare(args) -> int:
         configs.append(_config(args, args.press, ratio, "none", {}))
         configs.append(_config(args, args.press, ratio, "grkv", {}))
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
-    loaded = load_for(configs[1])
-    samples = load_samples(configs[0], loaded.tokenizer)
+    setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
     summaries = []
     for config in configs:
         name = config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct")
-        summaries.append(run_evaluation(config, output_dir / f"{name}.json", loaded=loaded, samples=samples,
+        summaries.append(run_evaluation(config, output_dir / f"{name}.json", setup=setup,
                                         progress=not args.no_progress))
     table = format_table(summaries)
     (output_dir / "table.md").write_text(table + "\n")
@@ -130,7 +129,7 @@ def cmd_compare(args) -> int:
 
 def cmd_analyze(args) -> int:
     from grkv_core.analysis import carrier_report, format_carrier_table, plot_window_consistency
-    from grkv_core.evaluate import load_for, load_samples
+    from grkv_core.evaluate import EvaluationSetup
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -140,8 +139,8 @@ def cmd_analyze(args) -> int:
     if any(required_attention(name) for name in presses):
         args.attn_implementation = "eager"  # NOTE: one model serves every press, so the strictest need wins
     base = _config(args, args.press, args.compression_ratio, "none", {})
-    loaded = load_for(base)
-    samples = load_samples(base, loaded.tokenizer)
+    setup = EvaluationSetup.load(base)
+    loaded, samples = setup.loaded, setup.samples
     reports = [carrier_report(loaded, samples, name, args.compression_ratio, args.candidate_range, output_dir,
                               progress=not args.no_progress) for name in presses]
     plot_window_consistency(loaded, samples[0], output_dir / "cross_window_consistency.png")

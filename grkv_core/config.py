@@ -13,7 +13,7 @@ parsing a command line stays instant; ``PressConfig.build`` imports the registry
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 # Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
@@ -25,7 +25,10 @@ DATASETS = ("ruler", "ruler-hub", "longbench")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
-# Per-trial summary metrics a sweep may optimise (keys of ``grkv_core.evaluate.summarize``).
+# The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluate.summarize``).
+COST_METRICS = ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes", "full_kv_bytes", "peak_memory_bytes",
+                "window_loss", "heldout_loss", "wall_s", "context_tokens")
+# What a sweep may optimise: the mean score over tasks (0-100) or a cost.
 OBJECTIVE_METRICS = ("mean_score", "ttft_s", "window_loss", "heldout_loss", "kv_bytes", "decode_ms_per_token")
 
 # The service's MLflow tags, which double as Optuna user attributes where both record the same fact.
@@ -40,8 +43,11 @@ RECOVERED_TAG = "grkv.recovered"
 BEST_TRIALS_TAG = "grkv.best_trials"
 METHOD_ATTR = "grkv.method"
 RUN_ID_ATTR = "grkv.run_id"
-REQUEUED_ATTR = "grkv.requeued"
+REQUEUE_OF_ATTR = "grkv.requeue_of"  # on a re-enqueued copy: the number of the trial it replaces
 BASELINES_ENQUEUED_ATTR = "grkv.baselines_enqueued"
+# NOTE: a trial's MLflow run logs the press that ran under the options' own names (``lambda_k``,
+# ``press.window_size``) and the sampler's raw proposals under this prefix (``optuna.lambda_k_is_zero``).
+SAMPLER_PREFIX = "optuna."
 # Baseline trials a sweep enqueues first, and the suffix of the switch that proposes an exact zero for a
 # log-uniform float (the paper's lambda = 0 ablation).
 PAPER_DEFAULT = "paper_default"
@@ -196,6 +202,26 @@ class PressConfig:
 
         return build_press(self.press, self.compression_ratio, self.merge, **self.merge_options)
 
+    def resolved(self) -> dict[str, Any]:
+        """Every setting of the press this config builds, flat and JSON-ready: the names and the budget, every
+        field of the merger (all of GRKV's options, defaults included), and every scalar field of the eviction
+        press under ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``).
+
+        What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals.
+        """
+        built = self.build()
+        settings: dict[str, Any] = {"press": self.press, "compression_ratio": self.compression_ratio,
+                                    "merge": self.merge}
+        if built is None:
+            return settings
+        if self.merge != "none":
+            merger = _scalar_fields(built)
+            merger.pop("class")
+            settings.update(merger)
+            built = built.press
+        settings.update({f"press.{name}": value for name, value in _scalar_fields(built).items()})
+        return settings
+
     @property
     def label(self) -> str:
         if self.press == FULL_CACHE:
@@ -203,6 +229,18 @@ class PressConfig:
         budget = f"{1 - self.compression_ratio:.0%}"
         merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
         return f"{self.press} {budget}{merger}"
+
+
+def _scalar_fields(press) -> dict[str, Any]:
+    """``{"class": name, field: value}`` for a dataclass press's scalar fields, nested presses prefixed."""
+    found: dict[str, Any] = {"class": type(press).__name__}
+    for item in fields(press):
+        value = getattr(press, item.name)
+        if is_dataclass(value):
+            found.update({f"{item.name}.{name}": inner for name, inner in _scalar_fields(value).items()})
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            found[item.name] = value
+    return found
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grkv_core.benchmarks import EvalSample, load_dataset_samples, score_prediction
-from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.config import COST_METRICS, EvalConfig, PressConfig
 from grkv_core.diagnostics import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, prefill
 from grkv_core.models import LoadedModel, load_model
@@ -272,9 +272,9 @@ def _process_peak_rss() -> int:
 
 
 def summarize(results: list[SampleResult]) -> dict:
-    """Per-task mean scores (in %), their macro mean, and the mean of every cost and loss."""
+    """Per-task mean scores (in %), their mean over tasks, and the mean of every cost and loss."""
     if not results:
-        return {"tasks": {}, "macro_score": None, "samples": 0}
+        return {"tasks": {}, "mean_score": None, "samples": 0}
     by_task: dict[str, list[SampleResult]] = {}
     for result in results:
         by_task.setdefault(result.task, []).append(result)
@@ -284,10 +284,8 @@ def summarize(results: list[SampleResult]) -> dict:
         values = [getattr(r, name) for r in results if getattr(r, name) is not None]
         return statistics.fmean(values) if values else None
 
-    costs = {name: mean_of(name) for name in ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes",
-                                              "full_kv_bytes", "peak_memory_bytes", "window_loss",
-                                              "heldout_loss", "wall_s", "context_tokens")}
-    return {"tasks": task_scores, "macro_score": statistics.fmean(task_scores.values()), "samples": len(results),
+    costs = {name: mean_of(name) for name in COST_METRICS}
+    return {"tasks": task_scores, "mean_score": statistics.fmean(task_scores.values()), "samples": len(results),
             "costs": costs}
 
 
@@ -308,6 +306,7 @@ class ResultStore:
         self.path = Path(path)
         self.config = config
         self.model_dtype = model_dtype
+        self.resolved_press = config.press.resolved()  # every field of the press, defaults included
         self.results: list[SampleResult] = []
         if self.path.exists():
             stored = json.loads(self.path.read_text())
@@ -335,6 +334,7 @@ class ResultStore:
             "schema_version": RESULT_SCHEMA_VERSION,
             "config": self.config.to_dict(),
             "label": self.config.press.label,
+            "resolved_press": self.resolved_press,
             "model_dtype": self.model_dtype,
             "versions": library_versions(),
             "summary": summarize(self.results),
@@ -346,39 +346,51 @@ class ResultStore:
         os.replace(temporary, self.path)
 
 
-def load_samples(config: EvalConfig, tokenizer) -> list[EvalSample]:
-    return load_dataset_samples(config.dataset, tasks=config.tasks, context_length=config.context_length,
-                                samples_per_task=config.samples, seed=config.seed, data_dir=config.data_dir,
-                                tokenizer=tokenizer)
+@dataclass
+class EvaluationSetup:
+    """What an evaluation config loads once and any number of presses then share: the model, the samples
+    and an evaluator (the CLI's comparisons and every Ray worker use one for many configurations)."""
 
+    loaded: LoadedModel
+    samples: list[EvalSample]
+    evaluator: Evaluator
 
-def load_for(config: EvalConfig) -> LoadedModel:
-    attention = config.attn_implementation or required_attention(config.press.press)
-    return load_model(config.model, dtype=config.dtype, attn_implementation=attention, device=config.device)
+    @classmethod
+    def load(cls, config: EvalConfig) -> EvaluationSetup:
+        """Load ``config``'s model (with the attention its press needs) and samples.
+
+        NOTE: everything but ``config.press`` is used; the press of each evaluation is passed separately.
+        """
+        attention = config.attn_implementation or required_attention(config.press.press)
+        loaded = load_model(config.model, dtype=config.dtype, attn_implementation=attention, device=config.device)
+        samples = load_dataset_samples(config.dataset, tasks=config.tasks, context_length=config.context_length,
+                                       samples_per_task=config.samples, seed=config.seed, data_dir=config.data_dir,
+                                       tokenizer=loaded.tokenizer)
+        evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens)
+        return cls(loaded, samples, evaluator)
 
 
 def run_evaluation(
     config: EvalConfig,
     output: str | Path | None = None,
     *,
-    loaded: LoadedModel | None = None,
-    samples: list[EvalSample] | None = None,
+    setup: EvaluationSetup | None = None,
     progress: bool = True,
 ) -> dict:
     """Evaluate ``config`` end to end; with ``output``, resume from and write to that JSON file.
 
-    Returns the summary dict (per-task scores, macro mean, mean costs) with the config and versions.
+    ``setup`` (loaded from a config that differs at most in its press) saves reloading the model and samples.
+    Returns the summary dict (per-task scores, their mean, mean costs) with the config and versions.
     """
-    loaded = loaded or load_for(config)
-    samples = samples if samples is not None else load_samples(config, loaded.tokenizer)
-    model_dtype = str(loaded.dtype).removeprefix("torch.")
+    setup = setup or EvaluationSetup.load(config)
+    samples = setup.samples
+    model_dtype = str(setup.loaded.dtype).removeprefix("torch.")
     store = ResultStore(Path(output), config, model_dtype) if output is not None else None
     results = list(store.results) if store is not None else []
     done = {result.sample_id for result in results}
-    evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens)
     pending = [sample for sample in samples if sample.sample_id not in done]
     for sample in tqdm(pending, desc=config.press.label, disable=not progress, unit="sample"):
-        result = evaluator.evaluate_sample(sample, config.press)
+        result = setup.evaluator.evaluate_sample(sample, config.press)
         results.append(result)
         if store is not None:
             store.add(result)
@@ -400,7 +412,7 @@ def format_table(summaries: list[dict]) -> str:
 
         rows.append([
             summary["label"], *(number(summary["tasks"].get(task), 1) for task in tasks),
-            number(summary["macro_score"], 1), number((costs.get("kv_bytes") or 0) / 2**20, 1),
+            number(summary["mean_score"], 1), number((costs.get("kv_bytes") or 0) / 2**20, 1),
             number(costs.get("ttft_s"), 2), number(costs.get("window_loss"), 4), number(costs.get("heldout_loss"), 4),
         ])
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]

@@ -9,6 +9,7 @@ import socket
 import statistics
 
 import numpy as np
+import optuna
 import pandas as pd
 import pytest
 from matplotlib.image import imread
@@ -18,6 +19,8 @@ from optuna.study import StudyDirection
 from scipy import stats
 
 from grkv_core.config import TRIAL_TAG
+from sweeps.config import SweepConfig
+from sweeps.space import suggest_press
 from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
 from tracking.mlflow_tracker import SweepTracker
 from tracking.reports import (
@@ -35,6 +38,7 @@ from tracking.reports import (
     rebuild_study,
     sign_flip_test,
 )
+from workers.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-reports-test"
 TASKS = ("niah_a", "niah_b", "niah_c")
@@ -53,21 +57,28 @@ PAPER_DEFAULTS = {"merge": "grkv", "compression_ratio": 0.9, "lambda_k_is_zero":
 
 
 def sweep_config(name: str, search_space: dict) -> dict:
-    """A sweep config as SweepConfig.model_dump(mode="json") writes it (built by hand: sweeps imports torch)."""
-    return {"name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
+    """A sweep config as the driver hands it to the tracker (``SweepConfig.model_dump(mode="json")``)."""
+    return SweepConfig.model_validate({"name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
             "data": {"dataset": "ruler", "tasks": list(TASKS), "context_length": 512, "samples": 2, "seed": 7,
                      "data_dir": None},
             "press": {"name": "snapkv", "compression_ratio": 0.9}, "merge": ["grkv", "none"],
             "search_space": search_space, "objectives": [{"metric": "mean_score", "direction": "maximize"}],
             "sampler": {"type": "tpe", "seed": 0, "n_startup_trials": 4}, "trials": 10,
-            "baselines": ["paper_default", "eviction_only"]}
+            "baselines": ["paper_default", "eviction_only"]}).model_dump(mode="json")
 
 
-def log_trial(tracker: SweepTracker, number: int, params: dict, scores, costs: dict, baseline=None) -> str:
-    """A finished trial, written through the tracker the driver uses (same tags, params and metrics)."""
+def log_trial(tracker: SweepTracker, config: dict, number: int, params: dict, scores, costs: dict,
+              baseline=None) -> str:
+    """A finished trial, written through the tracker the driver uses (same tags, params and metrics), its
+    press resolved from the sampler's ``params`` as a worker resolves it."""
+    press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     run_id = tracker.start_trial(number, params, baseline)
-    summary = {"macro_score": statistics.fmean(scores), "tasks": dict(zip(TASKS, scores)), "costs": costs}
-    tracker.finish_trial(run_id, {"summary": summary, "worker": {"pid": 1}, "samples": []}, {"trial_eval_s": 1.0})
+    summary = {"mean_score": statistics.fmean(scores), "tasks": dict(zip(TASKS, scores)), "costs": costs}
+    worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=number,
+                            samples=len(TASKS))
+    outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
+                           resolved_press=press.resolved(), summary=summary)
+    tracker.finish_trial(run_id, outcome, outcome.worker_timing())
     return run_id
 
 
@@ -94,21 +105,22 @@ def ablation_sweep(store):
     it on a known number of tasks. Trial 5 changes two hyperparameters, so the window-size factor
     has no trial varying it alone. Trial 8 is still running and trial 9 failed.
     """
-    tracker = SweepTracker.open(store, EXPERIMENT, "ablation-sweep", sweep_config("ablation", SEARCH_SPACE))
+    config = sweep_config("ablation", SEARCH_SPACE)
+    tracker = SweepTracker.open(store, EXPERIMENT, "ablation-sweep", config)
     d = PAPER_DEFAULTS
     no_lambda_k = {k: v for k, v in d.items() if k != "lambda_k"} | {"lambda_k_is_zero": True}
-    log_trial(tracker, 0, d, [12, 19, 31], costs(KV_AT_10_PERCENT, 1.10, 0.010, 0.020), "paper_default")
-    log_trial(tracker, 1, {"merge": "none", "compression_ratio": 0.9}, [10, 20, 30],
+    log_trial(tracker, config, 0, d, [12, 19, 31], costs(KV_AT_10_PERCENT, 1.10, 0.010, 0.020), "paper_default")
+    log_trial(tracker, config, 1, {"merge": "none", "compression_ratio": 0.9}, [10, 20, 30],
               costs(KV_AT_10_PERCENT, 1.00, 0.030, 0.040), "eviction_only")
-    log_trial(tracker, 2, d | {"steps": 2}, [13, 21, 29], costs(KV_AT_10_PERCENT, 1.30, 0.008, 0.022))
-    log_trial(tracker, 3, d | {"components": "k"}, [9, 19, 29], costs(KV_AT_10_PERCENT, 1.20, 0.020, 0.030))
-    log_trial(tracker, 4, no_lambda_k, [10.5, 20.5, 30.5], costs(KV_AT_10_PERCENT, 1.12, 0.004, 0.035))
-    log_trial(tracker, 5, d | {"window_size": 64, "steps": 2}, [15, 18, 27], costs(KV_AT_10_PERCENT, 1.40, 0.015, 0.025))
-    log_trial(tracker, 6, {"merge": "none", "compression_ratio": 0.88}, [14, 22, 30],
+    log_trial(tracker, config, 2, d | {"steps": 2}, [13, 21, 29], costs(KV_AT_10_PERCENT, 1.30, 0.008, 0.022))
+    log_trial(tracker, config, 3, d | {"components": "k"}, [9, 19, 29], costs(KV_AT_10_PERCENT, 1.20, 0.020, 0.030))
+    log_trial(tracker, config, 4, no_lambda_k, [10.5, 20.5, 30.5], costs(KV_AT_10_PERCENT, 1.12, 0.004, 0.035))
+    log_trial(tracker, config, 5, d | {"window_size": 64, "steps": 2}, [15, 18, 27], costs(KV_AT_10_PERCENT, 1.40, 0.015, 0.025))
+    log_trial(tracker, config, 6, {"merge": "none", "compression_ratio": 0.88}, [14, 22, 30],
               costs(KV_AT_12_PERCENT, 1.15, 0.025, 0.030))
-    log_trial(tracker, 7, d | {"beta": 0.2}, [11, 20, 30], costs(KV_AT_10_PERCENT, 1.11, 0.012, 0.021))
+    log_trial(tracker, config, 7, d | {"beta": 0.2}, [11, 20, 30], costs(KV_AT_10_PERCENT, 1.11, 0.012, 0.021))
     tracker.start_trial(8, d | {"beta": 0.3}, None)
-    tracker.fail_trial(tracker.start_trial(9, d | {"steps": 3}, None), "CUDA out of memory")
+    tracker.fail_trial(tracker.start_trial(9, d | {"steps": 3}, None), TrialOutcome.lost(9, "CUDA out of memory"))
     return tracker
 
 
@@ -122,7 +134,7 @@ def correlation_sweep(store):
     config["objectives"].append({"metric": "heldout_loss", "direction": "minimize"})
     tracker = SweepTracker.open(store, EXPERIMENT, "correlation-sweep", config)
     for number, (score, heldout) in enumerate(zip([50, 40, 30, 10, 20], [1, 2, 3, 4, 5])):
-        log_trial(tracker, number, {"merge": "grkv", "lambda_v": 0.01 * (number + 1)}, [score] * 3,
+        log_trial(tracker, config, number, {"merge": "grkv", "lambda_v": 0.01 * (number + 1)}, [score] * 3,
                   costs(KV_AT_10_PERCENT, 1.0, window_loss=1 - 0.01 * score, heldout_loss=heldout))
     tracker.close("FINISHED")
     return tracker
@@ -197,7 +209,14 @@ def test_load_sweep_reads_a_running_sweep_from_mlflow(store, ablation_sweep):
     trials = runs.trials
     assert list(trials["trial_number"]) == list(range(8))
     assert runs.task_names == list(TASKS)
-    assert trials.loc[0, "window_size"] == 32 and trials.loc[0, "lambda_k_is_zero"] is False
+    assert trials.loc[0, "window_size"] == 32 and trials.loc[0, "optuna.lambda_k_is_zero"] is False
+    # The press as it ran: the zero switch resolved, unsearched options at their defaults, the base press's own
+    # fields, and no GRKV option on an eviction-only trial.
+    assert trials.loc[4, "lambda_k"] == 0.0 and trials.loc[4, "optuna.lambda_k_is_zero"] is True
+    assert trials.loc[0, "safeguard"] is True and trials.loc[0, "cg_max_iter"] == 4
+    assert trials.loc[0, "press.window_size"] == 32 and trials.loc[0, "press.class"] == "SnapKVPress"
+    assert pd.isna(trials.loc[1, "lambda_k"]) and trials.loc[1, "press"] == "snapkv"
+    assert runs.param_names == sorted(["merge", *PAPER_DEFAULTS.keys() - {"merge"}])
     assert trials.loc[1, "method"] == "snapkv" and trials.loc[0, "method"] == "snapkv+grkv"
     assert trials.loc[6, "budget"] == pytest.approx(0.12)
     assert runs.baseline_trial("eviction_only")["trial_number"] == 1

@@ -17,11 +17,13 @@ from grkv_core.config import (
     BEST_TRIALS_TAG,
     PARENT_TAG,
     ROLE_TAG,
+    SAMPLER_PREFIX,
     STATUS_TAG,
     SWEEP_TAG,
     TRIAL_TAG,
     WORKER_PID_TAG,
 )
+from workers.protocol import TrialOutcome
 
 
 class TrackingUnavailableError(RuntimeError):
@@ -53,9 +55,14 @@ def flatten(prefix: str, value) -> dict[str, str]:
     return {prefix: json.dumps(value) if isinstance(value, (list, tuple)) else str(value)}
 
 
+def resolved_params(resolved_press: dict) -> list[Param]:
+    """MLflow params of the press as it ran (``PressConfig.resolved()``), under their own names."""
+    return [Param(name, str(value)) for name, value in sorted(resolved_press.items())]
+
+
 def trial_metrics(summary: dict) -> dict[str, float]:
     """The numbers of an evaluation summary, named for MLflow (per-task scores under ``score.<task>``)."""
-    metrics = {"mean_score": summary["macro_score"]}
+    metrics = {"mean_score": summary["mean_score"]}
     metrics.update({f"score.{task}": value for task, value in summary["tasks"].items()})
     metrics.update({name: value for name, value in summary.get("costs", {}).items() if value is not None})
     return {name: float(value) for name, value in metrics.items()
@@ -97,32 +104,36 @@ class SweepTracker:
         )
 
     def start_trial(self, trial_number: int, params: dict, baseline: str | None) -> str:
+        """Open a trial's run, with the sampler's raw parameters as ``optuna.<name>`` params."""
         tags = {PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
                 TRIAL_TAG: str(trial_number)}
         if baseline:
             tags[BASELINE_TAG] = baseline
         run = self.client.create_run(self.experiment_id, run_name=f"trial-{trial_number}", tags=tags)
-        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+        self.client.log_batch(run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v))
+                                                       for k, v in sorted(params.items())])
         return run.info.run_id
 
-    def finish_trial(self, run_id: str, outcome: dict, timing: dict[str, float]) -> None:
-        """Log a finished trial's metrics, timings and predictions, and close its run as FINISHED."""
+    def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
+        """Log a finished trial's press as it ran, its metrics, timings and predictions; close it as FINISHED."""
         now = int(time.time() * 1000)
-        metrics = {**trial_metrics(outcome["summary"]), **timing}
+        metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              tags=[RunTag(STATUS_TAG, "ok"),
-                                    RunTag(WORKER_PID_TAG, str(outcome["worker"]["pid"]))])
+                              params=resolved_params(outcome.resolved_press),
+                              tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid))])
         rows = [
             {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
              "score": row["scores"][index]}
-            for row in outcome["samples"] for index, prediction in enumerate(row["predictions"])
+            for row in outcome.samples for index, prediction in enumerate(row["predictions"])
         ]
         self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
         self.client.set_terminated(run_id, "FINISHED")
 
-    def fail_trial(self, run_id: str, error: str, status: str = "FAILED") -> None:
-        self.client.set_tag(run_id, STATUS_TAG, "failed")
-        self.client.log_text(run_id, error, "error.txt")
+    def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
+        """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
+        self.client.log_batch(run_id, params=resolved_params(outcome.resolved_press),
+                              tags=[RunTag(STATUS_TAG, "failed")])
+        self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
 
     def update_parent(self, best: list[dict], completed: int, overhead: dict[str, float]) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT
-from tracking.reports.data import SCORE_PREFIX, SweepRuns, effective_hyperparameters
+from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import Correlation, PairedComparison, compare_configs, correlate, pareto_front
 
 MIB = 2**20
@@ -39,7 +39,7 @@ class LossPerformance:
 def loss_performance(runs: SweepRuns, score: str = "mean_score",
                      losses: tuple[str, ...] = LOSS_METRICS) -> LossPerformance:
     """Correlate each reconstruction discrepancy metric with ``score`` across all finished trials."""
-    trials = effective_hyperparameters(runs.trials)
+    trials = runs.trials
     present = [loss for loss in losses if loss in trials]
     shown = ["trial_number", "configuration", "method", "budget",
              *[name for name in ("lambda_k", "lambda_v", "window_size", "steps", "components") if name in trials],
@@ -272,7 +272,7 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
     over whatever else varied (marked ``held = varied``); continuous settings are then binned into at
     most ``max_levels`` quantile bins.
     """
-    trials = effective_hyperparameters(runs.trials)
+    trials = runs.trials
     notes: list[str] = []
     reference = trials[trials["baseline"] == PAPER_DEFAULT]
     if reference.empty:

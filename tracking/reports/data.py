@@ -16,7 +16,7 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import BASELINE_TAG, PARENT_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG, ZERO_SUFFIX
+from grkv_core.config import BASELINE_TAG, PARENT_TAG, ROLE_TAG, SAMPLER_PREFIX, SWEEP_TAG, TRIAL_TAG
 
 SCORE_PREFIX = "score."
 _PAGE = 1000
@@ -51,13 +51,14 @@ class SweepRuns:
         The flattened sweep config (``press.name``, ``search_space.beta.low``, ``objectives``...).
     trials : pandas.DataFrame
         One row per FINISHED child run, ordered by trial number: ``run_id``, ``trial_number``,
-        ``baseline`` (``paper_default``/``eviction_only`` or None), every trial param (typed; a param
-        the trial did not use is NaN), every metric, every non-``mlflow.`` tag as ``tag.<key>``
-        (``tag.grkv.status``...), and derived ``compression_ratio`` (from the parent
-        when not searched), ``budget`` (= 1 - compression ratio), ``method`` (press, or press+merger)
-        and ``configuration`` (baseline name or ``trial N``).
+        ``baseline`` (``paper_default``/``eviction_only`` or None), the press as it ran
+        (``PressConfig.resolved()``: ``press``, ``compression_ratio``, ``merge``, every merger option such as
+        ``lambda_k``, ``press.window_size``...; typed, NaN where a trial's press has no such field), the
+        sampler's raw proposals as ``optuna.<name>``, every metric, every non-``mlflow.`` tag as ``tag.<key>``
+        (``tag.grkv.status``...), and derived ``budget`` (= 1 - compression ratio), ``method`` (press, or
+        press+merger) and ``configuration`` (baseline name or ``trial N``).
     param_names : list[str]
-        The trial params, as Optuna named them.
+        The sampler's parameters, as Optuna named them (their values are the ``optuna.<name>`` columns).
     task_names : list[str]
         Tasks with a ``score.<task>`` metric.
     child_status_counts : dict[str, int]
@@ -120,6 +121,8 @@ def parse_param(text: str):
     """An MLflow param string back to bool, int, float or str (MLflow stores ``str(value)``)."""
     if text in ("True", "False"):
         return text == "True"
+    if text == "None":
+        return None
     if _INTEGER.fullmatch(text):
         return int(text)
     try:
@@ -212,10 +215,11 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
             notes.append(f"trial {number} has several FINISHED runs; the latest is used")
         if number not in by_number or run.info.end_time > by_number[number].info.end_time:
             by_number[number] = run
-    param_names = sorted({name for run in by_number.values() for name in run.data.params})
+    param_names = sorted({name.removeprefix(SAMPLER_PREFIX) for run in by_number.values()
+                          for name in run.data.params if name.startswith(SAMPLER_PREFIX)})
     rows = [_trial_row(run) for _, run in sorted(by_number.items())]
     trials = pd.DataFrame(rows) if rows else pd.DataFrame(columns=["run_id", "trial_number", "baseline", "merge"])
-    trials = _with_derived_columns(trials, parent.data.params)
+    trials = _with_derived_columns(trials)
     task_names = sorted(column.removeprefix(SCORE_PREFIX) for column in trials.columns
                         if column.startswith(SCORE_PREFIX))
     return SweepRuns(
@@ -235,33 +239,15 @@ def _trial_row(run) -> dict:
     return row
 
 
-def _with_derived_columns(trials: pd.DataFrame, parent_params: dict[str, str]) -> pd.DataFrame:
+def _with_derived_columns(trials: pd.DataFrame) -> pd.DataFrame:
     trials = trials.copy()
-    press = parent_params.get("press.name", "press")
-    default_ratio = float(parent_params.get("press.compression_ratio", "nan"))
-    if "compression_ratio" not in trials:
-        trials["compression_ratio"] = default_ratio
-    trials["compression_ratio"] = trials["compression_ratio"].astype(float).fillna(default_ratio)
+    for name, missing in (("press", "unknown"), ("merge", "unknown"), ("compression_ratio", np.nan)):
+        trials[name] = trials[name].fillna(missing) if name in trials else missing
+    trials["compression_ratio"] = trials["compression_ratio"].astype(float)
     # Rounded so that 1 - 0.9 reads 0.1 and budgets can be compared and used as keys.
     trials["budget"] = (1.0 - trials["compression_ratio"]).round(12)
-    trials["merge"] = trials["merge"].fillna("unknown") if "merge" in trials else "unknown"
-    trials["method"] = [press if merge == "none" else f"{press}+{merge}" for merge in trials["merge"]]
+    trials["method"] = [press if merge == "none" else f"{press}+{merge}"
+                        for press, merge in zip(trials["press"], trials["merge"])]
     trials["configuration"] = [baseline if isinstance(baseline, str) else f"trial {number}"
                                for baseline, number in zip(trials["baseline"], trials["trial_number"])]
     return trials
-
-
-def effective_hyperparameters(trials: pd.DataFrame) -> pd.DataFrame:
-    """A copy where a parameter switched to exact zero (``<name>_is_zero = True``) reads 0.0.
-
-    The sweep searches an exact zero as its own categorical switch, so the float param is absent from
-    those trials; analyses that compare values (ablations, tables) want the value the press used.
-    """
-    effective = trials.copy()
-    for column in [c for c in trials.columns if c.endswith(ZERO_SUFFIX)]:
-        name = column.removesuffix(ZERO_SUFFIX)
-        is_zero = trials[column].eq(True)
-        if name not in effective:
-            effective[name] = np.nan
-        effective[name] = effective[name].astype(float).where(~is_zero, 0.0)
-    return effective

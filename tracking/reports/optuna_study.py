@@ -19,7 +19,7 @@ import pandas as pd
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.importance import BaseImportanceEvaluator
 
-from grkv_core.config import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, TRIAL_TAG, ZERO_SUFFIX
+from grkv_core.config import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, SAMPLER_PREFIX, TRIAL_TAG, ZERO_SUFFIX
 from tracking.reports.data import Objective, SweepRuns
 
 # PED-ANOVA's authors advise at least this many trials in the top quantile it contrasts with the rest.
@@ -86,7 +86,8 @@ def infer_distributions(runs: SweepRuns) -> tuple[dict[str, BaseDistribution], l
     """One Optuna distribution per trial param, and notes on those not taken from the sweep config."""
     space, notes, distributions = runs.search_space, [], {}
     for name in runs.param_names:
-        values = runs.trials[name].dropna() if name in runs.trials else pd.Series(dtype=object)
+        column = SAMPLER_PREFIX + name
+        values = runs.trials[column].dropna() if column in runs.trials else pd.Series(dtype=object)
         if name == "merge":
             declared = CategoricalDistribution(runs.merge_choices)
         elif name.endswith(ZERO_SUFFIX):
@@ -126,8 +127,9 @@ def rebuild_study(runs: SweepRuns) -> RebuiltStudy:
         if not np.all(np.isfinite(np.asarray(values, dtype=float))):
             notes.append(f"trial {int(row['trial_number'])} lacks an objective metric; left out of the study")
             continue
-        params = {name: _param_value(distributions[name], row[name]) for name in distributions
-                  if name in row and pd.notna(row[name])}
+        proposed = {name: row.get(SAMPLER_PREFIX + name) for name in distributions}
+        params = {name: _param_value(distributions[name], value) for name, value in proposed.items()
+                  if value is not None and pd.notna(value)}
         study.add_trial(optuna.trial.create_trial(
             params=params, distributions={name: distributions[name] for name in params},
             values=[float(v) for v in values],

@@ -336,7 +336,8 @@ def headline(runs: SweepRuns, score: str = "mean_score") -> str:
         if row is not None:
             anchors.append(f"{name} (trial {int(row['trial_number'])}) {row[score]:.2f}")
     best = trials.loc[trials[score].idxmax()]
-    settings = ", ".join(f"{p}={format_value(best[p], '{:.3g}')}" for p in runs.param_names if pd.notna(best.get(p)))
+    searched = ["merge", *runs.search_space]
+    settings = ", ".join(f"{p}={format_value(best[p], '{:.3g}')}" for p in searched if pd.notna(best.get(p)))
     anchors.append(f"best trial {int(best['trial_number'])} {best[score]:.2f} ({settings})")
     return "\n".join(lines + [f"{score}: " + "; ".join(anchors)])
 

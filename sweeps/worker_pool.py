@@ -1,0 +1,116 @@
+"""A pool of Ray trial workers: dispatch to idle workers, wait for outcomes, retry on a restarted worker.
+
+A worker that dies mid-trial is restarted by Ray (``max_restarts``) and reloads its model; its trial waits
+until the worker answers a ping and is then sent again, at most ``max_retries`` times. Whatever happens, every
+submitted request ends as exactly one ``TrialOutcome`` from ``wait`` (or one pending dispatch from ``drain``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from workers.protocol import TrialOutcome, TrialRequest
+from workers.trial_worker import TrialWorker
+
+log = logging.getLogger("grkv.sweep")
+
+WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+@dataclass
+class Dispatch:
+    """A request on its way through the pool; ``context`` is the caller's, handed back with the outcome."""
+
+    request: TrialRequest
+    context: Any
+    worker: int
+    attempt: int = 0
+    submitted_at: float = 0.0
+
+
+class WorkerPool:
+    """``count`` workers, each loading ``eval_config`` once.
+
+    Parameters
+    ----------
+    eval_config : dict
+        ``EvalConfig.to_dict()`` of the sweep; each trial replaces its press.
+    count, num_cpus, num_gpus : int, float, float
+        Workers and the Ray resources each holds.
+    max_retries : int
+        Re-sends of a trial whose worker died.
+    """
+
+    def __init__(self, eval_config: dict, count: int, num_cpus: float, num_gpus: float, max_retries: int):
+        options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_retries * count, max_task_retries=0)
+        self.workers = [TrialWorker.options(**options).remote(eval_config) for _ in range(count)]
+        self.max_retries = max_retries
+        self.idle = list(range(count))
+        self.running: dict[ray.ObjectRef, Dispatch] = {}
+        # NOTE: a trial whose worker died waits here, keyed by a ping, until the restarted worker answers.
+        self.pinging: dict[ray.ObjectRef, Dispatch] = {}
+
+    @property
+    def busy(self) -> int:
+        return len(self.running) + len(self.pinging)
+
+    def submit(self, request: TrialRequest, context: Any = None) -> None:
+        """Send ``request`` to an idle worker (the caller checks ``idle`` first)."""
+        self._send(Dispatch(request, context, self.idle.pop()))
+
+    def wait(self, timeout_s: float = 1.0) -> list[tuple[Dispatch, TrialOutcome]]:
+        """The dispatches that ended within ``timeout_s`` (at least one, unless the time ran out), with outcomes."""
+        ended = []
+        ready, _ = ray.wait([*self.running, *self.pinging], num_returns=1, timeout=timeout_s)
+        for reference in ready:
+            if reference in self.pinging:
+                self._after_ping(reference, ended)
+                continue
+            dispatch = self.running.pop(reference)
+            try:
+                outcome = ray.get(reference)
+            except WORKER_FAILURES as error:
+                if dispatch.attempt < self.max_retries:
+                    log.warning("trial %d: worker died (%s); retrying", dispatch.request.trial_number,
+                                type(error).__name__)
+                    dispatch.attempt += 1
+                    self._ping(dispatch)
+                    continue
+                outcome = TrialOutcome.lost(dispatch.request.trial_number,
+                                            f"worker died {dispatch.attempt + 1} times: {error}")
+            self.idle.append(dispatch.worker)
+            ended.append((dispatch, outcome))
+        return ended
+
+    def drain(self) -> list[Dispatch]:
+        """Give up every pending dispatch (on a stop) and return them."""
+        pending = [*self.running.values(), *self.pinging.values()]
+        self.running.clear()
+        self.pinging.clear()
+        return pending
+
+    def _send(self, dispatch: Dispatch) -> None:
+        dispatch.submitted_at = time.time()
+        self.running[self.workers[dispatch.worker].evaluate.remote(dispatch.request)] = dispatch
+
+    def _ping(self, dispatch: Dispatch) -> None:
+        self.pinging[self.workers[dispatch.worker].identity.remote()] = dispatch
+
+    def _after_ping(self, reference: ray.ObjectRef, ended: list) -> None:
+        dispatch = self.pinging.pop(reference)
+        try:
+            ray.get(reference)
+        except ActorUnavailableError:  # still restarting: ask again shortly
+            time.sleep(0.5)
+            self._ping(dispatch)
+            return
+        except WORKER_FAILURES as error:  # NOTE: a worker Ray gave up on never becomes idle again
+            ended.append((dispatch, TrialOutcome.lost(dispatch.request.trial_number, f"worker is gone: {error}")))
+            return
+        self._send(dispatch)
