@@ -15,7 +15,7 @@ from kvpress.utils import compute_n_kept
 
 from grkv_core.benchmarks import load_dataset_samples
 from grkv_core.config import EvalConfig, PressConfig
-from grkv_core.evaluate import Evaluator, run_evaluation, tokenize_sample
+from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, tokenize_sample
 from grkv_core.models import load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +71,16 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
     output = tmp_path / "results.json"
     config = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
                         press=PressConfig("snapkv", 0.5, "grkv", {"lambda_k": 0.1}))
-    summary = run_evaluation(config, output, loaded=tiny, samples=samples[:3], progress=False)
+    setup = EvaluationSetup(tiny, samples, Evaluator(tiny))
+    summary = run_evaluation(config, output, setup=EvaluationSetup(tiny, samples[:3], setup.evaluator),
+                             progress=False)
     stored = json.loads(output.read_text())
     assert len(stored["samples"]) == 3 and stored["versions"]["kvpress"] == "0.5.5"
     assert stored["config"]["press"]["merge_options"] == {"lambda_k": 0.1}
+    assert stored["resolved_press"]["lambda_k"] == 0.1 and stored["resolved_press"]["safeguard"] is True
     assert set(summary["tasks"]) == {"niah_single_1", "vt"}
     first_run = {row["sample_id"]: row for row in stored["samples"]}
-    run_evaluation(config, output, loaded=tiny, samples=samples, progress=False)
+    run_evaluation(config, output, setup=setup, progress=False)
     stored = json.loads(output.read_text())
     assert len(stored["samples"]) == 4
     for row in stored["samples"]:
@@ -86,12 +89,12 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
     other = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
                        press=PressConfig("snapkv", 0.9))
     with pytest.raises(ValueError, match="different configuration"):
-        run_evaluation(other, output, loaded=tiny, samples=samples, progress=False)
+        run_evaluation(other, output, setup=setup, progress=False)
     assert stored["model_dtype"] == "float32"
     stored["model_dtype"] = "bfloat16"  # as written by an earlier run whose dtype="auto" meant bfloat16
     output.write_text(json.dumps(stored))
     with pytest.raises(ValueError, match="--dtype bfloat16"):
-        run_evaluation(config, output, loaded=tiny, samples=samples, progress=False)
+        run_evaluation(config, output, setup=setup, progress=False)
 
 
 def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
