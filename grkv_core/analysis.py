@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from grkv_core.baselines.common import MergeInputs
 from grkv_core.baselines.d2o import D2OPress
-from grkv_core.benchmarks import EvalSample
+from grkv_core.datasets import EvalSample
 from grkv_core.diagnostics import (
     CarrierConcentration,
     carrier_concentration_per_unit,

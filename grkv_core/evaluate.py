@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grkv_core.benchmarks import EvalSample, load_dataset_samples, score_prediction
+from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.diagnostics import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, prefill

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from grkv_core.analysis import carrier_report
-from grkv_core.benchmarks import load_dataset_samples
+from grkv_core.datasets import load_dataset_samples
 from grkv_core.models import load_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grkv_core.benchmarks.schema import EvalSample
+from grkv_core.datasets.schema import EvalSample
 
 ScoreFunction = Callable[[str, Sequence[str], Mapping[str, Any]], float]
 """``(prediction, references, sample_extra) -> score in [0, 1]``."""

@@ -30,7 +30,7 @@ class EvalSample:
     max_new_tokens : int
         Generation budget per question.
     metric : str
-        Name of the scorer in ``grkv_core.benchmarks.scoring`` used for this task.
+        Name of the scorer in ``grkv_core.datasets.scoring`` used for this task.
     extra : dict
         Task-specific fields needed by a scorer (e.g. LongBench ``all_classes``).
     """

@@ -1,4 +1,4 @@
-"""Benchmarks: RULER (offline generator and hub copy), LongBench (hub copy) and their scorers.
+"""Evaluation datasets: RULER (offline generator and hub copy), LongBench (hub copy), the sample schema and the scorers.
 
 Every loader returns :class:`EvalSample` rows; :func:`score_prediction` scores a generated answer
 with the metric named in the sample.
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grkv_core.benchmarks.longbench import LONGBENCH_METRICS, LONGBENCH_TASKS, load_longbench_samples
-from grkv_core.benchmarks.ruler import (
+from grkv_core.datasets.longbench import LONGBENCH_METRICS, LONGBENCH_TASKS, load_longbench_samples
+from grkv_core.datasets.ruler import (
     RULER_DEFAULT_CONTEXT_LENGTH,
     RULER_DEFAULT_SAMPLES_PER_TASK,
     RULER_TASKS,
@@ -20,8 +20,8 @@ from grkv_core.benchmarks.ruler import (
     generate_ruler_samples,
     load_ruler_hub_samples,
 )
-from grkv_core.benchmarks.schema import EvalSample
-from grkv_core.benchmarks.scoring import SCORERS, score_prediction
+from grkv_core.datasets.schema import EvalSample
+from grkv_core.datasets.scoring import SCORERS, score_prediction
 
 DATASETS: tuple[str, ...] = ("ruler", "ruler-hub", "longbench")
 """``"ruler"``: offline generator; ``"ruler-hub"``: ``simonjegou/ruler``; ``"longbench"``:

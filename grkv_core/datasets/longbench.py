@@ -13,7 +13,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grkv_core.benchmarks.schema import EvalSample, validate_task_selection
+from grkv_core.datasets.schema import EvalSample, validate_task_selection
 
 LONGBENCH_HUB_REPO = "Xnhyacinth/LongBench"
 LONGBENCH_HUB_REVISION = "2e9ade51ebf45d98942056c0716234f9d5d257d5"
