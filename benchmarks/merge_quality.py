@@ -33,7 +33,7 @@ from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.evaluate import tokenize_sample
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
-from grkv_core.press import GRKVPress
+from grkv_core.presses.grkv import GRKVPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge

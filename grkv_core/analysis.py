@@ -14,8 +14,8 @@ from pathlib import Path
 from kvpress import BasePress
 from tqdm.auto import tqdm
 
-from grkv_core.baselines.common import MergeInputs
-from grkv_core.baselines.d2o import D2OPress
+from grkv_core.presses.local_merging import MergeInputs
+from grkv_core.presses.d2o import D2OPress
 from grkv_core.datasets import EvalSample
 from grkv_core.diagnostics import (
     CarrierConcentration,
@@ -31,7 +31,7 @@ from grkv_core.generation import prefill
 from grkv_core.models import LoadedModel
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES
-from grkv_core.selection import select_tokens
+from grkv_core.presses.selection import select_tokens
 
 
 @dataclass

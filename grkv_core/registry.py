@@ -18,8 +18,7 @@ from kvpress import (
     StreamingLLMPress,
 )
 
-from grkv_core.baselines import AsymKVPress, CaMPress, D2OPress, KVMergerPress
-from grkv_core.press import GRKVPress
+from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
 # prior KV-cache eviction methods"; the authors' code: window 32, kernel 5), so SnapKV and the presses built

@@ -7,7 +7,7 @@ import torch
 from kvpress import SnapKVPress
 from PIL import Image
 
-from grkv_core.baselines import D2OPress, MergeInputs
+from grkv_core.presses import D2OPress, MergeInputs
 from grkv_core.diagnostics import (
     CarrierConcentration,
     carrier_concentration,

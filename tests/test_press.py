@@ -13,8 +13,8 @@ from kvpress.utils import compute_n_kept
 from grkv_core.diagnostics import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
-from grkv_core.press import GRKVPress
-from grkv_core.selection import TokenSelection
+from grkv_core.presses import GRKVPress
+from grkv_core.presses.selection import TokenSelection
 from transformers import DynamicCache
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
@@ -287,7 +287,7 @@ def test_unsupported_base_press_is_refused_clearly():
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
 def test_target_from_the_forward_matches_the_recomputed_target(architecture, press_name, monkeypatch):
-    import grkv_core.press as press_module
+    import grkv_core.presses.grkv as press_module
 
     model = tiny(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=8)

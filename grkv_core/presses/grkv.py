@@ -16,7 +16,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from grkv_core.config import GRKVOptions
 from grkv_core.diagnostics import discrepancy_per_head
 from grkv_core.queries import SurrogateQueries, surrogate_queries
-from grkv_core.selection import MergingPress, TokenSelection, forced_score_span, select_tokens
+from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.selection import TokenSelection, forced_score_span
 from grkv_core.solver import full_cache_outputs, grkv_merge
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
@@ -108,61 +109,22 @@ class GRKVPress(GRKVOptions, MergingPress):
             # mode, its autograd graph is kept alive.
             setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].detach().clone())
 
-    def compress(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attentions: torch.Tensor,
-        kwargs: dict,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Select with the base press, merge, and return the new cache of one layer.
-
-        Returns (B, H_kv, c, d) tensors for a uniform budget, else (B, H_kv, n, d) with the kept rows merged
-        (evicted rows stay in place, masked by kvpress's attention patch).
-        """
-        if self.compression_ratio == 0:
-            return keys, values
-        selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
+    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                      kwargs: dict) -> _WindowRegression:
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
         )
         full_outputs = _stack_by_kv_head(module.__dict__.pop(_WINDOW_OUTPUTS, None), surrogate)
-        if selection.uniform_budget is not None:
-            kept = selection.kept_positions()
-            module.kept_positions = kept
-            return self._merge(surrogate, keys, values, kept, self._fixed(selection, kept), module.scaling,
-                               full_outputs)
-        return self._merge_per_head(surrogate, keys, values, selection, module.scaling, full_outputs)
+        return _WindowRegression(surrogate, full_outputs, module.scaling)
 
-    def _merge_per_head(
-        self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,
-        scale: float, full_outputs: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # NOTE: per-head budgets give ragged kept sets, so this path solves one (batch, head) at a time.
-        merged_keys, merged_values = keys.clone(), values.clone()
-        for b in range(keys.shape[0]):
-            for h in range(keys.shape[1]):
-                kept = selection.kept_mask[b, h].nonzero()[:, 0]
-                head = TokenSelection(
-                    scores=selection.scores[b : b + 1, h : h + 1],
-                    kept_mask=selection.kept_mask[b : b + 1, h : h + 1],
-                    uniform_budget=kept.numel(),
-                )
-                head_queries = SurrogateQueries(
-                    surrogate.queries[b : b + 1, h : h + 1], surrogate.positions, surrogate.token_positions,
-                    surrogate.loss_weight,
-                )
-                kept = kept.view(1, 1, -1)
-                new_keys, new_values = self._merge(
-                    head_queries, keys[b : b + 1, h : h + 1], values[b : b + 1, h : h + 1], kept,
-                    self._fixed(head, kept), scale,
-                    full_outputs[b : b + 1, h : h + 1] if full_outputs is not None else None,
-                )
-                merged_keys[b, h, kept[0, 0]] = new_keys[0, 0]
-                merged_values[b, h, kept[0, 0]] = new_values[0, 0]
-        return merged_keys, merged_values
+    def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:
+        head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
+        surrogate = context.surrogate
+        head_queries = SurrogateQueries(
+            surrogate.queries[head], surrogate.positions, surrogate.token_positions, surrogate.loss_weight
+        )
+        full_outputs = context.full_outputs[head] if context.full_outputs is not None else None
+        return _WindowRegression(head_queries, full_outputs, context.scale)
 
     def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
@@ -181,10 +143,13 @@ class GRKVPress(GRKVOptions, MergingPress):
         n_top = (candidates.sum(dim=-1, keepdim=True) * self.beta).floor().long()
         return protected | (candidates & (rank < n_top))
 
-    def _merge(
-        self, surrogate: SurrogateQueries, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-        fixed: torch.Tensor, scale: float, full_outputs: torch.Tensor | None,
+    def merge_selected(
+        self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: _WindowRegression
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refit the kept rows by ``grkv_merge``; then the trust-region caps and the acceptance rule, if set."""
+        surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
+        kept = selection.kept_positions()
+        fixed = self._fixed(selection, kept)
         if self.accept == "objective" and full_outputs is None:
             # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
@@ -223,6 +188,26 @@ class GRKVPress(GRKVOptions, MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+
+@dataclass(frozen=True)
+class _WindowRegression:
+    """What GRKV's merge reads besides the cache, for one layer (or one (batch, head) of it).
+
+    Attributes
+    ----------
+    surrogate : SurrogateQueries
+        The window queries, (B, H_kv, M, d) stacked by KV head.
+    full_outputs : torch.Tensor or None
+        (B, H_kv, M, d) their attention outputs over the full cache, kept from the prefill forward; None: the
+        solver computes them.
+    scale : float
+        The layer's softmax scale.
+    """
+
+    surrogate: SurrogateQueries
+    full_outputs: torch.Tensor | None
+    scale: float
 
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.baselines.common import (
+from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,
     check_threshold,

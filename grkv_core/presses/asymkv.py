@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.baselines.common import (
+from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,
     adjacent_carriers,

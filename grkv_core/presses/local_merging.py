@@ -1,4 +1,4 @@
-"""What the local merging baselines share: the press plumbing, gathering, evicted -> carrier matching, writing back.
+"""What the local merging baselines share: their press base, MergeInputs, evicted -> carrier matching, merge rules.
 
 Every baseline here follows the same shape (paper App. A, "Local KV Merging and Carrier Support"): the base
 eviction press decides which tokens stay, each evicted token is matched to one or a few kept *carriers* by
@@ -8,8 +8,8 @@ a local rule, and the carriers' keys/values absorb the evicted ones:
     x_i* =  x_i + Σ_{j→i} w_j x_j                                  (additive rule: CaM)
 
 A rule file only says which carrier(s) each evicted token goes to (``assign_carriers``) and with which
-weights (``merge``); ``LocalMergePress`` does the rest for uniform budgets (physical compaction) and for
-per-head budgets (AdaKV-style masking: merged in place, no memory saved).
+weights (``merge``); ``LocalMergePress`` and the ``MergingPress.compress`` template do the rest, for uniform
+budgets (physical compaction) and for per-head budgets (AdaKV-style masking: merged in place, no memory saved).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from grkv_core.selection import MergingPress, select_tokens
+from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.selection import TokenSelection
 
 # NOTE: cosine similarity of a zero vector is defined as 0 (torch's convention), never NaN.
 _NORM_FLOOR = 1e-12
@@ -212,10 +213,11 @@ class LocalMergePress(MergingPress):
     """Base of the local merging baselines: keep the base press's tokens, fold each evicted token into carriers.
 
     Subclasses implement ``assign_carriers`` and ``merge`` (and ``token_attention`` if they weight by
-    attention). With a uniform budget (every ``ScorerPress``, ``PyramidKVPress``) the cache is physically
-    compacted to exactly the kept tokens. With per-head budgets (``AdaKVPress``, ``CriticalAdaKVPress``)
-    kvpress masks evicted entries instead of removing them, so memory is *not* saved; the rule is then
-    applied to one (batch, head) at a time and the kept rows are rewritten in place.
+    attention); ``MergingPress.compress`` does the rest. With a uniform budget (every ``ScorerPress``,
+    ``PyramidKVPress``) the cache is physically compacted to exactly the kept tokens. With per-head budgets
+    (``AdaKVPress``, ``CriticalAdaKVPress``) kvpress masks evicted entries instead of removing them, so memory
+    is *not* saved; the rule is then applied to one (batch, head) at a time and the kept rows are rewritten in
+    place.
 
     Parameters
     ----------
@@ -241,46 +243,17 @@ class LocalMergePress(MergingPress):
         """(B, H_kv, c, d) float32 merged kept keys and values."""
         raise NotImplementedError
 
-    def compress(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attentions: torch.Tensor,
-        kwargs: dict,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Select with the base press, merge, and return the new cache of one layer.
+    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                      kwargs: dict) -> torch.Tensor | None:
+        return self.token_attention(module, hidden_states, keys, kwargs)
 
-        Returns (B, H_kv, c, d) tensors for a uniform budget, else (B, H_kv, n, d) with the kept rows merged
-        (evicted rows stay in place, masked by kvpress's attention patch).
-        """
-        if self.compression_ratio == 0:
-            return keys, values
-        selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        attention = self.token_attention(module, hidden_states, keys, kwargs)
-        if selection.uniform_budget is not None:
-            inputs = MergeInputs.from_kept_mask(keys, values, selection.kept_mask, attention)
-            module.kept_positions = inputs.kept
-            merged_keys, merged_values = self.merge(inputs)
-            return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
-        return self._merge_per_head(keys, values, selection.kept_mask, attention)
+    def head_context(self, context: torch.Tensor | None, batch_index: int, head_index: int) -> torch.Tensor | None:
+        return None if context is None else context[batch_index : batch_index + 1, head_index : head_index + 1]
 
-    def _merge_per_head(
-        self, keys: torch.Tensor, values: torch.Tensor, kept_mask: torch.Tensor, attention: torch.Tensor | None
+    def merge_selected(
+        self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # NOTE: per-head budgets give ragged kept sets, so this path merges one (batch, head) at a time.
-        merged_keys, merged_values = keys.clone(), values.clone()
-        for b in range(keys.shape[0]):
-            for h in range(keys.shape[1]):
-                head = (slice(b, b + 1), slice(h, h + 1))
-                inputs = MergeInputs.from_kept_mask(
-                    keys[head], values[head], kept_mask[head], None if attention is None else attention[head]
-                )
-                new_keys, new_values = self.merge(inputs)
-                merged_keys[b, h, inputs.kept[0, 0]] = new_keys[0, 0].to(keys.dtype)
-                merged_values[b, h, inputs.kept[0, 0]] = new_values[0, 0].to(values.dtype)
-        return merged_keys, merged_values
+        return self.merge(MergeInputs.from_kept_mask(keys, values, selection.kept_mask, context))
 
 
 def check_threshold(name: str, value: float) -> None:

@@ -8,7 +8,6 @@ handled here: score-then-top-k with one budget per layer (every ``ScorerPress``)
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +15,6 @@ from kvpress import (AdaKVPress, BasePress, CriticalAdaKVPress, ExpectedAttentio
                      SnapKVPress)
 from kvpress.utils import compute_n_kept
 from torch import nn
-
-from grkv_core.config import is_number
 
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 
@@ -47,6 +44,15 @@ class TokenSelection:
             raise ValueError("per-head budgets have no rectangular (B, H_kv, c) kept-position tensor")
         batch, heads, _ = self.kept_mask.shape
         return self.kept_mask.nonzero()[:, 2].view(batch, heads, self.uniform_budget)
+
+    def of_head(self, batch_index: int, head_index: int) -> TokenSelection:
+        """The choice for one (batch, head), as a (1, 1, n) selection with a uniform budget (its kept count)."""
+        kept_mask = self.kept_mask[batch_index : batch_index + 1, head_index : head_index + 1]
+        return TokenSelection(
+            scores=self.scores[batch_index : batch_index + 1, head_index : head_index + 1],
+            kept_mask=kept_mask,
+            uniform_budget=int(kept_mask.sum()),
+        )
 
 
 def forced_score_span(press: BasePress) -> tuple[int, int]:
@@ -124,67 +130,3 @@ def select_tokens(
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
     kept_mask.scatter_(-1, scores.topk(budget, dim=-1).indices, True)
     return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=budget)
-
-
-@dataclass
-class MergingPress(BasePress):
-    """Base of every press that keeps a base eviction press's tokens and merges the evicted ones into them.
-
-    It owns the base press: validates it, forwards model set-up, and exposes its ``compression_ratio``.
-    Subclasses implement ``compress`` (typically ``select_tokens`` and then their merge rule).
-
-    NOTE: a merged cache no longer reveals which positions its rows came from; with a uniform budget a
-    merging press records them as ``module.kept_positions`` (B, H_kv, c) for diagnostics.
-
-    Parameters
-    ----------
-    press : BasePress
-        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
-    """
-
-    press: BasePress = None
-
-    def __post_init__(self) -> None:
-        if self.press is None or not is_supported_base_press(self.press):
-            raise ValueError("press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, "
-                             f"got {type(self.press).__name__}")
-
-    def post_init_from_model(self, model) -> None:
-        self.press.post_init_from_model(model)
-
-    @contextmanager
-    def __call__(self, model):
-        """kvpress's context manager, refusing padded batches before any layer runs."""
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        guard = language_model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
-        try:
-            with super().__call__(model):
-                yield
-        finally:
-            guard.remove()
-
-    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        # NOTE: compression never builds an autograd graph, whether or not the caller's forward runs in grad
-        # mode (a model fresh from `from_pretrained` does): the merged cache is data, not a differentiable output.
-        with torch.no_grad():
-            return super().forward_hook(module, input, kwargs, output)
-
-    @property
-    def compression_ratio(self) -> float:
-        return compression_ratio_of(self.press)
-
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        if not is_number(value) or not 0 <= value < 1:
-            raise ValueError(f"compression_ratio must be a number in [0, 1), got {value!r}")
-        self.press.compression_ratio = value
-
-
-def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: a merging press fits every query and key of the prompt, so pad tokens would be fitted."""
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
-        raise ValueError("merging presses do not support padded batches: the attention_mask marks padding, which "
-                         "would be merged into the cache; compress each sequence on its own (batch 1) or batch "
-                         "sequences of equal length without padding")
