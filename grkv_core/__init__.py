@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return GRKVPress
     if name == "grkv_merge":
-        from grkv_core.solver import grkv_merge
+        from grkv_core.solver.merge import grkv_merge
 
         return grkv_merge
     raise AttributeError(f"module 'grkv_core' has no attribute {name!r}")

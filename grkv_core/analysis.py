@@ -14,24 +14,18 @@ from pathlib import Path
 from kvpress import BasePress
 from tqdm.auto import tqdm
 
-from grkv_core.presses.local_merging import MergeInputs
-from grkv_core.presses.d2o import D2OPress
 from grkv_core.datasets import EvalSample
-from grkv_core.diagnostics import (
-    CarrierConcentration,
-    carrier_concentration_per_unit,
-    cross_window_similarity,
-    macro_average,
-    plot_cross_window_consistency,
-    plot_merge_map,
-    window_output_summaries,
-)
+from grkv_core.diagnostics.carriers import CarrierConcentration, carrier_concentration_per_unit, macro_average
+from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
+from grkv_core.diagnostics.windows import cross_window_similarity, window_output_summaries
 from grkv_core.evaluate import tokenize_sample
 from grkv_core.generation import prefill
 from grkv_core.models import LoadedModel
+from grkv_core.presses.d2o import D2OPress
+from grkv_core.presses.local_merging import MergeInputs
+from grkv_core.presses.selection import select_tokens
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES
-from grkv_core.presses.selection import select_tokens
 
 
 @dataclass

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.config import EvalConfig, PressConfig
-from grkv_core.diagnostics import discrepancy_per_head, recover_kept_positions
+from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
+from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, prefill
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.queries import surrogate_queries

@@ -13,9 +13,9 @@ from kvpress import SnapKVPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.generation import cache_lengths, prefill
 from grkv_core.models import load_model
+from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.registry import MERGERS, build_press
 from conftest import assert_batch_elements_compressed_independently
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from kvpress.utils import compute_n_kept
 
-from grkv_core.datasets import load_dataset_samples
 from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator, run_evaluation, tokenize_sample
 from grkv_core.models import load_model
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kvpress.utils import compute_n_kept
 
-from grkv_core.diagnostics import reconstruction_loss, recover_kept_positions
+from grkv_core.diagnostics.losses import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress

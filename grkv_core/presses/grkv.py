@@ -14,11 +14,12 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.config import GRKVOptions
-from grkv_core.diagnostics import discrepancy_per_head
-from grkv_core.queries import SurrogateQueries, surrogate_queries
+from grkv_core.diagnostics.losses import discrepancy_per_head
 from grkv_core.presses.merging import MergingPress
 from grkv_core.presses.selection import TokenSelection, forced_score_span
-from grkv_core.solver import full_cache_outputs, grkv_merge
+from grkv_core.queries import SurrogateQueries, surrogate_queries
+from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.merge import grkv_merge
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a

@@ -13,7 +13,9 @@ import math
 import torch
 from torch.func import jacrev
 
-from grkv_core.solver import EARLY_STOP_TOL, MAX_HALVINGS, masked_softmax
+from grkv_core.solver.attention import masked_softmax
+from grkv_core.solver.merge import EARLY_STOP_TOL
+from grkv_core.solver.safeguard import MAX_HALVINGS
 
 
 def grkv_merge_reference(
