@@ -14,12 +14,12 @@ import torch
 
 from grkv_core.models import (
     EMBEDDED_MODELS,
-    SMOLLM2_CACHE_SUBDIR,
     LoadedModel,
     ModelNotAvailableError,
     architecture_summary,
     load_model,
 )
+from grkv_core.models.smollm2 import SMOLLM2_CACHE_SUBDIR
 
 TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen3")
 # Multi-byte UTF-8 (accents, combining mark, CJK, emoji), control bytes, repeated whitespace and text
