@@ -12,14 +12,14 @@ import pytest
 
 from grkv_core.analysis import carrier_report
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.models import load_model
+from conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny-llama", attn_implementation="eager")
+    return tiny_model("tiny-llama", attn_implementation="eager")
 
 
 def test_carrier_report_covers_every_unit_and_plots(tiny, tmp_path):

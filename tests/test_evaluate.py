@@ -16,7 +16,7 @@ from kvpress.utils import compute_n_kept
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator, run_evaluation, tokenize_sample
-from grkv_core.models import load_model
+from conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 GRKV = str(REPO / ".venv" / "bin" / "grkv")
@@ -24,7 +24,7 @@ GRKV = str(REPO / ".venv" / "bin" / "grkv")
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny-llama")
+    return tiny_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")
