@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from grkv_core.benchmarks import load_dataset_samples
-from grkv_core.diagnostics import discrepancy_per_head
-from grkv_core.evaluate import tokenize_sample
-from grkv_core.generation import prefill
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.diagnostics.losses import discrepancy_per_head
+from grkv_core.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
-from grkv_core.press import GRKVPress
+from grkv_core.presses.grkv import GRKVPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge

@@ -28,8 +28,8 @@ import time
 import torch
 import transformers
 
-from grkv_core.benchmarks.ruler import load_essay_corpus
 from grkv_core.cli import parse_merge_variant
+from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press

@@ -7,7 +7,7 @@ Prints the median wall time (calls interleaved) of (a) one LlamaDecoderLayer for
 (the prefill cost GRKV is added to), (b) grkv_merge for that layer's KV heads at the press's defaults as
 GRKVPress calls it, handing over the window's full-cache attention outputs that the layer's own forward
 computed (``full_outputs``), (c) grkv_merge standalone, computing them itself, (d) optionally the naive
-explicit-Jacobian implementation (grkv_core.solver_reference) on the same problem, and the ratios.
+explicit-Jacobian implementation (grkv_core.solver.reference) on the same problem, and the ratios.
 Weights are random: the cost of either computation does not depend on their values.
 
 CPU heap (``--heap``). The layer frees ~100 MB of activations per call. With glibc's default settings the
@@ -34,7 +34,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from grkv_core.solver import grkv_merge
-from grkv_core.solver_reference import grkv_merge_reference
+from grkv_core.solver.reference import grkv_merge_reference
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ __all__ = ["GRKVPress", "grkv_merge", "__version__"]
 def __getattr__(name):
     # NOTE: lazy, so that importing any submodule (the light configuration above all) loads no torch or kvpress.
     if name == "GRKVPress":
-        from grkv_core.press import GRKVPress
+        from grkv_core.presses.grkv import GRKVPress
 
         return GRKVPress
     if name == "grkv_merge":
-        from grkv_core.solver import grkv_merge
+        from grkv_core.solver.merge import grkv_merge
 
         return grkv_merge
     raise AttributeError(f"module 'grkv_core' has no attribute {name!r}")

@@ -128,7 +128,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from grkv_core.analysis import carrier_report, format_carrier_table, plot_window_consistency
+    from grkv_core.carrier_report import carrier_report, format_carrier_table, plot_window_consistency
     from grkv_core.evaluate import EvaluationSetup
 
     output_dir = Path(args.output_dir)

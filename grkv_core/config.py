@@ -21,6 +21,8 @@ EVICTION_PRESS_NAMES = ("snapkv", "pyramidkv", "streamingllm", "h2o", "expected_
                         "adakv", "criticaladakv")
 FULL_CACHE = "full"
 MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger")
+# "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
+# copies pinned to a revision).
 DATASETS = ("ruler", "ruler-hub", "longbench")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -54,6 +56,10 @@ PAPER_DEFAULT = "paper_default"
 EVICTION_ONLY = "eviction_only"
 BASELINES = (PAPER_DEFAULT, EVICTION_ONLY)
 ZERO_SUFFIX = "_is_zero"
+
+# The paper's window: its surrogate queries are the last 32 prompt positions (m), and it pairs GRKV with
+# SnapKV's 32-token observation window; the reconstruction probe measures the window loss on as many.
+PAPER_WINDOW = 32
 
 COMPONENTS = ("kv", "k", "v")
 RIDGE_SCALES = ("absolute", "relative")
@@ -138,7 +144,7 @@ class GRKVOptions:
     beta: float = _option(0.1, OptionSpec(
         "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
         "held fixed", float, low=0.0, high=1.0))
-    window_size: int = _option(32, OptionSpec("m, the number of surrogate query tokens", int, low=1))
+    window_size: int = _option(PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1))
     steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1))
     n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
     components: str = _option("kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str,
@@ -264,7 +270,7 @@ class EvalConfig:
     attn_implementation: str | None = None
     device: str = "auto"
     data_dir: str | None = None
-    loss_window: int = 32
+    loss_window: int = PAPER_WINDOW
     heldout_tokens: int = 8
 
     def to_dict(self) -> dict:

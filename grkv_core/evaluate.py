@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grkv_core.benchmarks import EvalSample, load_dataset_samples, score_prediction
-from grkv_core.config import COST_METRICS, EvalConfig, PressConfig
-from grkv_core.diagnostics import discrepancy_per_head, recover_kept_positions
-from grkv_core.generation import answer_question, prefill
+from grkv_core.config import COST_METRICS, PAPER_WINDOW, EvalConfig, PressConfig
+from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
+from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
+from grkv_core.generation import answer_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import NOT_EAGER, required_attention
@@ -154,31 +154,6 @@ class _ReconstructionProbe:
         return error / max(reference, 1e-30)
 
 
-def tokenize_sample(tokenizer, sample: EvalSample) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Context and question token ids as kvpress's pipeline builds them (chat template split at the context).
-
-    Returns (1, n) context ids and one (1, q) tensor per question (question + template tail + answer prefix).
-    """
-    if tokenizer.chat_template is None:
-        context = (tokenizer.bos_token or "") + sample.context
-        suffix = "\n"
-    else:
-        separator = "#" * (len(sample.context) + 10)
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + separator}],
-                                                 add_generation_prompt=True, tokenize=False)
-        context, suffix = rendered.split(separator)
-    encode = lambda text: torch.tensor([tokenizer.encode(text, add_special_tokens=False)])  # noqa: E731
-    return encode(context), [encode(question + suffix + sample.answer_prefix) for question in sample.questions]
-
-
-def stop_token_ids(loaded: LoadedModel) -> set[int]:
-    eos = loaded.model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(loaded.tokenizer.eos_token_id)
-    return ids
-
-
 def _cache_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
@@ -197,7 +172,7 @@ class Evaluator:
         Number of first generated tokens whose queries form the held-out set (0 disables it).
     """
 
-    def __init__(self, loaded: LoadedModel, loss_window: int = 32, heldout_tokens: int = 8):
+    def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8):
         self.loaded = loaded
         self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from grkv_core.datasets.schema import EvalSample
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -90,3 +92,29 @@ def answer_question(
     finally:
         crop_cache(cache, lengths)
     return Answer(token_ids=generated, question_seconds=question_seconds, decode_seconds=decode_seconds)
+
+
+def tokenize_sample(tokenizer, sample: EvalSample) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Context and question token ids as kvpress's pipeline builds them (chat template split at the context).
+
+    Returns (1, n) context ids and one (1, q) tensor per question (question + template tail + answer prefix).
+    """
+    if tokenizer.chat_template is None:
+        context = (tokenizer.bos_token or "") + sample.context
+        suffix = "\n"
+    else:
+        separator = "#" * (len(sample.context) + 10)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + separator}],
+                                                 add_generation_prompt=True, tokenize=False)
+        context, suffix = rendered.split(separator)
+    encode = lambda text: torch.tensor([tokenizer.encode(text, add_special_tokens=False)])  # noqa: E731
+    return encode(context), [encode(question + suffix + sample.answer_prefix) for question in sample.questions]
+
+
+def stop_token_ids(loaded) -> set[int]:
+    """The token ids that end an answer: the generation config's EOS ids and the tokenizer's."""
+    eos = loaded.model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return ids

@@ -9,7 +9,7 @@ from kvpress.utils import get_prerope_query_states
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from grkv_core.config import QUERY_POLICIES
+from grkv_core.config import PAPER_WINDOW, QUERY_POLICIES
 
 
 
@@ -42,7 +42,7 @@ def surrogate_queries(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     *,
     policy: str = "window",
-    n_queries: int = 32,
+    n_queries: int = PAPER_WINDOW,
 ) -> SurrogateQueries:
     """Build the surrogate queries of one attention layer.
 

@@ -18,14 +18,14 @@ from kvpress import (
     StreamingLLMPress,
 )
 
-from grkv_core.baselines import AsymKVPress, CaMPress, D2OPress, KVMergerPress
-from grkv_core.press import GRKVPress
+from grkv_core.config import PAPER_WINDOW
+from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
 # prior KV-cache eviction methods"; the authors' code: window 32, kernel 5), so SnapKV and the presses built
 # on it (CriticalKV, AdaKV, CriticalAdaKV) use it here instead of kvpress's window of 64. The paper gives no
 # window for PyramidKV, which keeps kvpress's default.
-PAPER_SNAPKV_WINDOW = dict(window_size=32, kernel_size=5)
+PAPER_SNAPKV_WINDOW = dict(window_size=PAPER_WINDOW, kernel_size=5)
 
 
 def _snapkv(ratio: float) -> SnapKVPress:

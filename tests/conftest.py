@@ -1,8 +1,24 @@
-"""Checks shared by the press test modules."""
+"""What the test modules share: the tiny-model loader and the press checks."""
+
+import functools
 
 import torch
 
 from grkv_core.generation import prefill
+from grkv_core.models import LoadedModel, load_model
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(name: str = "tiny-llama", attn_implementation: str = "sdpa", dtype: str = "float32") -> LoadedModel:
+    """A tiny random model (``grkv_core.models.tiny``), loaded once per test session for each set of arguments.
+
+    The defaults are what ``load_model`` picks on the CPU (its default device) for ``dtype="auto"`` and no
+    attention implementation.
+
+    NOTE: every test asking for the same arguments gets the same instance: a test may run presses on it (their
+    hooks come off on exit) but must not change its parameters or configuration; load a fresh model to do that.
+    """
+    return load_model(name, attn_implementation=attn_implementation, dtype=dtype)
 
 
 def assert_batch_elements_compressed_independently(model, ids, press, tolerance=2e-4):

@@ -4,7 +4,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import functools
 import math
 
 import pytest
@@ -13,11 +12,10 @@ from kvpress import SnapKVPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from grkv_core.baselines import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.generation import cache_lengths, prefill
-from grkv_core.models import load_model
+from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.registry import MERGERS, build_press
-from conftest import assert_batch_elements_compressed_independently
+from conftest import assert_batch_elements_compressed_independently, tiny_model
 
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
 BASELINES = ["cam", "d2o", "asymkv", "kvmerger"]
@@ -26,11 +24,6 @@ RATIO = 0.75
 # NOTE: thresholds of -1 make D2O and KVMerger merge every evicted token, so random tiny models exercise
 # the merge paths instead of dropping everything below a similarity threshold.
 MERGE_ALL = {"cam": {}, "d2o": {"threshold": -1.0}, "asymkv": {}, "kvmerger": {"threshold": -1.0}}
-
-
-@functools.lru_cache(maxsize=None)
-def tiny(architecture):
-    return load_model(architecture, attn_implementation="sdpa", dtype="float32").model
 
 
 def context_ids(vocab_size, batch=1, seed=0):
@@ -216,7 +209,7 @@ def record_compress(press):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("merge", BASELINES)
 def test_cache_is_compacted_to_the_budget_over_snapkv(architecture, merge):
-    model = tiny(architecture)
+    model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size)
     full = prefill(model, ids)
     merged = prefill(model, ids, build_press("snapkv", RATIO, merge=merge, **MERGE_ALL[merge]))
@@ -231,7 +224,7 @@ def test_cache_is_compacted_to_the_budget_over_snapkv(architecture, merge):
 
 @pytest.mark.parametrize("merge", BASELINES)
 def test_per_head_budgets_merge_in_place_and_leave_masked_rows(merge):
-    model = tiny("tiny-llama")
+    model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size, seed=1)
     full = prefill(model, ids)
     press = build_press("adakv", RATIO, merge=merge, **MERGE_ALL[merge])
@@ -249,7 +242,7 @@ def test_per_head_budgets_merge_in_place_and_leave_masked_rows(merge):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("merge", BASELINES)
 def test_batch_elements_are_merged_independently(architecture, merge):
-    model = tiny(architecture)
+    model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=2)
     press = build_press("snapkv", RATIO, merge=merge, **MERGE_ALL[merge])
     assert_batch_elements_compressed_independently(model, ids, press)
@@ -258,7 +251,7 @@ def test_batch_elements_are_merged_independently(architecture, merge):
 @pytest.mark.parametrize("merge", BASELINES)
 def test_gqa_kv_heads_are_merged_independently(merge):
     # tiny-llama has 4 query heads over 2 KV heads: merging one KV head alone must give the same rows.
-    model = tiny("tiny-llama")
+    model = tiny_model("tiny-llama").model
     press = build_press("snapkv", RATIO, merge=merge, **MERGE_ALL[merge])
     calls = record_compress(press)
     prefill(model, context_ids(model.config.vocab_size, seed=3), press)
@@ -277,7 +270,7 @@ def test_gqa_kv_heads_are_merged_independently(merge):
 
 
 def test_cam_token_attention_averages_the_query_heads_of_each_kv_head():
-    model = tiny("tiny-llama")
+    model = tiny_model("tiny-llama").model
     press = CaMPress(press=SnapKVPress(compression_ratio=RATIO), window_size=8)
     calls = record_compress(press)
     prefill(model, context_ids(model.config.vocab_size, seed=4), press)

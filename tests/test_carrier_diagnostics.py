@@ -7,19 +7,17 @@ import torch
 from kvpress import SnapKVPress
 from PIL import Image
 
-from grkv_core.baselines import D2OPress, MergeInputs
-from grkv_core.diagnostics import (
+from grkv_core.diagnostics.carriers import (
     CarrierConcentration,
     carrier_concentration,
     carrier_concentration_per_unit,
-    cross_window_similarity,
     macro_average,
-    plot_cross_window_consistency,
-    plot_merge_map,
-    recover_kept_positions,
     span_boundaries,
-    window_output_summaries,
 )
+from grkv_core.diagnostics.losses import recover_kept_positions
+from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
+from grkv_core.diagnostics.windows import cross_window_similarity, window_output_summaries
+from grkv_core.presses import D2OPress, MergeInputs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -59,7 +59,7 @@ def test_the_registry_implements_exactly_the_named_presses_and_mergers():
 def test_grkv_press_fields_are_exactly_the_options():
     from dataclasses import fields
 
-    from grkv_core.press import GRKVPress
+    from grkv_core.presses.grkv import GRKVPress
 
     press_fields = {f.name: f.default for f in fields(GRKVPress)}
     assert {name: press_fields[name] for name in GRKV_OPTION_SPECS} == GRKV_DEFAULTS

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from kvpress.utils import compute_n_kept
 
-from grkv_core.benchmarks import load_dataset_samples
 from grkv_core.config import EvalConfig, PressConfig
-from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, tokenize_sample
-from grkv_core.models import load_model
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation
+from grkv_core.generation import tokenize_sample
+from conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 GRKV = str(REPO / ".venv" / "bin" / "grkv")
@@ -24,7 +25,7 @@ GRKV = str(REPO / ".venv" / "bin" / "grkv")
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny-llama")
+    return tiny_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

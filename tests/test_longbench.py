@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from grkv_core.benchmarks import LONGBENCH_TASKS, load_dataset_samples, score_prediction
-from grkv_core.benchmarks.longbench import (
+from grkv_core.datasets import LONGBENCH_TASKS, load_dataset_samples, score_prediction
+from grkv_core.datasets.longbench import (
     LONGBENCH_HUB_REVISION,
     LONGBENCH_MAX_NEW_TOKENS,
     LONGBENCH_METRICS,

@@ -14,12 +14,13 @@ import torch
 
 from grkv_core.models import (
     EMBEDDED_MODELS,
-    SMOLLM2_CACHE_SUBDIR,
     LoadedModel,
     ModelNotAvailableError,
     architecture_summary,
     load_model,
 )
+from grkv_core.models.smollm2 import SMOLLM2_CACHE_SUBDIR
+from conftest import tiny_model
 
 TINY_MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen3")
 # Multi-byte UTF-8 (accents, combining mark, CJK, emoji), control bytes, repeated whitespace and text
@@ -29,7 +30,7 @@ AWKWARD_TEXT = "Héllo  wörld\n\tcafe\u0301 你好 🙂🚀 \x00\x7f 1234567 <s
 
 @pytest.fixture(scope="module", params=TINY_MODELS)
 def tiny(request: pytest.FixtureRequest) -> LoadedModel:
-    return load_model(request.param)
+    return tiny_model(request.param)
 
 
 def chat_prompt_ids(loaded: LoadedModel, question: str) -> dict[str, torch.Tensor]:

@@ -4,30 +4,23 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import functools
-
 import pytest
 import torch
 from kvpress.utils import compute_n_kept
 
-from grkv_core.diagnostics import reconstruction_loss, recover_kept_positions
+from grkv_core.diagnostics.losses import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
-from grkv_core.press import GRKVPress
-from grkv_core.selection import TokenSelection
+from grkv_core.presses import GRKVPress
+from grkv_core.presses.selection import TokenSelection
 from transformers import DynamicCache
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
-from conftest import assert_batch_elements_compressed_independently
+from conftest import assert_batch_elements_compressed_independently, tiny_model
 
 ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
 CONTEXT = 160
 RATIO = 0.75
-
-
-@functools.lru_cache(maxsize=None)
-def tiny(architecture, attention="sdpa", dtype="float32"):
-    return load_model(architecture, attn_implementation=attention, dtype=dtype)
 
 
 def context_ids(vocab_size, batch=1, seed=0, length=CONTEXT):
@@ -48,7 +41,7 @@ def expected_lengths(press, model, length):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", sorted(EVICTION_PRESSES))
 def test_grkv_over_base_press_compresses_and_generates(architecture, press_name):
-    loaded = tiny(architecture, required_attention(press_name) or "sdpa")
+    loaded = tiny_model(architecture, required_attention(press_name) or "sdpa")
     model = loaded.model
     ids = context_ids(model.config.vocab_size)
     press = build_press(press_name, RATIO, merge="grkv")
@@ -98,7 +91,7 @@ def capture_layer0_window(model, ids, window):
                                         "criticalkv"])
 def test_grkv_lowers_layer0_window_discrepancy_versus_plain_eviction(architecture, press_name):
     # Layer 0 sees the same input with or without compression, so both caches keep the same tokens.
-    model = tiny(architecture).model
+    model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, seed=1)
     full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
     plain = prefill(model, ids, build_press(press_name, RATIO)).layers[0]
@@ -123,7 +116,7 @@ def test_grkv_lowers_layer0_window_discrepancy_versus_plain_eviction(architectur
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_dtypes_and_attention_implementations(dtype, attention):
-    loaded = tiny("tiny-llama", attention, dtype)
+    loaded = tiny_model("tiny-llama", attention, dtype)
     ids = context_ids(loaded.model.config.vocab_size, seed=2)
     cache = prefill(loaded.model, ids, GRKVPress(build_press("snapkv", RATIO)))
     for layer in cache.layers:
@@ -136,7 +129,7 @@ def test_dtypes_and_attention_implementations(dtype, attention):
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_batch_elements_are_compressed_independently(architecture):
-    model = tiny(architecture).model
+    model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=3)
     press = build_press("snapkv", RATIO, merge="grkv")
     assert_batch_elements_compressed_independently(model, ids, press)
@@ -148,7 +141,7 @@ def test_batch_elements_are_compressed_independently(architecture):
     dict(accept="objective"), dict(beta=0.0), dict(beta=1.0),
 ])
 def test_press_options_run_and_keep_the_budget(options):
-    model = tiny("tiny-qwen3").model
+    model = tiny_model("tiny-qwen3").model
     ids = context_ids(model.config.vocab_size, seed=4)
     cache = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", **options))
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
@@ -157,7 +150,7 @@ def test_press_options_run_and_keep_the_budget(options):
 
 
 def test_trust_region_caps_bound_the_update_per_head():
-    model = tiny("tiny-llama").model
+    model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size, seed=5)
     full_keys, full_values, _ = capture_layer0_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
@@ -174,7 +167,7 @@ def test_trust_region_caps_bound_the_update_per_head():
 
 
 def test_objective_acceptance_never_worsens_the_window_discrepancy():
-    model = tiny("tiny-mistral").model
+    model = tiny_model("tiny-mistral").model
     ids = context_ids(model.config.vocab_size, seed=6)
     full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("knorm", RATIO)).layers[0]
@@ -214,6 +207,7 @@ def test_compression_ratio_set_after_construction_is_checked(value):
 def test_compression_in_grad_mode_builds_no_graph(merge):
     """The README's library example on a model fresh from from_pretrained: parameters require grad and no
     torch.no_grad is in sight. Compression must work and leave no autograd graph in the cache."""
+    # NOTE: a fresh model, not the shared tiny_model: this test makes its parameters require grad.
     model = load_model("tiny-llama", attn_implementation="sdpa", dtype="float32").model
     for parameter in model.parameters():
         parameter.requires_grad_(True)
@@ -231,7 +225,7 @@ def test_compression_in_grad_mode_builds_no_graph(merge):
 
 @pytest.mark.parametrize("merge", ["grkv", "kvmerger"])
 def test_padded_batches_are_refused_and_unpadded_masks_accepted(merge):
-    model = tiny("tiny-llama").model
+    model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size, batch=2, seed=9)
     padded = torch.ones_like(ids)
     padded[1, :7] = 0  # left padding of the second sequence
@@ -287,9 +281,9 @@ def test_unsupported_base_press_is_refused_clearly():
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
 def test_target_from_the_forward_matches_the_recomputed_target(architecture, press_name, monkeypatch):
-    import grkv_core.press as press_module
+    import grkv_core.presses.grkv as press_module
 
-    model = tiny(architecture).model
+    model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=8)
     supplied = []
     solver = press_module.grkv_merge

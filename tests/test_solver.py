@@ -8,9 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from grkv_core.diagnostics import discrepancy_per_head, reconstruction_loss
-from grkv_core.solver import _conjugate_gradients, full_cache_outputs, grkv_merge
-from grkv_core.solver_reference import grkv_merge_reference
+from grkv_core.diagnostics.losses import discrepancy_per_head, reconstruction_loss
+from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.key_step import _conjugate_gradients
+from grkv_core.solver.merge import grkv_merge
+from grkv_core.solver.reference import grkv_merge_reference
 
 
 def random_problem(seed, batch=2, heads=2, n_queries=12, length=48, budget=12, head_dim=8, causal=False,
@@ -418,9 +420,9 @@ def test_zero_ridge_key_step_survives_rows_whose_free_attention_underflows():
 
 
 def test_a_stalled_key_step_is_reported(monkeypatch):
-    import grkv_core.solver as solver
+    import grkv_core.solver.key_step as key_step
 
-    monkeypatch.setattr(solver, "_conjugate_gradients", lambda operator, rhs, *args: (
+    monkeypatch.setattr(key_step, "_conjugate_gradients", lambda operator, rhs, *args: (
         torch.zeros_like(rhs), torch.ones(rhs.shape[0], dtype=torch.bool)))
     problem = random_problem(seed=4)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}

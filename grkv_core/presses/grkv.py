@@ -1,0 +1,235 @@
+"""GRKVPress: GRKV merging behind any kvpress eviction press."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from grkv_core.config import GRKVOptions
+from grkv_core.diagnostics.losses import discrepancy_per_head
+from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.selection import TokenSelection, forced_score_span
+from grkv_core.queries import SurrogateQueries, surrogate_queries
+from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.merge import grkv_merge
+
+# NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
+# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
+# Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
+# becomes the target. Other classes get the target recomputed by the solver.
+_OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
+_WINDOW_OUTPUTS = "_grkv_window_outputs"
+
+
+@dataclass
+class GRKVPress(GRKVOptions, MergingPress):
+    """Keep the base press's tokens and merge the evicted ones into them by global ridge regression.
+
+    The base press decides which tokens stay; GRKV then refits the kept keys and values so that attention
+    of the surrogate queries over the compressed cache reproduces attention over the full cache (paper
+    Alg. 1). With a uniform budget (every ``ScorerPress``, ``PyramidKVPress``) the cache is physically
+    compacted to the kept tokens. With per-head budgets (``AdaKVPress``, ``CriticalAdaKVPress``) kvpress
+    masks evicted entries instead of removing them, so memory is *not* saved; GRKV still merges per head.
+
+    Parameters
+    ----------
+    press : BasePress
+        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
+        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+    lambda_k, lambda_v : float
+        Ridge coefficients (>= 0). Paper defaults: 1e-2 for Llama, 1e-1 for Mistral and Qwen.
+    beta : float
+        Fraction of the kept tokens (besides sinks and the window) with the highest base-press scores
+        that are held fixed.
+    window_size : int
+        m, the number of surrogate query tokens (the last m prompt tokens by default).
+    steps : int
+        S, the maximum number of alternating value/key steps.
+    n_sink : int
+        The first ``n_sink`` positions are held fixed when kept.
+    components : {"kv", "k", "v"}
+        GRKV, GRK (keys only) or GRV (values only).
+    query_policy : {"window", "stratified"}
+        See ``grkv_core.queries.surrogate_queries``; "stratified" mirrors the authors' released code.
+    max_rel_update_k, max_rel_update_v : float, optional
+        Trust-region caps (authors' code: 0.025 and 0.1): per head, ‖ΔK‖ ≤ cap·‖K⁰‖ and likewise for V.
+    accept : {"always", "objective"}
+        "objective" keeps, per head, whichever of {evicted cache, values-only merge, full merge} has the
+        lowest window discrepancy (authors' code).
+    cg_max_iter, cg_rtol : int, float
+        Conjugate-gradient controls of the key step.
+    safeguard : bool
+        Halve the key step per head until the true window loss is no worse than after the value step (a
+        measured deviation from the paper, on by default; see ``grkv_merge``). The paper's Alg. 1 exactly is
+        ``safeguard=False`` with the key step solved to convergence (``cg_max_iter=200, cg_rtol=1e-7``).
+    ridge_scale : {"absolute", "relative"}
+        "relative" multiplies λ_k and λ_v by a per-head scale of their systems (see ``grkv_merge``).
+    target_from_forward : bool
+        With the window policy, take the regression target (the full cache's attention outputs for the
+        window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
+        it again (in float32) over the whole cache. It saves one attention pass per layer; the target then
+        carries the model's dtype (bf16 rounding, ~0.4% per entry, on half-precision models).
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_options()
+
+    @contextmanager
+    def __call__(self, model):
+        """kvpress's context manager, plus ``o_proj`` pre-hooks that keep the window's attention outputs."""
+        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        attentions = [layer.self_attn for layer in language_model.layers]
+        handles = []
+        try:
+            if self.target_from_forward and self.query_policy == "window":
+                handles = [
+                    attention.o_proj.register_forward_pre_hook(functools.partial(self._keep_window_outputs, attention))
+                    for attention in attentions if isinstance(attention, _OUTPUTS_BEFORE_O_PROJ)
+                ]
+            with super().__call__(model):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for attention in attentions:
+                attention.__dict__.pop(_WINDOW_OUTPUTS, None)
+
+    def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
+        outputs = args[0]  # (B, n, H_q·d)
+        if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
+            # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
+            # mode, its autograd graph is kept alive.
+            setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].detach().clone())
+
+    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                      kwargs: dict) -> _WindowRegression:
+        surrogate = surrogate_queries(
+            module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
+        )
+        full_outputs = _stack_by_kv_head(module.__dict__.pop(_WINDOW_OUTPUTS, None), surrogate)
+        return _WindowRegression(surrogate, full_outputs, module.scaling)
+
+    def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:
+        head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
+        surrogate = context.surrogate
+        head_queries = SurrogateQueries(
+            surrogate.queries[head], surrogate.positions, surrogate.token_positions, surrogate.loss_weight
+        )
+        full_outputs = context.full_outputs[head] if context.full_outputs is not None else None
+        return _WindowRegression(head_queries, full_outputs, context.scale)
+
+    def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
+        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
+
+        NOTE: the top-beta ranking runs on the base press's genuine scores only: positions it scores
+        artificially (its own observation window or sinks, ``forced_score_span``) are not candidates, else a base
+        window wider than GRKV's would take every top-beta slot.
+        """
+        length = selection.scores.shape[-1]
+        protected = (kept < self.n_sink) | (kept >= length - self.window_size)
+        forced_head, forced_tail = forced_score_span(self.press)
+        candidates = ~protected & (kept >= forced_head) & (kept < length - forced_tail)
+        kept_scores = selection.scores.gather(-1, kept).masked_fill(~candidates, float("-inf"))
+        order = kept_scores.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1], device=kept.device).expand_as(order))
+        n_top = (candidates.sum(dim=-1, keepdim=True) * self.beta).floor().long()
+        return protected | (candidates & (rank < n_top))
+
+    def merge_selected(
+        self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: _WindowRegression
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refit the kept rows by ``grkv_merge``; then the trust-region caps and the acceptance rule, if set."""
+        surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
+        kept = selection.kept_positions()
+        fixed = self._fixed(selection, kept)
+        if self.accept == "objective" and full_outputs is None:
+            # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
+            full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
+                                              scale=scale)
+        solve = dict(
+            lambda_k=self.lambda_k / surrogate.loss_weight,
+            lambda_v=self.lambda_v / surrogate.loss_weight,
+            steps=self.steps,
+            query_positions=surrogate.positions,
+            scale=scale,
+            cg_max_iter=self.cg_max_iter,
+            cg_rtol=self.cg_rtol,
+            full_outputs=full_outputs,
+            safeguard=self.safeguard,
+            ridge_scale=self.ridge_scale,
+        )
+        merged_keys, merged_values = grkv_merge(surrogate.queries, keys, values, kept, fixed,
+                                                components=self.components, **solve)
+        if self.accept == "always" and self.max_rel_update_k is None and self.max_rel_update_v is None:
+            return merged_keys, merged_values
+        index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
+        merged_keys = _cap_update(evicted_keys, merged_keys, self.max_rel_update_k)
+        merged_values = _cap_update(evicted_values, merged_values, self.max_rel_update_v)
+        if self.accept == "always":
+            return merged_keys, merged_values
+
+        _, values_only = grkv_merge(surrogate.queries, keys, values, kept, fixed, components="v", **solve)
+        values_only = _cap_update(evicted_values, values_only, self.max_rel_update_v)
+        candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
+        errors = torch.stack([
+            discrepancy_per_head(surrogate.queries, keys, values, k, v, query_positions=surrogate.positions,
+                                 compressed_positions=kept, scale=scale, full_outputs=full_outputs)[0]
+            for k, v in candidates
+        ])
+        best = errors.argmin(dim=0)[..., None, None]
+        choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
+        return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+
+@dataclass(frozen=True)
+class _WindowRegression:
+    """What GRKV's merge reads besides the cache, for one layer (or one (batch, head) of it).
+
+    Attributes
+    ----------
+    surrogate : SurrogateQueries
+        The window queries, (B, H_kv, M, d) stacked by KV head.
+    full_outputs : torch.Tensor or None
+        (B, H_kv, M, d) their attention outputs over the full cache, kept from the prefill forward; None: the
+        solver computes them.
+    scale : float
+        The layer's softmax scale.
+    """
+
+    surrogate: SurrogateQueries
+    full_outputs: torch.Tensor | None
+    scale: float
+
+
+def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
+    """(B, m, H_q·d) attention outputs of the window tokens -> (B, H_kv, groups·m, d), stacked like the queries."""
+    if outputs is None:
+        return None
+    batch, kv_heads, rows, head_dim = surrogate.queries.shape
+    window = surrogate.token_positions.numel()
+    query_heads = kv_heads * (rows // window)
+    if outputs.shape != (batch, window, query_heads * head_dim):
+        return None  # not this forward's window: the solver computes the target itself
+    per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
+    return per_query_head.reshape(batch, kv_heads, rows, head_dim)
+
+
+def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
+    """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""
+    if max_relative is None:
+        return merged
+    update = merged.float() - start.float()
+    update_norm = update.flatten(2).norm(dim=-1)
+    limit = max_relative * start.float().flatten(2).norm(dim=-1)
+    factor = (limit / update_norm.clamp_min(1e-30)).clamp(max=1.0)[..., None, None]
+    return (start.float() + factor * update).to(merged.dtype)

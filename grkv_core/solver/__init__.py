@@ -1,0 +1,44 @@
+"""The GRKV update on plain tensors (paper Sec. 3, Alg. 1, App. D).
+
+Given surrogate queries, the full cache and the positions an eviction method keeps, GRKV refits the kept
+keys and values so that the kept cache reproduces the full cache's attention outputs on the queries,
+with ridge penalties pulling both back towards the plain evicted cache:
+
+    min_{K, V}  || softmax(s Q K_fullᵀ) V_full - softmax(s Q Kᵀ) V ||_F²
+                + λ_k ||K - K⁰||_F² + λ_v ||V - V⁰||_F²
+
+It alternates an exact value step (ridge regression in dual/Woodbury form, an M×M system per head) and a
+linearised key step (dual ridge problem solved by conjugate gradients with analytic, matrix-free
+Jacobian products). Everything is batched over batch and KV heads.
+
+Deviations from the paper, all options (``safeguard=False, ridge_scale="absolute"`` with the key step solved to
+convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
+
+- ``safeguard`` (on by default): the linearised key step predicts a decrease of the window loss on every
+  head, but where it moves logits far (sharp heads) the true loss can rise instead; the step direction is
+  a descent direction, only its length is wrong. The safeguard evaluates the true window loss per head and
+  halves the step until it is no worse than after the value step, else keeps the value step's keys
+  (benchmarks/RESULTS.md §6 has the measurement behind it).
+- ``ridge_scale="relative"``: λ multiplies a per-head scale of each system (the mean diagonal of X_G X_Gᵀ for
+  the value step, of J Jᵀ for the key step), so one λ means the same across heads and models whose caches
+  differ in scale.
+- ``cg_max_iter=4``: the key step's CG stops after 4 iterations; behind the safeguard that keeps about half of
+  16 iterations' gain over the value step alone at about half the merge's cost (RESULTS §6).
+
+Modules
+-------
+- ``merge``: ``grkv_merge``, the public entry point (input checks, the alternating loop, non-finite heads).
+- ``problem``: the tensors one call shares between its steps, and the free (refitted) rows.
+- ``value_step``: the exact ridge refit of the values.
+- ``key_step``: the linearised key step, by conjugate gradients with matrix-free Jacobian products.
+- ``safeguard``: the shortening of a key step that would raise the true window loss.
+- ``attention``: masked attention kernels (also used by the diagnostics and the CaM baseline).
+- ``reference``: a slow, explicit-Jacobian float64 implementation, the tests' yardstick.
+
+NOTE: this package imports torch and the light ``grkv_core.config`` only: no transformers, no kvpress.
+"""
+
+from grkv_core.solver.attention import full_cache_outputs, masked_softmax
+from grkv_core.solver.merge import grkv_merge
+
+__all__ = ["full_cache_outputs", "grkv_merge", "masked_softmax"]

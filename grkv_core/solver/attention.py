@@ -1,0 +1,77 @@
+"""Attention over a cache with causal or arbitrary masks: the full cache's outputs (the regression target) and
+masked softmaxes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def full_cache_outputs(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """(B, H_kv, M, d) float32 attention outputs softmax(scale·Q Kᵀ) V of ``queries`` over a whole cache.
+
+    ``keys``/``values`` (B, H_kv, n, d) with key i at position i; with ``query_positions`` (M,) attention is
+    causal. One fused attention kernel: the (M, n) weights are never materialised.
+    """
+    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
+    mask = None
+    if query_positions is not None:
+        mask = _causal_additive_mask(query_positions.to(device=keys.device, dtype=torch.long), keys.shape[2])
+    return F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(), attn_mask=mask, scale=scale)
+
+
+def _causal_additive_mask(query_positions: torch.Tensor, length: int) -> torch.Tensor:
+    """(M, length) float mask, 0 where key position p <= query_positions[i] and -inf elsewhere.
+
+    NOTE: every key up to the earliest query position is visible to all queries, so only the columns after
+    it are compared; and no row is all -inf (key 0 is visible to every query position >= 0), so the fused
+    attention kernel never meets an empty row. A float mask also spares SDPA its own bool-to-float pass.
+    """
+    mask = torch.zeros(query_positions.shape[0], length, device=query_positions.device)
+    first_hidden = min(int(query_positions.min()) + 1, length)
+    tail = torch.arange(first_hidden, length, device=query_positions.device)
+    mask[:, first_hidden:] = torch.where(tail[None, :] <= query_positions[:, None], 0.0, float("-inf"))
+    return mask
+
+
+def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis restricted to ``visible`` entries; rows that see nothing are all zero.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        (..., M, n) attention logits.
+    visible : torch.Tensor or None
+        Boolean mask broadcastable to ``logits``; None means every entry is visible.
+    """
+    if visible is None:
+        return torch.softmax(logits, dim=-1)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    row_max = logits.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)
+    weights = torch.exp(logits - row_max)
+    return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def fused_masked_softmax(logits: torch.Tensor, hidden: torch.Tensor | None,
+                          sees_nothing: torch.Tensor | None) -> torch.Tensor:
+    """The solver's fast ``masked_softmax``: one fused softmax kernel, masking ``logits`` in place.
+
+    NOTE: ``logits`` must be a fresh temporary (it is overwritten). ``hidden`` is the complement of
+    ``masked_softmax``'s ``visible``; rows flagged in ``sees_nothing`` (whose fused softmax is NaN) become zero.
+    """
+    if hidden is None:
+        return torch.softmax(logits, dim=-1)
+    weights = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+    if sees_nothing is not None:
+        weights = weights.masked_fill_(sees_nothing, 0.0)
+    return weights

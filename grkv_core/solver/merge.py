@@ -1,0 +1,255 @@
+"""``grkv_merge``: the GRKV update on plain tensors (paper Sec. 3, Alg. 1, App. D); see the package docstring."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+from grkv_core.config import COMPONENTS, GRKV_DEFAULTS, RIDGE_SCALES
+from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.key_step import key_step
+from grkv_core.solver.problem import FreeRows, MergeProblem, gather_rows
+from grkv_core.solver.safeguard import safeguarded
+from grkv_core.solver.value_step import value_step
+
+# NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this.
+EARLY_STOP_TOL = 1e-9
+
+
+@torch.no_grad()
+def grkv_merge(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    fixed: torch.Tensor,
+    *,
+    lambda_k: float = GRKV_DEFAULTS["lambda_k"],
+    lambda_v: float = GRKV_DEFAULTS["lambda_v"],
+    steps: int = GRKV_DEFAULTS["steps"],
+    components: str = GRKV_DEFAULTS["components"],
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    cg_max_iter: int = GRKV_DEFAULTS["cg_max_iter"],
+    cg_rtol: float = GRKV_DEFAULTS["cg_rtol"],
+    full_outputs: torch.Tensor | None = None,
+    safeguard: bool = GRKV_DEFAULTS["safeguard"],
+    ridge_scale: str = GRKV_DEFAULTS["ridge_scale"],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the evicted part of a KV cache into the kept entries by global ridge regression.
+
+    Parameters
+    ----------
+    queries : torch.Tensor
+        (B, H_kv, M, d) surrogate queries with RoPE applied. For GQA the queries of the heads sharing a
+        KV head are stacked along M.
+    keys, values : torch.Tensor
+        (B, H_kv, n, d) the full cache.
+    kept : torch.Tensor
+        (B, H_kv, c) integer positions kept by the eviction method, distinct within each head.
+    fixed : torch.Tensor
+        (B, H_kv, c) bool; True rows are returned unchanged (bit-identical).
+    lambda_k, lambda_v : float
+        Ridge coefficients (>= 0) for keys and values. 0 is allowed (minimum-norm solution).
+    steps : int
+        Maximum number S of alternating value/key steps; stops early when nothing moves by > 1e-9.
+    components : {"kv", "k", "v"}
+        Which part is refitted: GRKV (both), GRK (keys only) or GRV (values only).
+    query_positions : torch.Tensor, optional
+        (M,) integer positions of the query rows. When given, attention is causal: row i sees the key at
+        position p iff p <= query_positions[i], for both the full and the kept cache.
+    scale : float, optional
+        Softmax scale, 1/sqrt(d) by default.
+    cg_max_iter : int
+        Conjugate-gradient iteration cap of the key step, per head.
+    cg_rtol : float
+        Relative residual tolerance of the key step's conjugate gradients.
+    full_outputs : torch.Tensor, optional
+        (B, H_kv, M, d) the regression target, softmax(scale·Q Kᵀ) V of ``queries`` over the full cache
+        (causal when ``query_positions`` is given), stacked like ``queries``. Computed here when omitted;
+        ``GRKVPress`` passes the model's own attention outputs, which its prefill forward already computed.
+    safeguard : bool
+        After each key step, evaluate the true window loss per head and halve the step (at most
+        ``MAX_HALVINGS`` times) until it is no worse than after that round's value step; a head where no
+        length passes keeps its keys. Heads where the full step already passes get exactly the paper's
+        result. False, with CG run to convergence, is the paper's Alg. 1.
+    ridge_scale : {"absolute", "relative"}
+        "absolute" (the paper): λ_k and λ_v are used as given. "relative": each is multiplied, per head and
+        round, by the mean diagonal of its system (X_G X_Gᵀ for values, J Jᵀ for keys).
+
+    Returns
+    -------
+    tuple[torch.Tensor, torch.Tensor]
+        (B, H_kv, c, d) merged keys and values in the input dtype. Heads whose results, queries, kept rows
+        or full-cache attention outputs (a NaN or +inf anywhere in the cache reaches those) are not finite
+        get the plain evicted cache back, with a warning.
+    """
+    _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
+              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale)
+    out_dtype = keys.dtype
+    head_dim = keys.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    evicted_keys, evicted_values = gather_rows(keys, kept), gather_rows(values, kept)
+
+    kept_hidden = sees_nothing = None
+    if query_positions is not None:
+        query_positions = query_positions.to(device=keys.device, dtype=torch.long)
+        kept_hidden = kept.long()[:, :, None, :] > query_positions[None, None, :, None]
+        sees_nothing = kept_hidden.all(dim=-1, keepdim=True)
+        if not bool(sees_nothing.any()):
+            sees_nothing = None
+
+    queries_scaled = queries.float() * scale
+    if full_outputs is not None:
+        target = full_outputs.float()
+    else:
+        target = full_cache_outputs(queries, keys, values, query_positions=query_positions, scale=scale)
+    # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
+    # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
+    # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
+    regression_inputs = [queries_scaled, target, evicted_keys.float(), evicted_values.float()]
+    finite_inputs = functools.reduce(torch.logical_and, map(_finite_per_head, regression_inputs))
+    if not bool(finite_inputs.all()):
+        head_ok = finite_inputs[..., None, None]
+        regression_inputs = [torch.where(head_ok, t, 0.0) for t in regression_inputs]
+    queries_scaled, target, keys0, values0 = regression_inputs
+    problem = MergeProblem(
+        queries_scaled=queries_scaled,
+        target=target,
+        keys0=keys0,
+        values0=values0,
+        free=(~fixed).unsqueeze(-1).to(torch.float32),
+        free_rows=FreeRows.of(fixed),
+        hidden=kept_hidden,
+        sees_nothing=sees_nothing,
+    )
+
+    new_keys, new_values = problem.keys0, problem.values0
+    for round_index in range(steps):
+        # Both steps of one round see the attention at the current keys (the key step linearises there).
+        attention = problem.attention(new_keys)
+        if components in ("kv", "v"):
+            step_values = value_step(problem, attention, lambda_v, ridge_scale)
+        else:
+            step_values = new_values
+        if components in ("kv", "k"):
+            step_keys, value_step_error = key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale,
+                                                    cg_max_iter, cg_rtol)
+            if safeguard:
+                step_keys = safeguarded(problem, new_keys, step_keys, value_step_error, step_values)
+        else:
+            step_keys = new_keys
+        # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
+        done = round_index + 1 == steps or max(
+            _largest_change(step_keys, new_keys), _largest_change(step_values, new_values)) <= EARLY_STOP_TOL
+        new_keys, new_values = step_keys, step_values
+        if done:
+            break
+
+    keep_fixed = fixed.unsqueeze(-1)
+    merged_keys = torch.where(keep_fixed, evicted_keys, new_keys.to(out_dtype))
+    merged_values = torch.where(keep_fixed, evicted_values, new_values.to(out_dtype))
+
+    head_ok = finite_inputs & _finite_per_head(merged_keys) & _finite_per_head(merged_values)
+    if not bool(head_ok.all()):
+        bad = int((~head_ok).sum())
+        warnings.warn(
+            f"grkv_merge: {bad} of {head_ok.numel()} (batch, head) pairs had non-finite inputs or results; "
+            "they keep the plain evicted cache.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        merged_keys = torch.where(head_ok[..., None, None], merged_keys, evicted_keys)
+        merged_values = torch.where(head_ok[..., None, None], merged_values, evicted_values)
+    return merged_keys, merged_values
+
+
+def _largest_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    return float((new - old).abs().amax()) if new is not old else 0.0
+
+
+def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, H, ...) -> (B, H) bool: every entry of that head is finite.
+
+    NOTE: one float32 sum per head instead of an elementwise test: NaN and inf propagate into the sum, and
+    a sum that overflows to inf can only come from entries near float32's limit, which are rejected too.
+    """
+    return torch.isfinite(tensor.sum(dim=tuple(range(2, tensor.ndim)), dtype=torch.float32))
+
+
+def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
+              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale) -> None:
+    """Raise a ValueError naming the argument for any malformed input (never a torch error deep inside)."""
+    for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim != 4:
+            raise ValueError(f"{name} must have shape (B, H_kv, length, d), got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if values.shape != keys.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    batch, heads, length, head_dim = keys.shape
+    if queries.shape[:2] != (batch, heads) or queries.shape[3] != head_dim:
+        raise ValueError(
+            f"queries shape {tuple(queries.shape)} must be (B={batch}, H_kv={heads}, M, d={head_dim}) to match keys"
+        )
+    if queries.shape[2] == 0:
+        raise ValueError("queries must hold at least one query row (M >= 1)")
+    for name, tensor in (("kept", kept), ("fixed", fixed)):
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or tensor.shape[:2] != (batch, heads):
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must have shape (B={batch}, H_kv={heads}, c), got {shape}")
+    if kept.dtype.is_floating_point or kept.dtype == torch.bool or kept.is_complex():
+        raise ValueError(f"kept must be an integer (long) tensor, got {kept.dtype}")
+    if fixed.dtype != torch.bool:
+        raise ValueError(f"fixed must be a bool tensor, got {fixed.dtype}")
+    if fixed.shape != kept.shape:
+        raise ValueError(f"fixed shape {tuple(fixed.shape)} must equal kept shape {tuple(kept.shape)}")
+    budget = kept.shape[2]
+    if not 1 <= budget <= length:
+        raise ValueError(f"kept must select between 1 and n={length} positions per head, got c={budget}")
+    if bool((kept < 0).any()) or bool((kept >= length).any()):
+        raise ValueError(f"kept positions must lie in [0, {length}), got range [{int(kept.min())}, {int(kept.max())}]")
+    if budget > 1 and bool((kept.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError("kept must not repeat a position within a (batch, head)")
+    for name, lam in (("lambda_k", lambda_k), ("lambda_v", lambda_v)):
+        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {lam!r}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if components not in COMPONENTS:
+        raise ValueError(f"components must be one of {COMPONENTS}, got {components!r}")
+    if query_positions is not None:
+        if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (queries.shape[2],):
+            shape = tuple(query_positions.shape) if isinstance(query_positions, torch.Tensor) else query_positions
+            raise ValueError(f"query_positions must have shape (M={queries.shape[2]},), got {shape}")
+        if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
+            raise ValueError(f"query_positions must be an integer tensor, got {query_positions.dtype}")
+        if bool((query_positions < 0).any()):
+            raise ValueError("query_positions must be non-negative")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if not isinstance(cg_max_iter, int) or isinstance(cg_max_iter, bool) or cg_max_iter < 1:
+        raise ValueError(f"cg_max_iter must be an integer >= 1, got {cg_max_iter!r}")
+    if not isinstance(cg_rtol, (int, float)) or isinstance(cg_rtol, bool) or not 0 < cg_rtol < 1:
+        raise ValueError(f"cg_rtol must be in (0, 1), got {cg_rtol!r}")
+    if not isinstance(safeguard, bool):
+        raise ValueError(f"safeguard must be True or False, got {safeguard!r}")
+    if ridge_scale not in RIDGE_SCALES:
+        raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {ridge_scale!r}")
+    if full_outputs is not None:
+        if not isinstance(full_outputs, torch.Tensor) or full_outputs.shape != queries.shape:
+            shape = tuple(full_outputs.shape) if isinstance(full_outputs, torch.Tensor) else type(full_outputs).__name__
+            raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {shape}")
+        if not full_outputs.is_floating_point():
+            raise ValueError(f"full_outputs must be a floating-point tensor, got {full_outputs.dtype}")
+    tensors = [queries, keys, values, kept, fixed] + ([full_outputs] if full_outputs is not None else [])
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError("queries, keys, values, kept, fixed (and full_outputs) must be on one device, "
+                         f"got {sorted(map(str, devices))}")

@@ -1,0 +1,109 @@
+"""A deliberately naive GRKV: Alg. 1 written line by line, per head, with an explicit Jacobian.
+
+It is the yardstick for ``grkv_core.solver.grkv_merge``: the tests compare the fast solver against it in
+float64, and ``benchmarks/solver_cost.py`` times it to report the fast solver's speed-up. It forms the
+(M·d) × (c_G·d) Jacobian with ``torch.func.jacrev`` and solves every system directly, so it is only
+usable at small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.func import jacrev
+
+from grkv_core.solver.attention import masked_softmax
+from grkv_core.solver.merge import EARLY_STOP_TOL
+from grkv_core.solver.safeguard import MAX_HALVINGS
+
+
+def grkv_merge_reference(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    fixed: torch.Tensor,
+    *,
+    lambda_k: float = 1e-2,
+    lambda_v: float = 1e-2,
+    steps: int = 1,
+    components: str = "kv",
+    query_positions: torch.Tensor | None = None,
+    scale: float | None = None,
+    safeguard: bool = True,
+    ridge_scale: str = "absolute",
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``grkv_merge`` (minus the CG knobs); returns tensors in ``dtype``."""
+    batch, heads, _, head_dim = keys.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    merged_keys = torch.empty(batch, heads, kept.shape[2], head_dim, dtype=dtype)
+    merged_values = torch.empty_like(merged_keys)
+    for b in range(batch):
+        for h in range(heads):
+            merged_keys[b, h], merged_values[b, h] = _merge_one_head(
+                queries[b, h].to(dtype), keys[b, h].to(dtype), values[b, h].to(dtype), kept[b, h], fixed[b, h],
+                lambda_k, lambda_v, steps, components, query_positions, scale, safeguard, ridge_scale,
+            )
+    return merged_keys, merged_values
+
+
+def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components,
+                    query_positions, scale, safeguard, ridge_scale):
+    n_queries, head_dim = queries.shape
+    if query_positions is None:
+        full_visible = kept_visible = None
+    else:
+        full_visible = torch.arange(keys.shape[0])[None, :] <= query_positions[:, None]
+        kept_visible = kept[None, :] <= query_positions[:, None]
+
+    def attend(k, v, visible):
+        return masked_softmax(scale * queries @ k.T, visible) @ v
+
+    target = attend(keys, values, full_visible)
+    keys0, values0 = keys[kept], values[kept]
+    free = ~fixed
+    k_t, v_t = keys0.clone(), values0.clone()
+    for _ in range(steps):
+        k_old, v_old = k_t, v_t
+        if components in ("kv", "v"):
+            x = masked_softmax(scale * queries @ k_t.T, kept_visible)
+            x_free = x[:, free]
+            residual = target - x @ values0
+            ridge = lambda_v * ((x_free**2).sum() / n_queries if ridge_scale == "relative" else 1.0)
+            gram = x_free @ x_free.T + ridge * torch.eye(n_queries, dtype=x.dtype)
+            z = torch.linalg.lstsq(gram, residual).solution if ridge == 0 else torch.linalg.solve(gram, residual)
+            v_new = values0.clone()
+            v_new[free] = values0[free] + x_free.T @ z
+        else:
+            v_new = v_t
+        if components in ("kv", "k"):
+            def f_free(free_keys):
+                k = k_t.clone()
+                k[free] = free_keys
+                return attend(k, v_new, kept_visible)
+
+            jacobian = jacrev(f_free)(k_t[free]).reshape(n_queries * head_dim, -1)
+            error = (target - attend(k_t, v_new, kept_visible)).reshape(-1)
+            offset = (k_t[free] - keys0[free]).reshape(-1)
+            rhs = error + jacobian @ offset
+            ridge = lambda_k * ((jacobian**2).sum() / jacobian.shape[0] if ridge_scale == "relative" else 1.0)
+            system = jacobian @ jacobian.T + ridge * torch.eye(jacobian.shape[0], dtype=jacobian.dtype)
+            alpha = torch.linalg.lstsq(system, rhs[:, None]).solution[:, 0] if ridge == 0 else torch.linalg.solve(system, rhs)
+            k_new = keys0.clone()
+            k_new[free] = keys0[free] + (jacobian.T @ alpha).reshape(-1, head_dim)
+            if safeguard:
+                def window_error(k):
+                    return (target - attend(k, v_new, kept_visible)).square().sum()
+
+                bar = window_error(k_t)
+                lengths = [0.5**i for i in range(MAX_HALVINGS + 1)]
+                length = next((t for t in lengths if window_error(k_t + t * (k_new - k_t)) <= bar), 0.0)
+                k_new = k_t + length * (k_new - k_t)
+        else:
+            k_new = k_t
+        k_t, v_t = k_new, v_new
+        if max((k_t - k_old).abs().max(), (v_t - v_old).abs().max()) <= EARLY_STOP_TOL:
+            break
+    return k_t, v_t

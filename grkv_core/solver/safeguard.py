@@ -1,0 +1,42 @@
+"""The safeguard: shorten a key step per head until the true window loss does not rise (a deviation from the
+paper, on by default; see ``grkv_merge``)."""
+
+from __future__ import annotations
+
+import torch
+
+from grkv_core.solver.problem import MergeProblem
+
+# NOTE: the safeguard tries the key step at lengths 1, 1/2, ..., 2^-MAX_HALVINGS before keeping the value
+# step's keys; on 720 real SmolLM2 heads 1 of them passed no length (benchmarks/RESULTS.md §6).
+MAX_HALVINGS = 4
+
+
+def safeguarded(problem: MergeProblem, keys: torch.Tensor, step_keys: torch.Tensor, bar: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+    """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
+
+    ``values`` are the round's new values and ``bar`` (B, H) the window loss at (``keys``, ``values``), i.e.
+    after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are tried in turn; a head that passes none keeps
+    ``keys``.
+
+    NOTE: a head that passes at length 1 gets ``step_keys`` itself (not keys + 1·step, which may round
+    differently), so where the paper's step lowers the loss the result is unchanged bit for bit.
+    """
+    passed_full = problem.window_error(problem.attention(step_keys), values) <= bar
+    if bool(passed_full.all()):
+        return step_keys
+    step = step_keys - keys
+    accepted = passed_full.clone()
+    length = torch.zeros_like(bar)
+    trial = 1.0
+    for _ in range(MAX_HALVINGS):
+        trial /= 2
+        candidate = torch.add(keys, step, alpha=trial)
+        passes = ~accepted & (problem.window_error(problem.attention(candidate), values) <= bar)
+        length = torch.where(passes, trial, length)
+        accepted |= passes
+        if bool(accepted.all()):
+            break
+    shortened = torch.addcmul(keys, length[..., None, None], step)
+    return torch.where(passed_full[..., None, None], step_keys, shortened)

@@ -1,0 +1,43 @@
+"""The value step: the exact ridge refit of the free values at fixed keys (dual form, an M×M system per head)."""
+
+from __future__ import annotations
+
+import torch
+
+from grkv_core.solver.problem import MergeProblem
+
+
+def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, ridge_scale: str) -> torch.Tensor:
+    """Exact ridge refit of the free values given the (B, H, M, c) attention at the current keys (dual, M×M)."""
+    residual = problem.target - attention @ problem.values0
+    attention_free = attention * problem.free.transpose(-1, -2)
+    gram = attention_free @ attention_free.transpose(-1, -2)
+    ridge = lambda_v
+    if ridge_scale == "relative":
+        ridge = lambda_v * gram.diagonal(dim1=-2, dim2=-1).mean(dim=-1)[..., None, None]
+    dual = _ridge_solve(gram, residual, ridge)
+    return problem.values0 + attention_free.transpose(-1, -2) @ dual
+
+
+def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
+    """Solve (gram + ridge·I) z = rhs for symmetric PSD ``gram`` (..., M, M), robust to ridge = 0.
+
+    ``ridge`` is a number or a (..., 1, 1) tensor (one per system). A positive ridge makes the system positive
+    definite: Cholesky. Without one (or if Cholesky meets a numerically singular matrix) an
+    eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm least-squares solution, so ridge = 0
+    never yields NaN.
+    """
+    per_system = isinstance(ridge, torch.Tensor)
+    diagonal_shift = ridge[..., 0] if per_system else ridge  # (..., 1) or a number
+    if bool((ridge > 0).all()) if per_system else ridge > 0:
+        shifted_gram = gram.clone()
+        shifted_gram.diagonal(dim1=-2, dim2=-1).add_(diagonal_shift)
+        factor, info = torch.linalg.cholesky_ex(shifted_gram)
+        if not bool(info.any()):
+            return torch.cholesky_solve(rhs, factor)
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    shifted = eigenvalues + diagonal_shift
+    cutoff = shifted.amax(dim=-1, keepdim=True) * gram.shape[-1] * torch.finfo(gram.dtype).eps
+    inverse = torch.where(shifted > cutoff, 1.0 / shifted.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
+    projected = eigenvectors.transpose(-1, -2) @ rhs
+    return eigenvectors @ (inverse.unsqueeze(-1) * projected)
