@@ -1,6 +1,7 @@
-"""What the test modules share: the tiny-model loader and the press checks."""
+"""What the test modules share: the tiny-model loader, free ports for the services, and the press checks."""
 
 import functools
+import socket
 
 import torch
 
@@ -19,6 +20,23 @@ def tiny_model(name: str = "tiny-llama", attn_implementation: str = "sdpa", dtyp
     hooks come off on exit) but must not change its parameters or configuration; load a fresh model to do that.
     """
     return load_model(name, attn_implementation=attn_implementation, dtype=dtype)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1, outside Ray's worker port range 10002-19999 (for the services)."""
+    sockets, ports = [], []
+    try:
+        while len(ports) < n:
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            sockets.append(probe)
+            port = probe.getsockname()[1]
+            if not 10002 <= port <= 19999:
+                ports.append(port)
+    finally:
+        for probe in sockets:
+            probe.close()
+    return ports
 
 
 def assert_batch_elements_compressed_independently(model, ids, press, tolerance=2e-4):

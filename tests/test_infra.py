@@ -9,7 +9,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import json
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import free_ports
 
 yaml = pytest.importorskip("yaml")
 
@@ -393,21 +394,6 @@ def test_postgres_init_script_syntax():
 # ------------------------------------------------------------------- real local start + stop
 
 
-def _free_ports(n):
-    """n distinct free TCP ports on 127.0.0.1, outside Ray's worker port range 10002-19999."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            port = s.getsockname()[1]
-            if not 10002 <= port <= 19999:
-                ports.append(port)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def _bin(name):
@@ -433,7 +419,7 @@ def test_local_start_and_stop():
         pytest.skip("ray / mlflow not installed")
     # A short path: Ray's Unix sockets live under <state>/ray/session_*/sockets (107-byte limit).
     state = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))
-    ray_port, dash_port, mlflow_port, client_port, agent_port = _free_ports(5)
+    ray_port, dash_port, mlflow_port, client_port, agent_port = free_ports(5)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GRKV_", "MLFLOW_"))}
     env.update(
         GRKV_STATE_DIR=str(state),

@@ -12,7 +12,6 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from conftest import free_ports
 from grkv_core.config import RECOVERED_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG
 from sweeps.config import ConfigError, load_config
 
@@ -31,15 +31,6 @@ VENV_BIN = REPO / ".venv" / "bin"
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
 REQUIRED_METRICS = {"mean_score", "score.niah_single_1", "ttft_s", "decode_ms_per_token", "peak_memory_bytes",
                     "kv_bytes", "window_loss", "trial_eval_s", "service_overhead_s"}
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if not 10002 <= port <= 19999:  # Ray's worker port range
-            return port
 
 
 def child_env(**extra) -> dict:
@@ -52,8 +43,9 @@ def child_env(**extra) -> dict:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     state = tmp_path_factory.mktemp("grkv-state")
-    ports = dict(GRKV_RAY_PORT=free_port(), GRKV_RAY_DASHBOARD_PORT=free_port(), GRKV_RAY_CLIENT_PORT=free_port(),
-                 GRKV_RAY_AGENT_PORT=free_port(), GRKV_MLFLOW_PORT=free_port())
+    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
+             "GRKV_MLFLOW_PORT")
+    ports = dict(zip(names, free_ports(len(names))))
     env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
     # A driver started directly (not through `ray job submit`) needs the variables the start script
@@ -144,7 +136,7 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(tmp_path):
     state = tmp_path / "state"
     result = subprocess.run(
         [sys.executable, "sweep.py", "--config", str(SMOKE), "--sweep-id", "down",
-         "--tracking-uri", f"http://127.0.0.1:{free_port()}", "--state-dir", str(state)],
+         "--tracking-uri", f"http://127.0.0.1:{free_ports(1)[0]}", "--state-dir", str(state)],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
     assert "not reachable" in result.stderr and "Traceback" not in result.stderr

@@ -21,14 +21,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grkv_core.config import ATTN_IMPLEMENTATIONS, DTYPES
+from grkv_core.config import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES
 from grkv_core.models.placement import check_choice, resolve_attn_implementation, resolve_device, resolve_dtype
 from grkv_core.models.smollm2 import SMOLLM2_NAME, SMOLLM2_PIP_INSTALL, load_smollm2
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES, build_tiny_model
 
-DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
-AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
-DeviceName = Literal["cpu", "cuda", "auto"]
+DTypeName = Literal[DTYPES]
+AttnImplementation = Literal[ATTN_IMPLEMENTATIONS]
+DeviceName = Literal[DEVICES]
 
 EMBEDDED_MODELS: Mapping[str, str] = MappingProxyType(
     {
