@@ -160,7 +160,9 @@ class SweepConfig(_Strict):
                                         min_length=1)
     sampler: SamplerSection = SamplerSection()
     trials: int = Field(ge=1)
-    baselines: list[Literal[BASELINES]] = Field(default_factory=lambda: list(BASELINES))
+    # NOTE: left out, the baselines are every one the merge choices allow (eviction-only needs "none").
+    baselines: list[Literal[BASELINES]] = Field(default_factory=lambda data: [
+        name for name in BASELINES if name != EVICTION_ONLY or "none" in data.get("merge", ())])
     workers: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
     storage: StorageSection = StorageSection()

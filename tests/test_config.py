@@ -86,8 +86,7 @@ def test_every_grkv_option_is_settable_from_a_sweep_config(name):
     from sweeps.space import suggest_press
 
     value = a_value_other_than_the_default(name)
-    config = SweepConfig(name="walk", trials=1, baselines=["paper_default"],
-                         search_space={name: {"type": "categorical", "choices": [value]}})
+    config = SweepConfig(name="walk", trials=1, search_space={name: {"type": "categorical", "choices": [value]}})
     study = optuna.create_study()
     press_config = suggest_press(study.ask(), config)
     assert press_config.merge_options == {name: value}
@@ -120,7 +119,7 @@ def test_a_search_space_the_options_reject_is_a_one_line_error(tmp_path, name, p
 def test_the_paper_baseline_skips_what_a_searched_parameter_cannot_express():
     from sweeps.space import baseline_params
 
-    config = SweepConfig(name="caps", trials=1, baselines=["paper_default"], search_space={
+    config = SweepConfig(name="caps", trials=1, search_space={
         "max_rel_update_k": {"type": "float", "low": 0.01, "high": 0.1},
         "cg_max_iter": {"type": "int", "low": 1, "high": 8},
         "safeguard": {"type": "categorical", "choices": [True, False]},
@@ -158,3 +157,11 @@ def test_eval_config_round_trips_and_reads_the_loss_window_of_older_result_files
     assert EvalConfig.from_dict({**legacy, "window_size": 24}) == config
     with pytest.raises(ValueError, match="unknown evaluation config field"):
         EvalConfig.from_dict({**legacy, "windowsize": 24})
+
+
+def test_default_baselines_are_those_the_merge_choices_allow():
+    assert SweepConfig(name="only-grkv", trials=1, search_space={}).baselines == ["paper_default"]
+    both = SweepConfig(name="both", trials=1, merge=["grkv", "none"], search_space={})
+    assert both.baselines == ["paper_default", "eviction_only"]
+    with pytest.raises(ValueError, match="'eviction_only' needs 'none'"):
+        SweepConfig(name="asked", trials=1, baselines=["eviction_only"], search_space={})
