@@ -138,3 +138,17 @@ def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     result = Evaluator(tiny, heldout_tokens=2).evaluate_sample(samples[0], PressConfig("snapkv", 0.75, merge))
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None
 
+
+
+def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path):
+    result = subprocess.run([GRKV, "compare", "--model", "tiny-llama", "--samples", "1", "--tasks", "niah_single_1",
+                             "--context-length", "1024", "--compression-ratios", "0.75", "--output-dir", str(tmp_path),
+                             "--merge-variant", "grv=grkv:components=v", "--no-progress"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    names = {path.stem for path in tmp_path.glob("*.json")}
+    assert names == {"full", "snapkv-25pct", "snapkv-25pct+grkv", "snapkv-25pct+grv"}
+    losses = {name: json.loads((tmp_path / f"{name}.json").read_text())["summary"]["costs"]["window_loss"]
+              for name in names}
+    assert losses["full"] == 0 and losses["snapkv-25pct+grkv"] < losses["snapkv-25pct"]
+    assert (tmp_path / "table.md").read_text().splitlines()[2].startswith("full")
