@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import warnings
+
 import pytest
 import torch
 from kvpress.utils import compute_n_kept
@@ -300,3 +302,13 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert not any("_grkv_window_outputs" in vars(layer.self_attn) for layer in layers_of(model))
+
+
+def test_a_budget_the_fixed_tokens_cover_warns_that_grkv_refits_nothing():
+    model = tiny_model("tiny-llama").model
+    ids = context_ids(model.config.vocab_size, seed=5)
+    with pytest.warns(UserWarning, match="GRKV refits nothing"):
+        prefill(model, ids, build_press("snapkv", 0.9, merge="grkv"))  # 16 kept < 4 sinks + 32 window
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        prefill(model, ids, build_press("snapkv", 0.9, merge="grkv", window_size=8, n_sink=0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -151,6 +152,11 @@ class GRKVPress(GRKVOptions, MergingPress):
         surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         kept = selection.kept_positions()
         fixed = self._fixed(selection, kept)
+        if bool(fixed.all()):
+            # NOTE: one message per setting (not per layer or head), so Python's warning filter shows it once.
+            warnings.warn(f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
+                          f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
+                          "raise the budget or lower window_size or beta", UserWarning, stacklevel=2)
         if self.accept == "objective" and full_outputs is None:
             # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
