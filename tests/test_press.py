@@ -140,7 +140,8 @@ def test_batch_elements_are_compressed_independently(architecture):
 @pytest.mark.parametrize("options", [
     dict(components="k"), dict(components="v"), dict(steps=3), dict(lambda_k=0.0, lambda_v=0.0),
     dict(query_policy="stratified"), dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
-    dict(accept="objective"), dict(beta=0.0), dict(beta=1.0),
+    dict(accept="objective"), dict(beta=0.0),
+    pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
 ])
 def test_press_options_run_and_keep_the_budget(options):
     model = tiny_model("tiny-qwen3").model
