@@ -58,7 +58,8 @@ PAPER_DEFAULTS = {"merge": "grkv", "compression_ratio": 0.9, "lambda_k_is_zero":
 
 def sweep_config(name: str, search_space: dict) -> dict:
     """A sweep config as the driver hands it to the tracker (``SweepConfig.model_dump(mode="json")``)."""
-    return SweepConfig.model_validate({"name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
+    return SweepConfig.model_validate({
+            "name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
             "data": {"dataset": "ruler", "tasks": list(TASKS), "context_length": 512, "samples": 2, "seed": 7,
                      "data_dir": None},
             "press": {"name": "snapkv", "compression_ratio": 0.9}, "merge": ["grkv", "none"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from grkv_core.datasets.ruler.corpora import DataDir, load_essay_corpus, load_qa_corpus, load_word_lists
 from grkv_core.datasets.ruler.draws import (
