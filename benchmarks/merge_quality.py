@@ -60,9 +60,11 @@ class RecordingGRKVPress(GRKVPress):
         super().__post_init__()
         self.problems: list[Problem] = []
 
-    def _merge(self, surrogate, keys, values, kept, fixed, scale, full_outputs):
-        self.problems.append(Problem(surrogate.queries, surrogate.positions, keys, values, kept, fixed, scale,
-                                     full_outputs))
+    def merge_selected(self, keys, values, selection, context):
+        # NOTE: the same kept and fixed sets GRKVPress.merge_selected hands grkv_merge (uniform SnapKV budget).
+        kept = selection.kept_positions()
+        self.problems.append(Problem(context.surrogate.queries, context.surrogate.positions, keys, values, kept,
+                                     self._fixed(selection, kept), context.scale, context.full_outputs))
         index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, index), values.gather(2, index)
 
@@ -178,6 +180,8 @@ def main() -> None:
                 for value in fraction.flatten().tolist():
                     lengths[guarded][0.0 if value < 1e-6 else 2.0 ** round(math.log2(value))] += 1
         print(f"sample {sample_number}/{len(samples)} ({sample.task}) done", flush=True)
+    if not units:
+        raise SystemExit("no merge problem was recorded: RecordingGRKVPress no longer intercepts GRKVPress's merge")
 
     print(f"\nmodel={args.model} samples={len(samples)} tasks={','.join(args.tasks)} context={args.context_length} "
           f"keep={1 - args.compression_ratio:.0%} (layer, head) units={units}")
