@@ -29,9 +29,15 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
 # The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluate.summarize``).
 COST_METRICS = ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes", "full_kv_bytes", "peak_memory_bytes",
-                "window_loss", "heldout_loss", "wall_s", "context_tokens")
+                "window_loss", "heldout_loss", "question_loss", "wall_s", "context_tokens")
+# The reconstruction discrepancies: on the surrogate window, on the first generated tokens' queries (needs
+# decoding), and on the question's own queries teacher-forced on its reference answer (needs no decoding).
+LOSS_METRICS = ("window_loss", "heldout_loss", "question_loss")
+# The losses a screening stage can rank configurations by without generating anything.
+SCREENING_METRICS = ("question_loss", "window_loss")
 # What a sweep may optimise: the mean score over tasks (0-100) or a cost.
-OBJECTIVE_METRICS = ("mean_score", "ttft_s", "window_loss", "heldout_loss", "kv_bytes", "decode_ms_per_token")
+OBJECTIVE_METRICS = ("mean_score", "ttft_s", "window_loss", "heldout_loss", "question_loss", "kv_bytes",
+                     "decode_ms_per_token")
 
 # The service's MLflow tags, which double as Optuna user attributes where both record the same fact.
 SWEEP_TAG = "grkv.sweep_id"
@@ -47,6 +53,15 @@ METHOD_ATTR = "grkv.method"
 RUN_ID_ATTR = "grkv.run_id"
 REQUEUE_OF_ATTR = "grkv.requeue_of"  # on a re-enqueued copy: the number of the trial it replaces
 BASELINES_ENQUEUED_ATTR = "grkv.baselines_enqueued"
+# Which stage of a sweep a child run belongs to: screening (losses only, no decoding), full scoring on the
+# tuning samples, or the held-out test stage; a test-stage run names what it confirms (a trial number or a
+# baseline name) in TEST_OF_TAG.
+STAGE_TAG = "grkv.stage"
+SCREEN_STAGE = "screen"
+FULL_STAGE = "full"
+TEST_STAGE = "test"
+STAGES = (SCREEN_STAGE, FULL_STAGE, TEST_STAGE)
+TEST_OF_TAG = "grkv.test_of"
 # NOTE: a trial's MLflow run logs the press that ran under the options' own names (``lambda_k``,
 # ``press.window_size``) and the sampler's raw proposals under this prefix (``optuna.lambda_k_is_zero``).
 SAMPLER_PREFIX = "optuna."

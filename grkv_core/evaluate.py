@@ -17,7 +17,7 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ class SampleResult:
     task: str
     predictions: list[str]
     scores: list[float]
-    score: float
+    score: float | None
     context_tokens: int
     ttft_s: float
     prefill_s: float
@@ -54,6 +54,8 @@ class SampleResult:
     window_loss: float | None
     heldout_loss: float | None
     wall_s: float
+    question_loss: float | None = None
+    batch_trials: int = 1
 
 
 class _ReconstructionProbe:
@@ -177,6 +179,18 @@ class Evaluator:
         self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens
         self.stop_ids = stop_token_ids(loaded)
+
+    def evaluate_trials(self, sample: EvalSample, press_configs: list[PressConfig], decode: bool = True,
+                        measure_reconstruction: bool = True) -> list[SampleResult]:
+        """Evaluate several press configurations on one sample; one result per configuration, in order.
+
+        With ``decode=False`` nothing is generated (screening): predictions and scores are empty, ``score``
+        and ``heldout_loss`` are None and the losses that need no generation are measured.
+        """
+        results = [self.evaluate_sample(sample, press_config, measure_reconstruction) for press_config in press_configs]
+        if not decode:
+            results = [replace(result, predictions=[], scores=[], score=None, heldout_loss=None) for result in results]
+        return results
 
     def evaluate_sample(self, sample: EvalSample, press_config: PressConfig,
                         measure_reconstruction: bool = True) -> SampleResult:
