@@ -3,8 +3,11 @@
 The protocol is kvpress's (see ``grkv_core.generation``). Besides the score, every sample records what a
 compression method costs and how faithful its cache is: time to first token (prefill including the
 compression, plus the first question), decode latency, peak memory, the persistent KV bytes left after
-compression, and the normalised reconstruction discrepancy of the compressed cache on the surrogate window
-and on held-out queries (those of the first generated tokens).
+compression, and the normalised reconstruction discrepancy of the compressed cache on the surrogate window,
+on held-out queries (those of the first generated tokens) and on the question's own queries.
+
+Several press configurations of one sample share its prefill and decode as one batch (``evaluate_trials``),
+with the results of evaluating each alone: that is what makes a sweep's trials cheap.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,11 +28,12 @@ from tqdm.auto import tqdm
 
 from grkv_core.config import COST_METRICS, PAPER_WINDOW, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
-from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.generation import answer_question, prefill, stop_token_ids, tokenize_sample
+from grkv_core.batched_decoding import answer_batch
+from grkv_core.diagnostics.probe import ReconstructionProbe
+from grkv_core.generation import stop_token_ids, tokenize_sample
 from grkv_core.models import LoadedModel, load_model
-from grkv_core.queries import surrogate_queries
 from grkv_core.registry import NOT_EAGER, required_attention
+from grkv_core.shared_prefill import prefill_shared
 
 RESULT_SCHEMA_VERSION = 1
 
@@ -58,108 +62,6 @@ class SampleResult:
     batch_trials: int = 1
 
 
-class _ReconstructionProbe:
-    """Forward hooks that keep what the reconstruction losses need, without touching the computation.
-
-    At prefill a hook registered *before* the press's hooks keeps a reference to each layer's full keys
-    and values (the press then swaps the cache's tensors, so the references stay full), and the inputs
-    needed to rebuild the surrogate window queries after timing. During the first question's decoding it
-    keeps the post-RoPE queries of the first ``heldout_tokens`` generated tokens.
-    """
-
-    def __init__(self, model, loss_window: int, heldout_tokens: int):
-        self.model = model
-        self.loss_window = loss_window
-        self.heldout_tokens = heldout_tokens
-        self.full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.window_inputs: dict[int, tuple] = {}
-        self.heldout: dict[int, list[torch.Tensor]] = {}
-        self.collect_heldout = False
-        self.handles = []
-
-    def __enter__(self):
-        for layer in self.model.model.layers:
-            attention = layer.self_attn
-            for stale in ("kept_positions", "masked_key_indices"):
-                if hasattr(attention, stale):
-                    setattr(attention, stale, None)
-            self.handles.append(attention.register_forward_hook(self._hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _hook(self, module, args, kwargs, output):
-        hidden = kwargs["hidden_states"]
-        layer = module.layer_idx
-        cache_layer = kwargs["past_key_values"].layers[layer]
-        if layer not in self.full:
-            self.full[layer] = (cache_layer.keys, cache_layer.values)
-            cos, sin = kwargs["position_embeddings"]
-            self.window_inputs[layer] = (module, hidden[:, -self.loss_window:], cos[:, -self.loss_window:],
-                                         sin[:, -self.loss_window:], hidden.shape[1])
-        elif self.collect_heldout and hidden.shape[1] == 1:
-            captured = self.heldout.setdefault(layer, [])
-            if len(captured) < self.heldout_tokens:
-                queries = surrogate_queries(module, hidden, kwargs["position_embeddings"], n_queries=1).queries
-                captured.append(queries)
-
-    def compressed_views(self, model, cache) -> list[dict]:
-        """Per layer: the compressed keys/values with their positions (and mask for masking presses)."""
-        views = []
-        for layer_module, cache_layer in zip(model.model.layers, cache.layers):
-            attention = layer_module.self_attn
-            full_keys, _ = self.full[attention.layer_idx]
-            keys, values = cache_layer.keys, cache_layer.values
-            mask = None
-            if getattr(attention, "kept_positions", None) is not None:
-                positions = attention.kept_positions
-            elif keys.shape[2] == full_keys.shape[2]:
-                positions = torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[:3])
-                masked = getattr(attention, "masked_key_indices", None)
-                if masked is not None:
-                    mask = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
-                    mask[tuple(index.to(keys.device) for index in masked)] = False
-            else:
-                positions = recover_kept_positions(keys, full_keys)
-            views.append(dict(keys=keys, values=values, positions=positions, mask=mask))
-        return views
-
-    def window_loss(self, views: list[dict]) -> float:
-        error = reference = 0.0
-        for layer, view in enumerate(views):
-            module, hidden, cos, sin, length = self.window_inputs[layer]
-            window = surrogate_queries(module, hidden, (cos, sin), n_queries=self.loss_window)
-            # surrogate_queries numbered the window from 0; shift to its true place at the prompt's end.
-            positions = window.positions + (length - hidden.shape[1])
-            full_keys, full_values = self.full[layer]
-            err, ref = discrepancy_per_head(
-                window.queries, full_keys, full_values, view["keys"], view["values"], query_positions=positions,
-                compressed_positions=view["positions"], compressed_mask=view["mask"], scale=module.scaling,
-            )
-            error, reference = error + float(err.sum()), reference + float(ref.sum())
-        return error / max(reference, 1e-30)
-
-    def heldout_loss(self, views: list[dict]) -> float | None:
-        if not self.heldout:
-            return None
-        error = reference = 0.0
-        for layer, view in enumerate(views):
-            queries = torch.cat(self.heldout[layer], dim=2)
-            full_keys, full_values = self.full[layer]
-            module = self.window_inputs[layer][0]
-            err, ref = discrepancy_per_head(queries, full_keys, full_values, view["keys"], view["values"],
-                                            compressed_mask=view["mask"], scale=module.scaling)
-            error, reference = error + float(err.sum()), reference + float(ref.sum())
-        return error / max(reference, 1e-30)
-
-
-def _cache_bytes(cache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
 class Evaluator:
     """A loaded model that evaluates samples under any press; load once, evaluate many (Ray workers do).
 
@@ -181,75 +83,101 @@ class Evaluator:
         self.stop_ids = stop_token_ids(loaded)
 
     def evaluate_trials(self, sample: EvalSample, press_configs: list[PressConfig], decode: bool = True,
-                        measure_reconstruction: bool = True) -> list[SampleResult]:
+                        measure_reconstruction: bool = True, max_decode_rows: int | None = None) -> list[SampleResult]:
         """Evaluate several press configurations on one sample; one result per configuration, in order.
 
-        With ``decode=False`` nothing is generated (screening): predictions and scores are empty, ``score``
-        and ``heldout_loss`` are None and the losses that need no generation are measured.
+        One prefill serves every configuration (``grkv_core.shared_prefill``) and caches of equal lengths answer
+        each question as one batch (``grkv_core.batched_decoding``); the results are those of evaluating each
+        configuration alone (``evaluate_sample``), except the times, which describe the shared work: prefill_s is
+        the forward without any press's hooks plus this press's own, and TTFT and decoding are the batch's.
+
+        Parameters
+        ----------
+        decode : bool
+            False screens without generating: predictions and scores are empty, ``score`` and ``heldout_loss`` are
+            None; the window and question losses (and the memory) are measured all the same.
+        max_decode_rows : int, optional
+            At most this many caches decoded as one batch (memory).
         """
-        results = [self.evaluate_sample(sample, press_config, measure_reconstruction) for press_config in press_configs]
-        if not decode:
-            results = [replace(result, predictions=[], scores=[], score=None, heldout_loss=None) for result in results]
+        for press_config in press_configs:
+            self._check_attention(press_config)
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        started = time.perf_counter()
+        on_cuda = model.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(model.device)
+        context_ids, questions_ids = tokenize_sample(tokenizer, sample)
+        context_length = context_ids.shape[1]
+        presses = [press_config.build() for press_config in press_configs]
+        probe = ReconstructionProbe(model, self.loss_window, self.heldout_tokens if decode else 0)
+        with probe.watching_prefill() if measure_reconstruction else contextlib.nullcontext():
+            shared = prefill_shared(model, context_ids, presses)
+        if measure_reconstruction:
+            for index, question_ids in enumerate(questions_ids):
+                probe.teacher_force_question(shared.full, question_ids, self._reference_ids(sample, index),
+                                             context_length)
+        predictions = [[] for _ in presses]
+        scores = [[] for _ in presses]
+        ttft = [cache.prefill_s for cache in shared.pressed]
+        decode_s, decode_steps, generated = [0.0] * len(presses), [0] * len(presses), [0] * len(presses)
+        if decode:
+            for index, question_ids in enumerate(questions_ids):
+                collect = measure_reconstruction and index == 0 and self.heldout_tokens > 0
+                with probe.watching_decoding() if collect else contextlib.nullcontext():
+                    answers = answer_batch(model, shared.pressed, question_ids, context_length,
+                                           sample.max_new_tokens, self.stop_ids, max_rows=max_decode_rows,
+                                           on_decode_step=probe.on_decode_step if collect else None)
+                for trial, answer in enumerate(answers):
+                    if index == 0:
+                        ttft[trial] += answer.question_seconds
+                    generated[trial] += len(answer.token_ids)
+                    decode_s[trial] += answer.decode_seconds
+                    decode_steps[trial] += answer.decode_steps
+                    prediction = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+                    predictions[trial].append(prediction)
+                    scores[trial].append(score_prediction(sample, index, prediction))
+        peak = torch.cuda.max_memory_allocated(model.device) if on_cuda else _process_peak_rss()
+        full_kv_bytes = _full_cache_bytes(shared.pressed[0].cache, context_length)
+        wall_s = (time.perf_counter() - started) / len(presses)
+        results = []
+        for trial, (press, cache) in enumerate(zip(presses, shared.pressed)):
+            losses = dict(window_loss=None, heldout_loss=None, question_loss=None)
+            if measure_reconstruction and press is None:
+                losses = dict(window_loss=0.0, heldout_loss=0.0 if probe.heldout.get(trial) else None,
+                              question_loss=0.0)
+            elif measure_reconstruction:
+                losses = probe.losses(trial, shared.full, cache)
+            results.append(SampleResult(
+                sample_id=sample.sample_id, task=sample.task, predictions=predictions[trial], scores=scores[trial],
+                score=statistics.fmean(scores[trial]) if decode else None, context_tokens=int(context_length),
+                ttft_s=ttft[trial], prefill_s=cache.prefill_s, decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1),
+                generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
+                peak_memory_bytes=int(peak), wall_s=wall_s, batch_trials=len(presses), **losses,
+            ))
         return results
 
     def evaluate_sample(self, sample: EvalSample, press_config: PressConfig,
                         measure_reconstruction: bool = True) -> SampleResult:
-        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        """Evaluate one press configuration on one sample (its own prefill and decoding)."""
+        return self.evaluate_trials(sample, [press_config], measure_reconstruction=measure_reconstruction)[0]
+
+    def _check_attention(self, press_config: PressConfig) -> None:
         needs = required_attention(press_config.press)
-        actual = model.config._attn_implementation
+        actual = self.loaded.model.config._attn_implementation
         if needs is not None and actual != needs:
             raise ValueError(f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses {actual!r}")
         if press_config.press in NOT_EAGER and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
-        started = time.perf_counter()
-        context_ids, questions_ids = tokenize_sample(tokenizer, sample)
-        press = press_config.build()
-        on_cuda = model.device.type == "cuda"
-        if on_cuda:
-            torch.cuda.reset_peak_memory_stats(model.device)
-        probe = _ReconstructionProbe(model, self.loss_window, self.heldout_tokens) if measure_reconstruction else None
-        with probe if probe is not None else contextlib.nullcontext():
-            prefill_start = time.perf_counter()
-            cache = prefill(model, context_ids, press)
-            if on_cuda:
-                torch.cuda.synchronize(model.device)
-            prefill_s = time.perf_counter() - prefill_start
-            kv_bytes = _cache_bytes(cache)
-            full_kv_bytes = _full_cache_bytes(model, context_ids.shape[1], cache)
-            predictions, scores = [], []
-            ttft_s = decode_s = 0.0
-            generated = 0
-            for index, question_ids in enumerate(questions_ids):
-                if probe is not None:
-                    probe.collect_heldout = index == 0
-                answer = answer_question(model, cache, question_ids, context_ids.shape[1], sample.max_new_tokens,
-                                         self.stop_ids)
-                if index == 0:
-                    ttft_s = prefill_s + answer.question_seconds
-                decode_s += answer.decode_seconds
-                generated += len(answer.token_ids)
-                prediction = tokenizer.decode(answer.token_ids, skip_special_tokens=True)
-                predictions.append(prediction)
-                scores.append(score_prediction(sample, index, prediction))
-        window_loss = heldout_loss = None
-        if probe is not None and press is not None:
-            views = probe.compressed_views(model, cache)
-            window_loss = probe.window_loss(views)
-            heldout_loss = probe.heldout_loss(views)
-        elif probe is not None:
-            window_loss, heldout_loss = 0.0, (0.0 if probe.heldout else None)
-        peak = torch.cuda.max_memory_allocated(model.device) if on_cuda else _process_peak_rss()
-        decode_steps = max(generated - len(questions_ids), 1)
-        return SampleResult(
-            sample_id=sample.sample_id, task=sample.task, predictions=predictions, scores=scores,
-            score=statistics.fmean(scores), context_tokens=int(context_ids.shape[1]), ttft_s=ttft_s,
-            prefill_s=prefill_s, decode_ms_per_token=1e3 * decode_s / decode_steps, generated_tokens=generated,
-            kv_bytes=kv_bytes, full_kv_bytes=full_kv_bytes, peak_memory_bytes=int(peak), window_loss=window_loss,
-            heldout_loss=heldout_loss, wall_s=time.perf_counter() - started,
-        )
+
+    def _reference_ids(self, sample: EvalSample, index: int) -> torch.Tensor:
+        """(1, a) the first reference answer of question ``index``, as the model would continue the answer prefix."""
+        reference = sample.references[index][0] if sample.references[index] else ""
+        separator = "" if sample.answer_prefix.endswith((" ", "\n")) or not sample.answer_prefix else " "
+        ids = self.loaded.tokenizer.encode(separator + reference, add_special_tokens=False)[:sample.max_new_tokens]
+        return torch.tensor([ids or [self.loaded.tokenizer.eos_token_id or 0]])
 
 
-def _full_cache_bytes(model, context_tokens: int, cache) -> int:
+def _full_cache_bytes(cache, context_tokens: int) -> int:
     layer = cache.layers[0]
     per_token = 2 * layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
     return per_token * context_tokens * len(cache.layers)
@@ -266,7 +194,8 @@ def summarize(results: list[SampleResult]) -> dict:
         return {"tasks": {}, "mean_score": None, "samples": 0}
     by_task: dict[str, list[SampleResult]] = {}
     for result in results:
-        by_task.setdefault(result.task, []).append(result)
+        if result.score is not None:  # NOTE: screening results are unscored; their losses still count
+            by_task.setdefault(result.task, []).append(result)
     task_scores = {task: 100 * statistics.fmean(r.score for r in rows) for task, rows in sorted(by_task.items())}
 
     def mean_of(name):
@@ -274,7 +203,8 @@ def summarize(results: list[SampleResult]) -> dict:
         return statistics.fmean(values) if values else None
 
     costs = {name: mean_of(name) for name in COST_METRICS}
-    return {"tasks": task_scores, "mean_score": statistics.fmean(task_scores.values()), "samples": len(results),
+    mean_score = statistics.fmean(task_scores.values()) if task_scores else None
+    return {"tasks": task_scores, "mean_score": mean_score, "samples": len(results),
             "costs": costs}
 
 

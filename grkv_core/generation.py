@@ -18,11 +18,15 @@ from grkv_core.datasets.schema import EvalSample
 
 @dataclass(frozen=True)
 class Answer:
-    """Greedy answer to one question. ``token_ids`` excludes the question; times are wall seconds."""
+    """Greedy answer to one question. ``token_ids`` excludes the question; times are wall seconds.
+
+    ``decode_steps`` counts the single-token forwards behind ``decode_seconds`` (in a batch: the batch's).
+    """
 
     token_ids: list[int]
     question_seconds: float
     decode_seconds: float
+    decode_steps: int
 
 
 def prefill(model: PreTrainedModel, context_ids: torch.Tensor, press=None) -> DynamicCache:
@@ -44,6 +48,25 @@ def crop_cache(cache: DynamicCache, lengths: list[int]) -> None:
     for layer, length in zip(cache.layers, lengths):
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
+
+
+def append_question(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) last logits.
+
+    NOTE: transformers builds one causal mask for all layers from the first layer's cache length, which fails when
+    layers keep different numbers of tokens (PyramidKV's budgets). Such a cache takes the question one token at a
+    time: a single query needs no mask, and attending token by token is causal by construction.
+    """
+    device = model.device
+    question_ids = question_ids.to(device)
+    rows, length = question_ids.shape
+    chunks = [slice(0, length)] if len(set(cache_lengths(cache))) == 1 else [slice(i, i + 1) for i in range(length)]
+    for chunk in chunks:
+        positions = torch.arange(context_length + chunk.start, context_length + chunk.stop, device=device)
+        logits = model(input_ids=question_ids[:, chunk], past_key_values=cache,
+                       position_ids=positions[None].expand(rows, -1), logits_to_keep=1).logits
+    return logits[:, -1]
 
 
 def answer_question(
@@ -73,12 +96,10 @@ def answer_question(
     try:
         with torch.inference_mode():
             start = time.perf_counter()
-            positions = torch.arange(context_length, context_length + question_ids.shape[1], device=device)[None]
-            logits = model(input_ids=question_ids.to(device), past_key_values=cache, position_ids=positions,
-                           logits_to_keep=1).logits
-            next_token = int(logits[0, -1].argmax())
+            next_token = int(append_question(model, cache, question_ids, context_length)[0].argmax())
             question_seconds = time.perf_counter() - start
             position = context_length + question_ids.shape[1]
+            steps = 0
             start = time.perf_counter()
             while next_token not in stop_token_ids:
                 generated.append(next_token)
@@ -88,10 +109,12 @@ def answer_question(
                                position_ids=torch.tensor([[position]], device=device)).logits
                 next_token = int(logits[0, -1].argmax())
                 position += 1
+                steps += 1
             decode_seconds = time.perf_counter() - start
     finally:
         crop_cache(cache, lengths)
-    return Answer(token_ids=generated, question_seconds=question_seconds, decode_seconds=decode_seconds)
+    return Answer(token_ids=generated, question_seconds=question_seconds, decode_seconds=decode_seconds,
+                  decode_steps=steps)
 
 
 def tokenize_sample(tokenizer, sample: EvalSample) -> tuple[torch.Tensor, list[torch.Tensor]]:

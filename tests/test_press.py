@@ -216,14 +216,15 @@ def test_compression_in_grad_mode_builds_no_graph(merge):
         parameter.requires_grad_(True)
     ids = context_ids(model.config.vocab_size, length=CONTEXT)
     cache = DynamicCache()
-    with torch.enable_grad(), build_press("snapkv", RATIO, merge=merge)(model):
+    press = build_press("snapkv", RATIO, merge=merge)
+    with torch.enable_grad(), press(model):
         output = model.model(input_ids=ids, past_key_values=cache)
     assert output.last_hidden_state.requires_grad, "the forward itself ran in grad mode"
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
     for layer in cache.layers:
         assert layer.keys.grad_fn is None and layer.values.grad_fn is None
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
-    assert not any("_grkv_window_outputs" in vars(layer.self_attn) for layer in layers_of(model))
+    assert not getattr(press, "_window_outputs", {}), "the window outputs a GRKV press kept are released"
 
 
 @pytest.mark.parametrize("merge", ["grkv", "kvmerger"])
@@ -293,7 +294,8 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     monkeypatch.setattr(press_module, "grkv_merge", lambda *args, **kwargs: (
         supplied.append(kwargs["full_outputs"] is not None), solver(*args, **kwargs))[1])
     converged = dict(cg_max_iter=300, cg_rtol=1e-7)  # capped CG would amplify the targets' rounding differences
-    reused = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged))
+    reusing = build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged)
+    reused = prefill(model, ids, reusing)
     assert supplied and all(supplied)
     supplied.clear()
     recomputed = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False,
@@ -302,7 +304,7 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
-    assert not any("_grkv_window_outputs" in vars(layer.self_attn) for layer in layers_of(model))
+    assert not reusing._window_outputs, "the window outputs it kept are released on exit"
 
 
 def test_a_budget_the_fixed_tokens_cover_warns_that_grkv_refits_nothing():

@@ -27,7 +27,6 @@ from grkv_core.solver.merge import grkv_merge
 # Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
 # becomes the target. Other classes get the target recomputed by the solver.
 _OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
-_WINDOW_OUTPUTS = "_grkv_window_outputs"
 
 
 @dataclass
@@ -83,6 +82,9 @@ class GRKVPress(GRKVOptions, MergingPress):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_options()
+        # NOTE: the window's attention outputs, per layer, kept on the press itself (never on the shared attention
+        # modules), so that several GRKV presses can share one prefill without reading each other's.
+        self._window_outputs: dict[int, torch.Tensor] = {}
 
     @contextmanager
     def __call__(self, model):
@@ -101,22 +103,21 @@ class GRKVPress(GRKVOptions, MergingPress):
         finally:
             for handle in handles:
                 handle.remove()
-            for attention in attentions:
-                attention.__dict__.pop(_WINDOW_OUTPUTS, None)
+            self._window_outputs.clear()
 
     def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
         outputs = args[0]  # (B, n, H_q·d)
         if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
             # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
             # mode, its autograd graph is kept alive.
-            setattr(attention, _WINDOW_OUTPUTS, outputs[:, -self.window_size:].detach().clone())
+            self._window_outputs[attention.layer_idx] = outputs[:, -self.window_size:].detach().clone()
 
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                       kwargs: dict) -> _WindowRegression:
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
         )
-        full_outputs = _stack_by_kv_head(module.__dict__.pop(_WINDOW_OUTPUTS, None), surrogate)
+        full_outputs = _stack_by_kv_head(self._window_outputs.pop(module.layer_idx, None), surrogate)
         return _WindowRegression(surrogate, full_outputs, module.scaling)
 
     def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:

@@ -33,6 +33,10 @@ class MergingPress(BasePress):
     NOTE: a merged cache no longer reveals which positions its rows came from; with a uniform budget a
     merging press records them as ``module.kept_positions`` (B, H_kv, c) for diagnostics.
 
+    NOTE: a merging press changes the cache, never the forward: hooks a subclass adds in ``__call__`` only observe,
+    and keep what they observe on the press, not on the shared modules. The trial engine relies on it to let
+    several presses share one prefill (``grkv_core.shared_prefill``).
+
     Parameters
     ----------
     press : BasePress
