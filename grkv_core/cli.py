@@ -105,7 +105,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from grkv_core.evaluate import EvaluationSetup, format_table, run_evaluation
+    from grkv_core.evaluate import EvaluationSetup, format_table, run_evaluations
 
     output_dir = Path(args.output_dir)
     configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
@@ -115,11 +115,9 @@ def cmd_compare(args) -> int:
         configs.append(_config(args, args.press, ratio, "grkv", {}))
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
-    summaries = []
-    for config in configs:
-        name = config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct")
-        summaries.append(run_evaluation(config, output_dir / f"{name}.json", setup=setup,
-                                        progress=not args.no_progress))
+    names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
+    summaries = run_evaluations(configs, [output_dir / f"{name}.json" for name in names], setup=setup,
+                                progress=not args.no_progress)
     table = format_table(summaries)
     (output_dir / "table.md").write_text(table + "\n")
     print(table)

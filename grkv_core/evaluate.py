@@ -301,21 +301,44 @@ def run_evaluation(
     ``setup`` (loaded from a config that differs at most in its press) saves reloading the model and samples.
     Returns the summary dict (per-task scores, their mean, mean costs) with the config and versions.
     """
-    setup = setup or EvaluationSetup.load(config)
+    return run_evaluations([config], [output], setup=setup, progress=progress)[0]
+
+
+def run_evaluations(
+    configs: list[EvalConfig],
+    outputs: list[str | Path | None],
+    *,
+    setup: EvaluationSetup | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Evaluate several configurations (differing at most in their press) sample by sample, sharing each prefill.
+
+    Each configuration resumes from and writes to its own output file (or None); a sample is evaluated for the
+    configurations whose files lack it, all in one ``Evaluator.evaluate_trials``. Returns one summary per
+    configuration, as ``run_evaluation``.
+    """
+    if len(configs) != len(outputs):
+        raise ValueError(f"{len(configs)} configurations but {len(outputs)} outputs")
+    setup = setup or EvaluationSetup.load(configs[0])
     samples = setup.samples
     model_dtype = str(setup.loaded.dtype).removeprefix("torch.")
-    store = ResultStore(Path(output), config, model_dtype) if output is not None else None
-    results = list(store.results) if store is not None else []
-    done = {result.sample_id for result in results}
-    pending = [sample for sample in samples if sample.sample_id not in done]
-    for sample in tqdm(pending, desc=config.press.label, disable=not progress, unit="sample"):
-        result = setup.evaluator.evaluate_sample(sample, config.press)
-        results.append(result)
-        if store is not None:
-            store.add(result)
+    stores = [ResultStore(Path(output), config, model_dtype) if output is not None else None
+              for config, output in zip(configs, outputs)]
+    results = [list(store.results) if store is not None else [] for store in stores]
+    done = [{result.sample_id for result in rows} for rows in results]
+    pending = [sample for sample in samples if any(sample.sample_id not in ids for ids in done)]
+    label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
+    for sample in tqdm(pending, desc=label, disable=not progress, unit="sample"):
+        todo = [index for index, ids in enumerate(done) if sample.sample_id not in ids]
+        evaluated = setup.evaluator.evaluate_trials(sample, [configs[index].press for index in todo])
+        for index, result in zip(todo, evaluated):
+            results[index].append(result)
+            if stores[index] is not None:
+                stores[index].add(result)
     wanted = {sample.sample_id for sample in samples}
-    summary = summarize([result for result in results if result.sample_id in wanted])
-    return {"config": config.to_dict(), "label": config.press.label, "versions": library_versions(), **summary}
+    return [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
+             **summarize([result for result in rows if result.sample_id in wanted])}
+            for config, rows in zip(configs, results)]
 
 
 def format_table(summaries: list[dict]) -> str:

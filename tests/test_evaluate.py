@@ -15,7 +15,7 @@ from kvpress.utils import compute_n_kept
 
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation
+from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, run_evaluations
 from grkv_core.generation import tokenize_sample
 from conftest import tiny_model
 
@@ -61,6 +61,31 @@ def test_costs_and_losses_per_sample(tiny, samples):
         assert result.ttft_s >= result.prefill_s > 0 and result.decode_ms_per_token > 0
         assert 0.0 <= result.score <= 1.0 and len(result.predictions) == len(sample.questions)
     assert merged.window_loss != plain.window_loss
+
+
+def test_several_configurations_share_each_sample_and_resume_each_from_its_own_file(tiny, samples, tmp_path):
+    presses = [PressConfig("snapkv", 0.5), PressConfig("snapkv", 0.5, "grkv"), PressConfig("streamingllm", 0.5)]
+    configs = [EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2, press=press)
+               for press in presses]
+    outputs = [tmp_path / f"{index}.json" for index in range(len(configs))]
+    evaluator = Evaluator(tiny)
+    # The second configuration already has two samples, as an interrupted run leaves it.
+    run_evaluation(configs[1], outputs[1], setup=EvaluationSetup(tiny, samples[:2], evaluator), progress=False)
+    earlier = json.loads(outputs[1].read_text())["samples"]
+    summaries = run_evaluations(configs, outputs, setup=EvaluationSetup(tiny, samples, evaluator), progress=False)
+    assert [summary["label"] for summary in summaries] == [press.label for press in presses]
+    for press, output, summary in zip(presses, outputs, summaries):
+        rows = json.loads(output.read_text())["samples"]
+        assert sorted(row["sample_id"] for row in rows) == sorted(sample.sample_id for sample in samples)
+        assert summary["samples"] == len(samples)
+        for row in rows:
+            sample = next(sample for sample in samples if sample.sample_id == row["sample_id"])
+            alone = evaluator.evaluate_sample(sample, press)
+            assert (row["predictions"], row["kv_bytes"], row["window_loss"]) == \
+                (alone.predictions, alone.kv_bytes, alone.window_loss)
+    assert json.loads(outputs[1].read_text())["samples"][:2] == earlier, "finished samples are not recomputed"
+    new_rows = json.loads(outputs[0].read_text())["samples"]
+    assert {row["batch_trials"] for row in new_rows} == {2, 3}  # shared with those still missing the sample
 
 
 def test_h2o_needs_eager_attention_and_says_so(tiny, samples):

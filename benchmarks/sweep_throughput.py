@@ -1,0 +1,124 @@
+"""Trials per hour of the trial engine against the per-trial path, side by side, on one fixed list of trials.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sweep_throughput.py --samples 4 --output benchmarks/results/sweep-throughput.json
+
+The same trials (SnapKV at two budgets alone, the paper's GRKV, and GRKV variants: 16 by default) are evaluated
+on the same samples (offline RULER needle tasks at 2K, SmolLM2 by default) two ways, sample by sample and in
+turn, so that the shared cores' noise falls on both alike:
+
+- per trial: ``Evaluator.evaluate_sample`` for each trial, its own prefill and batch-1 decoding (what every
+  trial of a sweep cost before the engine; its predictions and losses equal the earlier code's bit for bit);
+- engine: ``Evaluator.evaluate_trials`` with all trials at once, one prefill and batched decoding.
+
+Both in full mode (decoding and scoring) and in screening mode (losses only, no decoding). The script checks
+that the per-sample results are identical: predictions, scores, memory, window and question losses exactly;
+the held-out loss within 1e-5 relative (its queries come from the decoding's hidden states, which a batched
+matmul may round differently in the last bit). It exits non-zero when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from tqdm.auto import tqdm
+
+from grkv_core.config import PAPER_GRKV_OPTIONS, PressConfig
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.evaluate import Evaluator
+from grkv_core.models import load_model
+
+EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens")
+HELDOUT_RTOL = 1e-5
+NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
+
+
+def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConfig]:
+    """16 trials: the press alone at two budgets, the paper's GRKV, and 13 GRKV variants a sweep would propose."""
+    variants = [
+        {}, {"safeguard": False}, {"lambda_k": 0.0}, {"lambda_k": 1.0, "lambda_v": 0.1}, {"lambda_k": 1e-3},
+        {"beta": 0.0}, {"beta": 0.3}, {"window_size": 16}, {"window_size": 64}, {"steps": 2},
+        {"components": "v"}, {"components": "k"}, {"ridge_scale": "relative"},
+    ]
+    return [PressConfig(press, ratio), PressConfig(press, wider_ratio), PressConfig(press, ratio, "grkv", dict(PAPER_GRKV_OPTIONS), variant="paper"),
+            *(PressConfig(press, ratio, "grkv", options) for options in variants)]
+
+
+def mismatches(engine, alone) -> list[str]:
+    found = []
+    for ours, theirs in zip(engine, alone):
+        ours, theirs = asdict(ours), asdict(theirs)
+        found += [f"{ours['sample_id']}: {name} {ours[name]!r} != {theirs[name]!r}"
+                  for name in EXACT_FIELDS if ours[name] != theirs[name]]
+        a, b = ours["heldout_loss"], theirs["heldout_loss"]
+        if (a is None) != (b is None) or (a is not None and not math.isclose(a, b, rel_tol=HELDOUT_RTOL, abs_tol=1e-12)):
+            found.append(f"{ours['sample_id']}: heldout_loss {a!r} != {b!r}")
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=4, help="samples in all (spread over the needle tasks)")
+    parser.add_argument("--press", default="snapkv")
+    parser.add_argument("--ratio", type=float, default=0.9, help="compression ratio of the trials (0.9: keep 10%%)")
+    parser.add_argument("--wider-ratio", type=float, default=0.88, help="the press alone at a larger budget b' > b")
+    parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    per_task = math.ceil(args.samples / len(NEEDLE_TASKS))
+    samples = load_dataset_samples("ruler", tasks=NEEDLE_TASKS, context_length=args.context_length,
+                                   samples_per_task=per_task, seed=0, tokenizer=loaded.tokenizer)
+    samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][:args.samples]
+    trials = fixed_trials(args.press, args.ratio, args.wider_ratio)
+    evaluator = Evaluator(loaded)
+    seconds = {(mode, path): 0.0 for mode in ("full", "screening") for path in ("per_trial", "engine")}
+    problems = []
+    for sample in tqdm(samples, desc="samples", unit="sample"):
+        for mode, decode in (("full", True), ("screening", False)):
+            started = time.perf_counter()
+            alone = [evaluator.evaluate_trials(sample, [trial], decode=decode)[0] for trial in trials]
+            seconds[mode, "per_trial"] += time.perf_counter() - started
+            started = time.perf_counter()
+            engine = evaluator.evaluate_trials(sample, trials, decode=decode)
+            seconds[mode, "engine"] += time.perf_counter() - started
+            problems += [f"{mode}: {problem}" for problem in mismatches(engine, alone)]
+
+    figures = {"model": args.model, "device": str(loaded.model.device), "dtype": str(loaded.dtype),
+               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+               "context_length": args.context_length, "samples": len(samples), "trials": len(trials), "modes": {}}
+    print(f"{len(trials)} trials x {len(samples)} samples, {args.model} on {loaded.model.device}, "
+          f"{args.context_length} tokens, {torch.get_num_threads()} threads")
+    print(f"{'mode':10s} {'per-trial s':>11s} {'engine s':>9s} {'trials/h per-trial':>19s} {'trials/h engine':>16s} "
+          f"{'ratio':>6s}")
+    for mode in ("full", "screening"):
+        per_trial, engine = seconds[mode, "per_trial"], seconds[mode, "engine"]
+        rates = [3600 * len(trials) / value for value in (per_trial, engine)]
+        figures["modes"][mode] = {"per_trial_s": per_trial, "engine_s": engine, "trials_per_hour_per_trial": rates[0],
+                                  "trials_per_hour_engine": rates[1], "ratio": per_trial / engine}
+        print(f"{mode:10s} {per_trial:11.1f} {engine:9.1f} {rates[0]:19.0f} {rates[1]:16.0f} {per_trial / engine:5.1f}x")
+    figures["identical"] = not problems
+    print("per-sample results identical: " + ("yes" if not problems else f"NO ({len(problems)} differences)"))
+    for problem in problems[:20]:
+        print("  " + problem)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({**figures, "differences": problems}, indent=1))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
