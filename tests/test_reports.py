@@ -194,10 +194,10 @@ def test_compare_configs_across_seeds_and_tasks():
     rows += [{"config": "grkv", "seed": s, "task": t, "score": v + gains[t]} for (s, t), v in control.items()]
     rows.append({"config": "grkv", "seed": "s3", "task": "a", "score": 99.0})  # unpaired: ignored
     result = compare_configs(pd.DataFrame(rows), "grkv", "base", n_resamples=500)
-    assert result.seeds == ("s1", "s2") and result.tasks == ("a", "b", "c")
+    assert result.seeds == ("s1", "s2") and result.units == ("a", "b", "c") and result.unit == "task"
     assert result.gain == pytest.approx(statistics.fmean(gains.values()))
     assert result.control_mean == pytest.approx(21.0) and result.control_sd == pytest.approx(np.sqrt(2))
-    assert result.better_tasks == 2 and result.better_seeds == 2
+    assert result.better_units == 2 and result.better_seeds == 2 and result.p_exact
     assert result.p_value == pytest.approx(sign_flip_test([1.0, 2.0, -0.5]))
     assert result.ci.low <= result.gain <= result.ci.high
 
@@ -312,10 +312,11 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
     client = MlflowClient(store)
     report = build_report(client, "ablation-sweep", tmp_path, options=ReportOptions(bootstrap_resamples=2000))
     names = {path.name for path in report.files}
-    pngs = ["loss_performance.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
+    pngs = ["loss_performance.png", "budgets.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
             "optimization_history.png"]
-    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv",
-                        "iso_memory.md", "iso_prefill.csv", "significance.md", "correlations.csv"} <= names
+    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv", "iso_memory.md",
+                        "budgets.md", "cross_budget.csv", "iso_prefill.csv", "significance.md",
+                        "correlations.csv"} <= names
     for name in pngs:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         image = imread(tmp_path / name)
@@ -353,20 +354,20 @@ def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, caps
 def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from tracking.reports.figures import task_difference_figure
+    from tracking.reports.figures import paired_difference_figure
     from tracking.reports.stats import BootstrapCI, PairedComparison
 
     rounding_noise = 1e-17  # what the mean of exact zeros over resamples can come to
     identical = PairedComparison(
-        treatment="paper default", control="eviction_only", seeds=(0,), tasks=("a", "b", "c"),
-        task_differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
+        treatment="paper default", control="eviction_only", unit="task", seeds=(0,), units=("a", "b", "c"),
+        differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
         control_sd=0.0, ci=BootstrapCI(estimate=0.0, low=0.0, high=rounding_noise, confidence=0.95,
-                                       n_resamples=100), p_value=1.0, better_tasks=0, better_seeds=0)
+                                       n_resamples=100), p_value=1.0, p_exact=True, better_units=0, better_seeds=0)
     limits = []
     original_savefig = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
         limits.append(figure.axes[0].get_ylim()), original_savefig(figure, *args, **kwargs))[1])
-    assert task_difference_figure([identical], tmp_path / "differences.png").exists()
+    assert paired_difference_figure([identical], tmp_path / "differences.png").exists()
     assert limits == [(-1.0, 1.0)]
 
 
