@@ -534,8 +534,8 @@ def tidy_sample_scores(runs: SweepRuns) -> pd.DataFrame:
     question, is the unit the tests pair and resample.
     """
     predictions = runs.test_predictions
-    per_sample = (predictions.assign(sample=predictions["task"].astype(str) + "/" + predictions["sample_id"].astype(str),
-                                     score=100 * predictions["score"].astype(float))
+    keys = predictions["task"].astype(str) + "/" + predictions["sample_id"].astype(str)
+    per_sample = (predictions.assign(sample=keys, score=100 * predictions["score"].astype(float))
                   .groupby(["run_id", "sample"], as_index=False)["score"].mean())
     return per_sample.assign(seed=runs.data_seed)[["run_id", "seed", "sample", "score"]]
 
@@ -568,10 +568,13 @@ class Significance:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def tuned_winner(self) -> pd.Series | None:
-        """The confirmed merging configuration with the best tuning score (the one the sweep would pick)."""
-        merging = self.held_out[self.held_out["merge"] != "none"] if len(self.held_out) else self.held_out
-        return merging.iloc[0] if len(merging) else None
+    def tuned_winners(self) -> pd.DataFrame:
+        """Per budget, the confirmed merging configuration with the best tuning score (the sweep's pick there)."""
+        if self.held_out.empty:
+            return self.held_out
+        merging = self.held_out[self.held_out["merge"] != "none"]
+        # NOTE: held_out is sorted by tuning score, best first, so the first row per budget is its winner.
+        return merging.drop_duplicates(subset="budget").sort_values("budget").reset_index(drop=True)
 
 
 def significance(runs: SweepRuns, score: str = "mean_score", n_resamples: int = 100_000,

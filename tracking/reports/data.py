@@ -12,6 +12,7 @@ stages existed).
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from collections import Counter
@@ -38,6 +39,9 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
+
+# NOTE: a report downloads one small predictions.json per test-stage run; MLflow would draw a progress bar for each.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 SCORE_PREFIX = "score."
 PREDICTIONS_ARTIFACT = "predictions.json"

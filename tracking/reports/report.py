@@ -284,8 +284,9 @@ def _pairs_display(frame: pd.DataFrame, score: str) -> pd.DataFrame:
     return formatted(frame, formats, names)
 
 
-def _trial_text(number) -> str:
-    return "" if pd.isna(number) else f" (trial {int(number)})"
+def _trial_text(result: IsoResource, number) -> str:
+    """`` (trial N)`` after a full-stage label such as "best of 6"; test-stage labels name the configuration."""
+    return "" if result.stage == TEST_STAGE or pd.isna(number) else f" (trial {int(number)})"
 
 
 def _budget_lines(runs: SweepRuns, result: IsoResource, score: str) -> list[str]:
@@ -307,7 +308,7 @@ def _budget_lines(runs: SweepRuns, result: IsoResource, score: str) -> list[str]
     for _, pair in result.cross_budget.iterrows():
         if pair["merging_configuration"] in selected:
             lines.append(
-                f"{pair['merging']}{_trial_text(pair['merging_trial'])} at {pair['merging_budget']:.0%}: "
+                f"{pair['merging']}{_trial_text(result, pair['merging_trial'])} at {pair['merging_budget']:.0%}: "
                 f"{pair[f'merging_{score}']:.2f} vs eviction only at {pair['eviction_budget']:.0%}: "
                 f"{pair[f'eviction_{score}']:.2f} (eviction {pair['eviction_minus_merging']:+.2f}) with "
                 f"{pair['kv_ratio']:.2f}x the persistent KV and {pair['prefill_ratio']:.2f}x the prefill time")
@@ -331,9 +332,9 @@ def _iso_prefill_lines(result: IsoResource, score: str) -> list[str]:
     if "eviction_budget" not in result.iso_prefill:
         return []
     matched = result.iso_prefill.dropna(subset=["eviction_budget"])
-    return [f"Iso-prefill: {row['merging']}{_trial_text(row['merging_trial'])} at {row['merging_budget']:.0%}, "
+    return [f"Iso-prefill: {row['merging']}{_trial_text(result, row['merging_trial'])} at {row['merging_budget']:.0%}, "
             f"TTFT {row['merging_ttft_s']:.3g} s: {row[f'merging_{score}']:.2f} vs eviction only"
-            f"{_trial_text(row['eviction_trial'])} at {row['eviction_budget']:.0%}, TTFT "
+            f"{_trial_text(result, row['eviction_trial'])} at {row['eviction_budget']:.0%}, TTFT "
             f"{row['eviction_ttft_s']:.3g} s, {row['kv_ratio']:.2f}x the persistent KV: {row[f'eviction_{score}']:.2f} "
             f"(eviction {row['eviction_minus_merging']:+.2f})" for _, row in matched.iterrows()]
 
@@ -393,18 +394,17 @@ def _significance_section(runs: SweepRuns, writer: _Writer, options: ReportOptio
 
 
 def _held_out_lines(result: Significance, score: str) -> list[str]:
-    """Each confirmed configuration's score on the tuning samples and on the held-out ones, then the winner's."""
+    """Each confirmed configuration's tuning and held-out scores, then the verdict on each budget's tuned winner."""
     tuning, test = f"tuning_{score}", f"test_{score}"
     lines = [f"{row['configuration']} ({row['method']}, {row['budget']:.0%}): {row[tuning]:.2f} on the tuning "
              f"samples, {row[test]:.2f} on the held-out test samples ({row['change']:+.2f})"
              for _, row in result.held_out.iterrows()]
-    winner = result.tuned_winner
-    if winner is not None and pd.notna(winner["change"]):
+    for _, winner in result.tuned_winners.iterrows():
         verdict = ("worse on the held-out samples than on the samples that selected it" if winner["change"] < 0
                    else "no worse on the held-out samples than on the samples that selected it")
-        lines.append(f"The tuned winner, {winner['configuration']} (best tuning score of the confirmed merging "
-                     f"configurations, {winner[tuning]:.2f}), scores {winner[test]:.2f} on the held-out test samples "
-                     f"({winner['change']:+.2f}): {verdict}.")
+        lines.append(f"The tuned winner at {winner['budget']:.0%}, {winner['configuration']} (best tuning score of "
+                     f"the confirmed merging configurations there, {winner[tuning]:.2f}), scores {winner[test]:.2f} "
+                     f"on the held-out test samples ({winner['change']:+.2f}): {verdict}.")
     return lines
 
 
