@@ -164,12 +164,13 @@ TEST_SAMPLES = [(task, f"{task}-{index}") for task in TASKS for index in range(4
 
 def log_stage_run(tracker: SweepTracker, config: dict, stage: str, params: dict, metrics: dict, *,
                   number: int | None = None, test_of: str | None = None, baseline: str | None = None,
-                  correct: set[int] | None = None) -> str:
+                  correct: set[int] | None = None, tags: dict[str, str] | None = None) -> str:
     """A finished child run of one stage, with the tags, params, metrics and predictions the stage contract
     names: ``grkv.stage``, a trial number (screen and full) or ``grkv.test_of`` (test), the resolved press and
-    the sampler's proposals. With ``correct``, the run answered those of ``TEST_SAMPLES`` right; its per-task
+    the sampler's proposals, and any further ``tags``. With ``correct``, the run answered those of ``TEST_SAMPLES`` right; its per-task
     scores and mean score are derived from them, as the evaluator derives them."""
-    tags = {PARENT_TAG: tracker.parent_run_id, SWEEP_TAG: tracker.sweep_id, ROLE_TAG: "trial", STAGE_TAG: stage}
+    tags = (tags or {}) | {PARENT_TAG: tracker.parent_run_id, SWEEP_TAG: tracker.sweep_id, ROLE_TAG: "trial",
+                           STAGE_TAG: stage}
     tags |= {TRIAL_TAG: str(number)} if number is not None else {TEST_OF_TAG: test_of}
     tags |= {BASELINE_TAG: baseline} if baseline else {}
     client = tracker.client
@@ -195,18 +196,19 @@ def stage_costs(kv_bytes: int, prefill_s: float, **losses) -> dict:
 
 STAGED_SPACE = {"compression_ratio": {"type": "categorical", "choices": [0.88, 0.9]},
                 "lambda_v": SEARCH_SPACE["lambda_v"]}
-STAGED_FULL = {  # trial: (params, baseline, tuning score, question loss, window loss)
-    0: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.01}, "paper_default", 60, 0.40, 0.10),
-    1: ({"merge": "none", "compression_ratio": 0.9}, "eviction_only", 50, 0.50, 0.40),
-    2: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.05}, None, 70, 0.30, 0.20),
-    3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.2}, None, 65, 0.35, 0.05),
-    4: ({"merge": "none", "compression_ratio": 0.88}, None, 58, 0.42, 0.30),
-    5: ({"merge": "grkv", "compression_ratio": 0.88, "lambda_v": 0.05}, None, 72, 0.28, 0.15),
+STAGED_FULL = {  # trial: (params, baseline, tuning score, question loss, window loss, promoted from)
+    0: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.01}, "paper_default", 60, 0.40, 0.10, None),
+    1: ({"merge": "none", "compression_ratio": 0.9}, "eviction_only", 50, 0.50, 0.40, None),
+    2: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.05}, None, 70, 0.30, 0.20, None),
+    3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.2}, None, 65, 0.35, 0.05, "5"),
+    4: ({"merge": "none", "compression_ratio": 0.88}, None, 58, 0.42, 0.30, None),
+    5: ({"merge": "grkv", "compression_ratio": 0.88, "lambda_v": 0.05}, None, 72, 0.28, 0.15, None),
 }
 STAGED_SCREEN = {  # screening trial (own numbering): (params, question loss, window loss)
     0: (STAGED_FULL[2][0], 0.10, 0.20), 1: (STAGED_FULL[3][0], 0.30, 0.10), 2: (STAGED_FULL[5][0], 0.05, 0.30),
     3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.5}, 0.90, 0.50),
     4: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 1.0}, 1.20, 0.60),
+    5: (STAGED_FULL[3][0], 0.25, 0.10),  # screening 1's proposal again; full trial 3 names this one
 }
 STAGED_TEST = {  # test_of: (params, prefill s, samples answered right)
     "2": (STAGED_FULL[2][0], 1.00, set(range(7))),  # 58.33 on held-out samples: 11.67 below its tuning score
@@ -221,8 +223,9 @@ STAGED_TEST = {  # test_of: (params, prefill s, samples answered right)
 def staged_sweep(store):
     """A sweep with all three stages and two budgets (10% and 12%), numbers chosen by hand.
 
-    Screening: five configurations, three promoted (full trials 2, 3 and 5 share their proposals); full trials
-    0 (paper default), 1 (eviction only) and 4 (eviction at 12%) were enqueued without screening. The test
+    Screening: six runs, three promoted: full trials 2 and 5 share their proposals with screening trials 0 and
+    2, and full trial 3 names screening trial 5 in its promoted_from tag (screening 1 proposed the same); full
+    trials 0 (paper default), 1 (eviction only) and 4 (eviction at 12%) were enqueued without screening. The test
     stage confirms trials 2 and 5 (the best at each budget on the tuning samples), the paper default and
     eviction only at both budgets on 12 held-out samples, where tuned trial 2 scores 58.33 instead of 70.
     """
@@ -232,11 +235,12 @@ def staged_sweep(store):
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
         log_stage_run(tracker, config, SCREEN_STAGE, params, stage_costs(kv, 0.5, question_loss=question,
                                                                           window_loss=window), number=number)
-    for number, (params, baseline, score, question, window) in STAGED_FULL.items():
+    for number, (params, baseline, score, question, window, promoted_from) in STAGED_FULL.items():
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
         metrics = stage_costs(kv, 1.0, question_loss=question, window_loss=window, heldout_loss=0.1) | {
             "mean_score": score, **{f"score.{task}": score for task in TASKS}}
-        log_stage_run(tracker, config, FULL_STAGE, params, metrics, number=number, baseline=baseline)
+        log_stage_run(tracker, config, FULL_STAGE, params, metrics, number=number, baseline=baseline,
+                      tags={"grkv.promoted_from": promoted_from} if promoted_from else None)
     for test_of, (params, prefill_s, correct) in STAGED_TEST.items():
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
         log_stage_run(tracker, config, TEST_STAGE, params, stage_costs(kv, prefill_s), test_of=test_of,
@@ -431,11 +435,11 @@ def test_sampled_sign_flip_beyond_the_exact_size():
 
 def test_load_sweep_separates_the_stages(store, staged_sweep):
     runs = load_sweep(MlflowClient(store), "staged-sweep")
-    assert runs.stage_counts == {"screen": 5, "full": 6, "test": 5}
+    assert runs.stage_counts == {"screen": 6, "full": 6, "test": 5}
     # Screening trials are numbered in their own study: screening trial 0 and full trial 0 are both kept.
     assert list(runs.trials["trial_number"]) == list(range(6)) and set(runs.trials["stage"]) == {"full"}
-    assert list(runs.screen_trials["trial_number"]) == list(range(5))
-    assert runs.screen_trials["question_loss"].tolist() == [0.10, 0.30, 0.05, 0.90, 1.20]
+    assert list(runs.screen_trials["trial_number"]) == list(range(6))
+    assert runs.screen_trials["question_loss"].tolist() == [0.10, 0.30, 0.05, 0.90, 1.20, 0.25]
     assert "mean_score" not in runs.screen_trials
     test = runs.test_trials.set_index("test_of")
     assert test.loc["2", "trial_number"] == 2 and test.loc["2", "configuration"] == "trial 2"
@@ -454,15 +458,17 @@ def test_load_sweep_separates_the_stages(store, staged_sweep):
 def test_screening_counts_and_rank_correlation_of_promoted_configurations(store, staged_sweep):
     runs = load_sweep(MlflowClient(store), "staged-sweep")
     result = screening(runs)
-    assert (result.screened, len(result.promoted.table), result.unscreened) == (5, 3, 3)
+    assert (result.screened, len(result.promoted.table), result.unscreened) == (6, 3, 3)
     table = result.promoted.table
-    assert list(table["trial_number"]) == [2, 3, 5] and list(table["screen_trial"]) == [0, 1, 2]
+    # Trial 3's tag wins over screening trial 1, which proposed the same configuration first.
+    assert list(table["trial_number"]) == [2, 3, 5] and list(table["screen_trial"]) == [0, 5, 2]
+    assert table["screen_question_loss"].tolist() == [0.10, 0.25, 0.05]
     question, window = result.promoted.correlations
-    # The screening runs' own losses (not the full runs'): question loss 0.10 0.30 0.05 against scores 70 65 72
+    # The screening runs' own losses (not the full runs'): question loss 0.10 0.25 0.05 against scores 70 65 72
     # is perfectly rank-reversed; window loss 0.20 0.10 0.30 ranks them in the same order.
     assert (question.x, question.n, window.x) == ("screen_question_loss", 3, "screen_window_loss")
     assert question.spearman_rho == pytest.approx(-1.0) and window.spearman_rho == pytest.approx(1.0)
-    assert question.pearson_r == pytest.approx(stats.pearsonr([0.10, 0.30, 0.05], [70, 65, 72]).statistic)
+    assert question.pearson_r == pytest.approx(stats.pearsonr([0.10, 0.25, 0.05], [70, 65, 72]).statistic)
     # Over the six full-stage runs the question loss is exactly 1 - score/100.
     by_loss = {c.x: c for c in loss_performance(runs).correlations}
     assert set(by_loss) == {"window_loss", "heldout_loss", "question_loss"}
@@ -523,14 +529,14 @@ def test_staged_report_says_which_samples_decide(store, staged_sweep, tmp_path):
     assert {"screening.png", "screening.md", "budgets.png", "sample_differences.png", "cross_budget.md"} <= names
     summary = report.summary
     assert "on 12 held-out test samples (disjoint from the tuning samples that chose these configurations)" in summary
-    assert "5 configuration(s) screened on their losses alone (no decoding); 3 promoted" in summary
+    assert "6 configuration(s) screened on their losses alone (no decoding); 3 promoted" in summary
     assert ("The tuned winner at 10%, trial 2 (best tuning score of the confirmed merging configurations there, "
             "70.00), scores 58.33 on the held-out test samples (-11.67): worse on the held-out samples") in summary
     assert "trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): gain +8.33" in summary
     assert "snapkv+grkv trial 2 at 10%: 58.33 vs eviction only at 12%: 66.67 (eviction +8.33)" in summary
     assert "selection bias" not in summary
     trials = pd.read_csv(tmp_path / "trials.csv")
-    assert trials["stage"].value_counts().to_dict() == {"full": 6, "screen": 5, "test": 5}
+    assert trials["stage"].value_counts().to_dict() == {"full": 6, "screen": 6, "test": 5}
 
 
 # ---- the report, end to end ----------------------------------------------------------------------------

@@ -28,6 +28,9 @@ from tracking.reports.stats import Correlation, PairedComparison, compare_config
 
 MIB = 2**20
 SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening run measured it
+# NOTE: the driver tags a full trial enqueued from screening with the screening trial's number
+# (``sweeps.stages.PROMOTED_FROM_ATTR``); the loader keeps every tag as a ``tag.<key>`` column.
+PROMOTED_FROM_COLUMN = "tag.grkv.promoted_from"
 
 
 def _score_columns(runs: SweepRuns) -> list[str]:
@@ -99,23 +102,27 @@ def screening(runs: SweepRuns, score: str = "mean_score",
     """Match full-stage runs to the screening runs they were promoted from, and correlate screening loss
     with the full-stage score over them.
 
-    A full-stage run is promoted from a screening run when their sampler proposals (``optuna.<name>``
-    params) are equal. The losses ``losses`` are the screening run's own measurements.
+    A full-stage run names the screening trial it was promoted from in its ``grkv.promoted_from`` tag; a run
+    without the tag is matched to the screening run with the same sampler proposals (``optuna.<name>`` params).
+    The losses ``losses`` are the screening run's own measurements.
     """
     screen, trials, notes = runs.screen_trials, runs.trials, []
     columns = sorted({c for frame in (screen, trials) for c in frame.columns if c.startswith(SAMPLER_PREFIX)})
     present = [loss for loss in losses if loss in screen]
+    by_number = {int(run["trial_number"]): run for _, run in screen.iterrows()}
     by_proposal: dict[tuple, pd.Series] = {}
-    for _, run in screen.iterrows():
+    for number, run in by_number.items():
         key = _proposal(run, columns)
         if key in by_proposal:
-            notes.append(f"screening trials {int(by_proposal[key]['trial_number'])} and {int(run['trial_number'])} "
-                         "proposed the same configuration; the first is matched")
+            notes.append(f"screening trials {int(by_proposal[key]['trial_number'])} and {number} proposed the same "
+                         "configuration; a full run without a promoted_from tag is matched to the first")
         else:
             by_proposal[key] = run
     rows = []
     for _, trial in trials.iterrows():
-        source = by_proposal.get(_proposal(trial, columns))
+        tagged = trial.get(PROMOTED_FROM_COLUMN)
+        source = (by_number.get(int(tagged)) if isinstance(tagged, str)
+                  else by_proposal.get(_proposal(trial, columns)))
         if source is not None:
             rows.append({"trial_number": trial["trial_number"], "screen_trial": source["trial_number"],
                          "configuration": trial["configuration"], "method": trial["method"],
