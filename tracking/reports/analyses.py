@@ -305,8 +305,11 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
             prefill.append(min(close, key=lambda pair: abs(pair["ttft_gap"])))
         else:
             prefill.append(merging_columns)
-            hint = "" if "compression_ratio" in runs.search_space else (
-                "; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
+            if stage == TEST_STAGE:
+                hint = "; list larger budgets in test.eviction_ratios to test eviction there"
+            else:
+                hint = "" if "compression_ratio" in runs.search_space else (
+                    "; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
             notes.append(f"iso-prefill: no eviction-only trial at a budget above {merging['budget']:.0%} has a TTFT "
                          f"within {ttft_tolerance:.0%} of {merging_columns['merging']} ({merging['ttft_s']:.3g} s)"
                          f"{hint}")

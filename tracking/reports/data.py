@@ -380,15 +380,14 @@ def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str])
 
 def _trial_row(run, stage: str) -> dict:
     tags = run.data.tags
-    row = {"run_id": run.info.run_id, "stage": stage,
-           "baseline": tags.get(BASELINE_TAG)}
+    row = {"run_id": run.info.run_id, "stage": stage, "baseline": tags.get(BASELINE_TAG)}
     if stage == TEST_STAGE:
         row["test_of"] = tags[TEST_OF_TAG]  # NOTE: the trial number it confirms is resolved by _confirming
     else:
         row["trial_number"] = int(tags[TRIAL_TAG])
     row.update({name: parse_param(text) for name, text in run.data.params.items()})
     row.update(run.data.metrics)
-    row.update({f"tag.{key}": value for key, value in run.data.tags.items() if not key.startswith("mlflow.")})
+    row.update({f"tag.{key}": value for key, value in tags.items() if not key.startswith("mlflow.")})
     return row
 
 
