@@ -5,6 +5,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
+import json
 import socket
 import statistics
 
@@ -13,12 +14,25 @@ import optuna
 import pandas as pd
 import pytest
 from matplotlib.image import imread
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.study import StudyDirection
 from scipy import stats
 
-from grkv_core.config import TRIAL_TAG
+from grkv_core.config import (
+    BASELINE_TAG,
+    FULL_STAGE,
+    PARENT_TAG,
+    ROLE_TAG,
+    SAMPLER_PREFIX,
+    SCREEN_STAGE,
+    STAGE_TAG,
+    SWEEP_TAG,
+    TEST_OF_TAG,
+    TEST_STAGE,
+    TRIAL_TAG,
+)
 from sweeps.config import SweepConfig
 from sweeps.space import suggest_press
 from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
@@ -36,7 +50,9 @@ from tracking.reports import (
     param_importances,
     pareto_front,
     rebuild_study,
+    screening,
     sign_flip_test,
+    significance,
 )
 from workers.protocol import TrialOutcome, WorkerIdentity
 
@@ -141,6 +157,98 @@ def correlation_sweep(store):
     return tracker
 
 
+# A staged sweep: 12 held-out test samples, four per task, one question each; a test run answers the samples
+# whose positions it lists correctly (score 1) and the others wrongly (0).
+TEST_SAMPLES = [(task, f"{task}-{index}") for task in TASKS for index in range(4)]
+
+
+def log_stage_run(tracker: SweepTracker, config: dict, stage: str, params: dict, metrics: dict, *,
+                  number: int | None = None, test_of: str | None = None, baseline: str | None = None,
+                  correct: set[int] | None = None, tags: dict[str, str] | None = None) -> str:
+    """A finished child run of one stage, with the tags, params, metrics and predictions the stage contract
+    names: ``grkv.stage``, a trial number (screen and full) or ``grkv.test_of`` (test), the resolved press and
+    the sampler's proposals, and any further ``tags``. With ``correct``, the run answered those of ``TEST_SAMPLES`` right; its per-task
+    scores and mean score are derived from them, as the evaluator derives them."""
+    tags = (tags or {}) | {PARENT_TAG: tracker.parent_run_id, SWEEP_TAG: tracker.sweep_id, ROLE_TAG: "trial",
+                           STAGE_TAG: stage}
+    tags |= {TRIAL_TAG: str(number)} if number is not None else {TEST_OF_TAG: test_of}
+    tags |= {BASELINE_TAG: baseline} if baseline else {}
+    client = tracker.client
+    run_id = client.create_run(tracker.experiment_id, tags=tags).info.run_id
+    press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
+    sampler = [Param(SAMPLER_PREFIX + name, str(value)) for name, value in sorted(params.items())]
+    if correct is not None:
+        rows = [{"sample_id": sample_id, "task": task, "question": 0, "prediction": "x", "score": float(i in correct)}
+                for i, (task, sample_id) in enumerate(TEST_SAMPLES)]
+        tasks = {task: 100 * statistics.fmean(r["score"] for r in rows if r["task"] == task) for task in TASKS}
+        metrics = metrics | {f"score.{task}": value for task, value in tasks.items()}
+        metrics["mean_score"] = statistics.fmean(tasks.values())
+        client.log_text(run_id, json.dumps(rows), "predictions.json")
+    client.log_batch(run_id, metrics=[Metric(name, float(value), 0, 0) for name, value in metrics.items()],
+                     params=sampler + [Param(name, str(value)) for name, value in sorted(press.resolved().items())])
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def stage_costs(kv_bytes: int, prefill_s: float, **losses) -> dict:
+    return {"kv_bytes": kv_bytes, "prefill_s": prefill_s, "ttft_s": 1.1 * prefill_s, **losses}
+
+
+STAGED_SPACE = {"compression_ratio": {"type": "categorical", "choices": [0.88, 0.9]},
+                "lambda_v": SEARCH_SPACE["lambda_v"]}
+STAGED_FULL = {  # trial: (params, baseline, tuning score, question loss, window loss, promoted from)
+    0: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.01}, "paper_default", 60, 0.40, 0.10, None),
+    1: ({"merge": "none", "compression_ratio": 0.9}, "eviction_only", 50, 0.50, 0.40, None),
+    2: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.05}, None, 70, 0.30, 0.20, None),
+    3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.2}, None, 65, 0.35, 0.05, "5"),
+    4: ({"merge": "none", "compression_ratio": 0.88}, None, 58, 0.42, 0.30, None),
+    5: ({"merge": "grkv", "compression_ratio": 0.88, "lambda_v": 0.05}, None, 72, 0.28, 0.15, None),
+}
+STAGED_SCREEN = {  # screening trial (own numbering): (params, question loss, window loss)
+    0: (STAGED_FULL[2][0], 0.10, 0.20), 1: (STAGED_FULL[3][0], 0.30, 0.10), 2: (STAGED_FULL[5][0], 0.05, 0.30),
+    3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.5}, 0.90, 0.50),
+    4: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 1.0}, 1.20, 0.60),
+    5: (STAGED_FULL[3][0], 0.25, 0.10),  # screening 1's proposal again; full trial 3 names this one
+}
+STAGED_TEST = {  # test_of: (params, prefill s, samples answered right)
+    "2": (STAGED_FULL[2][0], 1.00, set(range(7))),  # 58.33 on held-out samples: 11.67 below its tuning score
+    "5": (STAGED_FULL[5][0], 1.10, set(range(9))),
+    "paper_default": (STAGED_FULL[0][0], 1.00, {0, 1, 2, 3, 4, 7}),
+    "eviction_only": (STAGED_FULL[1][0], 0.90, set(range(6))),
+    "eviction_only@0.88": (STAGED_FULL[4][0], 0.95, set(range(8))),
+}
+
+
+@pytest.fixture(scope="module")
+def staged_sweep(store):
+    """A sweep with all three stages and two budgets (10% and 12%), numbers chosen by hand.
+
+    Screening: six runs, three promoted: full trials 2 and 5 share their proposals with screening trials 0 and
+    2, and full trial 3 names screening trial 5 in its promoted_from tag (screening 1 proposed the same); full
+    trials 0 (paper default), 1 (eviction only) and 4 (eviction at 12%) were enqueued without screening. The test
+    stage confirms trials 2 and 5 (the best at each budget on the tuning samples), the paper default and
+    eviction only at both budgets on 12 held-out samples, where tuned trial 2 scores 58.33 instead of 70.
+    """
+    config = sweep_config("staged", STAGED_SPACE)
+    tracker = SweepTracker.open(store, EXPERIMENT, "staged-sweep", config)
+    for number, (params, question, window) in STAGED_SCREEN.items():
+        kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
+        log_stage_run(tracker, config, SCREEN_STAGE, params, stage_costs(kv, 0.5, question_loss=question,
+                                                                          window_loss=window), number=number)
+    for number, (params, baseline, score, question, window, promoted_from) in STAGED_FULL.items():
+        kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
+        metrics = stage_costs(kv, 1.0, question_loss=question, window_loss=window, heldout_loss=0.1) | {
+            "mean_score": score, **{f"score.{task}": score for task in TASKS}}
+        log_stage_run(tracker, config, FULL_STAGE, params, metrics, number=number, baseline=baseline,
+                      tags={"grkv.promoted_from": promoted_from} if promoted_from else None)
+    for test_of, (params, prefill_s, correct) in STAGED_TEST.items():
+        kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
+        log_stage_run(tracker, config, TEST_STAGE, params, stage_costs(kv, prefill_s), test_of=test_of,
+                      correct=correct)
+    tracker.close("FINISHED")
+    return tracker
+
+
 # ---- statistics on hand-computable cases -----------------------------------------------------------------
 def test_pareto_front_on_known_points():
     points = [{"score": 50, "kv": 10}, {"score": 60, "kv": 20}, {"score": 55, "kv": 20},  # 2: dominated by 1
@@ -194,10 +302,10 @@ def test_compare_configs_across_seeds_and_tasks():
     rows += [{"config": "grkv", "seed": s, "task": t, "score": v + gains[t]} for (s, t), v in control.items()]
     rows.append({"config": "grkv", "seed": "s3", "task": "a", "score": 99.0})  # unpaired: ignored
     result = compare_configs(pd.DataFrame(rows), "grkv", "base", n_resamples=500)
-    assert result.seeds == ("s1", "s2") and result.tasks == ("a", "b", "c")
+    assert result.seeds == ("s1", "s2") and result.units == ("a", "b", "c") and result.unit == "task"
     assert result.gain == pytest.approx(statistics.fmean(gains.values()))
     assert result.control_mean == pytest.approx(21.0) and result.control_sd == pytest.approx(np.sqrt(2))
-    assert result.better_tasks == 2 and result.better_seeds == 2
+    assert result.better_units == 2 and result.better_seeds == 2 and result.p_exact
     assert result.p_value == pytest.approx(sign_flip_test([1.0, 2.0, -0.5]))
     assert result.ci.low <= result.gain <= result.ci.high
 
@@ -254,6 +362,11 @@ def test_iso_memory_and_iso_prefill(store, ablation_sweep):
     # Best trial: TTFT 1.30 s; 1.15 s is 11.5% away, so no eviction run counts as iso-prefill.
     assert pd.isna(prefill.loc[2, "eviction_trial"])
     assert any("no eviction-only trial" in note for note in result.notes)
+    # Without a test stage the budgets are compared on the tuning samples: best at 10% (trial 2, 21) vs 12% (22).
+    assert result.stage == "full"
+    cross = result.cross_budget.set_index(["merging_trial", "eviction_trial"])
+    assert cross.loc[(2, 6), "eviction_minus_merging"] == pytest.approx(1.0)
+    assert cross.loc[(2, 1), "eviction_minus_merging"] == pytest.approx(-1.0)
 
 
 def test_ablation_table_better_counts_and_held_defaults(store, ablation_sweep):
@@ -307,15 +420,135 @@ def test_multi_objective_study_has_a_pareto_front_and_importances_per_objective(
     assert all(i.evaluator.startswith("PED-ANOVA") and "lambda_v" in i.importances for i in importances)
 
 
+def test_sampled_sign_flip_beyond_the_exact_size():
+    # Two of 30 differences are non-zero and equal: |sum| reaches 2 exactly when their signs agree (p = 1/2).
+    p_value = sign_flip_test([1.0, 1.0] + [0.0] * 28, n_resamples=20_000, seed=3)
+    assert p_value == pytest.approx(0.5, abs=0.02)
+    # 30 equal differences: only 2 of 2^30 assignments reach the sum, so no sample does; p is never 0.
+    assert sign_flip_test([1.0] * 30, n_resamples=999) == pytest.approx(1 / 1000)
+    rows = [{"config": config, "seed": 0, "sample": f"s{i}", "score": 100.0 * (config == "grkv" and i < 20)}
+            for config in ("grkv", "base") for i in range(40)]
+    result = compare_configs(pd.DataFrame(rows), "grkv", "base", unit="sample", n_resamples=2000)
+    assert (result.unit, len(result.units), result.p_exact, result.better_units) == ("sample", 40, False, 20)
+    assert result.gain == pytest.approx(50.0) and result.p_value == pytest.approx(1 / 2001)
+
+
+def test_load_sweep_separates_the_stages(store, staged_sweep):
+    runs = load_sweep(MlflowClient(store), "staged-sweep")
+    assert runs.stage_counts == {"screen": 6, "full": 6, "test": 5}
+    # Screening trials are numbered in their own study: screening trial 0 and full trial 0 are both kept.
+    assert list(runs.trials["trial_number"]) == list(range(6)) and set(runs.trials["stage"]) == {"full"}
+    assert list(runs.screen_trials["trial_number"]) == list(range(6))
+    assert runs.screen_trials["question_loss"].tolist() == [0.10, 0.30, 0.05, 0.90, 1.20, 0.25]
+    assert "mean_score" not in runs.screen_trials
+    test = runs.test_trials.set_index("test_of")
+    assert test.loc["2", "trial_number"] == 2 and test.loc["2", "configuration"] == "trial 2"
+    assert test.loc["paper_default", "trial_number"] == 0 and test.loc["eviction_only", "trial_number"] == 1
+    # Full trial 4 (merge none at 12%) is not tagged a baseline: the 12% eviction-only test run confirms no trial.
+    assert pd.isna(test.loc["eviction_only@0.88", "trial_number"])
+    assert test.loc["eviction_only@0.88", "baseline"] == "eviction_only"
+    assert test.loc["eviction_only@0.88", "budget"] == pytest.approx(0.12)
+    assert test.loc["2", "mean_score"] == pytest.approx(700 / 12)
+    assert runs.test_sample_count == 12 and len(runs.test_predictions) == 5 * 12
+    # Every analysis of the tuning stage sees the full-stage runs only.
+    assert list(loss_performance(runs).table["trial_number"]) == list(range(6))
+    assert [t.user_attrs[TRIAL_TAG] for t in rebuild_study(runs).study.trials] == list(range(6))
+
+
+def test_screening_counts_and_rank_correlation_of_promoted_configurations(store, staged_sweep):
+    runs = load_sweep(MlflowClient(store), "staged-sweep")
+    result = screening(runs)
+    assert (result.screened, len(result.promoted.table), result.unscreened) == (6, 3, 3)
+    table = result.promoted.table
+    # Trial 3's tag wins over screening trial 1, which proposed the same configuration first.
+    assert list(table["trial_number"]) == [2, 3, 5] and list(table["screen_trial"]) == [0, 5, 2]
+    assert table["screen_question_loss"].tolist() == [0.10, 0.25, 0.05]
+    question, window = result.promoted.correlations
+    # The screening runs' own losses (not the full runs'): question loss 0.10 0.25 0.05 against scores 70 65 72
+    # is perfectly rank-reversed; window loss 0.20 0.10 0.30 ranks them in the same order.
+    assert (question.x, question.n, window.x) == ("screen_question_loss", 3, "screen_window_loss")
+    assert question.spearman_rho == pytest.approx(-1.0) and window.spearman_rho == pytest.approx(1.0)
+    assert question.pearson_r == pytest.approx(stats.pearsonr([0.10, 0.25, 0.05], [70, 65, 72]).statistic)
+    # Over the six full-stage runs the question loss is exactly 1 - score/100.
+    by_loss = {c.x: c for c in loss_performance(runs).correlations}
+    assert set(by_loss) == {"window_loss", "heldout_loss", "question_loss"}
+    assert by_loss["question_loss"].pearson_r == pytest.approx(-1.0) and by_loss["question_loss"].n == 6
+
+
+def test_significance_pairs_held_out_test_samples(store, staged_sweep):
+    result = significance(load_sweep(MlflowClient(store), "staged-sweep"), n_resamples=2000)
+    assert (result.stage, result.test_samples) == ("test", 12)
+    by_pair = {(c.treatment, c.control): c for c in result.comparisons}
+    assert set(by_pair) == {
+        ("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)"),
+        ("trial 2 (snapkv+grkv, 10%)", "paper_default (snapkv+grkv, 10%)"),
+        ("paper_default (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)"),
+        ("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)")}
+    versus_eviction = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)")]
+    assert versus_eviction.unit == "sample" and len(versus_eviction.units) == 12 and versus_eviction.p_exact
+    assert sorted(versus_eviction.differences) == [0.0] * 11 + [100.0]  # only sample 6 differs
+    assert versus_eviction.gain == pytest.approx(100 / 12) and versus_eviction.better_units == 1
+    assert (versus_eviction.treatment_mean, versus_eviction.control_mean) == pytest.approx((700 / 12, 50.0))
+    versus_default = by_pair[("trial 2 (snapkv+grkv, 10%)", "paper_default (snapkv+grkv, 10%)")]
+    assert sorted(versus_default.differences) == [-100.0] + [0.0] * 9 + [100.0, 100.0]  # samples 7; 5 and 6
+    assert versus_default.p_value == sign_flip_test(versus_default.differences)
+    assert by_pair[("paper_default (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)")].gain == pytest.approx(0.0)
+    assert any("no paper-default test run at 12%" in note for note in result.notes)
+    held_out = result.held_out.set_index("configuration")
+    assert list(held_out.index) == ["trial 5", "trial 2", "paper_default", "eviction_only"]  # best tuning first
+    assert held_out.loc["trial 2", "change"] == pytest.approx(700 / 12 - 70)
+    winners = result.tuned_winners.set_index("budget")
+    assert winners.loc[0.1, "configuration"] == "trial 2" and winners.loc[0.1, "change"] < 0
+    assert winners.loc[0.12, "configuration"] == "trial 5" and winners.loc[0.12, "change"] == pytest.approx(3.0)
+
+
+def test_budgets_compare_merging_with_eviction_at_every_larger_budget_on_the_test_stage(store, staged_sweep):
+    result = iso_resource(load_sweep(MlflowClient(store), "staged-sweep"), ttft_tolerance=0.10)
+    assert result.stage == "test"
+    on_lines = result.points[result.points["selected"]].set_index(["method", "budget"])
+    assert on_lines["mean_score"].to_dict() == pytest.approx({
+        ("snapkv", 0.1): 50.0, ("snapkv", 0.12): 800 / 12, ("snapkv+grkv", 0.1): 700 / 12, ("snapkv+grkv", 0.12): 75.0})
+    assert on_lines.loc[("snapkv+grkv", 0.1), "configuration"] == "trial 2"  # 70 on tuning beats the default's 60
+    cross = result.cross_budget.set_index(["merging_configuration", "eviction_configuration"])
+    assert len(cross) == 5 and (result.cross_budget["eviction_budget"] >= result.cross_budget["merging_budget"]).all()
+    # The paper's question: GRKV at 10% against eviction at 12%, on held-out samples (the tuning scores would
+    # give 58 - 70 = -12 instead).
+    grkv_10_vs_eviction_12 = cross.loc[("trial 2", "eviction_only@0.88")]
+    assert grkv_10_vs_eviction_12["eviction_minus_merging"] == pytest.approx(800 / 12 - 700 / 12)
+    assert grkv_10_vs_eviction_12["kv_ratio"] == pytest.approx(1.2)
+    assert grkv_10_vs_eviction_12["prefill_ratio"] == pytest.approx(0.95)
+    prefill = result.iso_prefill.set_index("merging_configuration")
+    assert prefill.loc["trial 2", "eviction_configuration"] == "eviction_only@0.88"  # TTFT 5% apart
+    assert pd.isna(prefill.loc["trial 5", "eviction_budget"])  # no budget above 12%
+
+
+def test_staged_report_says_which_samples_decide(store, staged_sweep, tmp_path):
+    report = build_report(MlflowClient(store), "staged-sweep", tmp_path,
+                          options=ReportOptions(bootstrap_resamples=2000), log_artifacts=False)
+    names = {path.name for path in report.files}
+    assert {"screening.png", "screening.md", "budgets.png", "sample_differences.png", "cross_budget.md"} <= names
+    summary = report.summary
+    assert "on 12 held-out test samples (disjoint from the tuning samples that chose these configurations)" in summary
+    assert "6 configuration(s) screened on their losses alone (no decoding); 3 promoted" in summary
+    assert ("The tuned winner at 10%, trial 2 (best tuning score of the confirmed merging configurations there, "
+            "70.00), scores 58.33 on the held-out test samples (-11.67): worse on the held-out samples") in summary
+    assert "trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): gain +8.33" in summary
+    assert "snapkv+grkv trial 2 at 10%: 58.33 vs eviction only at 12%: 66.67 (eviction +8.33)" in summary
+    assert "selection bias" not in summary
+    trials = pd.read_csv(tmp_path / "trials.csv")
+    assert trials["stage"].value_counts().to_dict() == {"full": 6, "screen": 6, "test": 5}
+
+
 # ---- the report, end to end ----------------------------------------------------------------------------
 def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep, tmp_path):
     client = MlflowClient(store)
     report = build_report(client, "ablation-sweep", tmp_path, options=ReportOptions(bootstrap_resamples=2000))
     names = {path.name for path in report.files}
-    pngs = ["loss_performance.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
+    pngs = ["loss_performance.png", "budgets.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
             "optimization_history.png"]
-    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv",
-                        "iso_memory.md", "iso_prefill.csv", "significance.md", "correlations.csv"} <= names
+    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv", "iso_memory.md",
+                        "budgets.md", "cross_budget.csv", "iso_prefill.csv", "significance.md",
+                        "correlations.csv"} <= names
     for name in pngs:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         image = imread(tmp_path / name)
@@ -329,6 +562,8 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
     logged = {a.path for a in client.list_artifacts(ablation_sweep.parent_run_id, "report")}
     assert {f"report/{name}" for name in names} == logged
     assert "best trial 6" in report.summary
+    assert "No test stage: the best trial was selected and evaluated on the same samples (selection bias)" in \
+        report.summary
     assert "Iso-prefill: snapkv+grkv paper default (trial 0) at 10%" in report.summary
 
 
@@ -353,20 +588,20 @@ def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, caps
 def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from tracking.reports.figures import task_difference_figure
+    from tracking.reports.figures import paired_difference_figure
     from tracking.reports.stats import BootstrapCI, PairedComparison
 
     rounding_noise = 1e-17  # what the mean of exact zeros over resamples can come to
     identical = PairedComparison(
-        treatment="paper default", control="eviction_only", seeds=(0,), tasks=("a", "b", "c"),
-        task_differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
+        treatment="paper default", control="eviction_only", unit="task", seeds=(0,), units=("a", "b", "c"),
+        differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
         control_sd=0.0, ci=BootstrapCI(estimate=0.0, low=0.0, high=rounding_noise, confidence=0.95,
-                                       n_resamples=100), p_value=1.0, better_tasks=0, better_seeds=0)
+                                       n_resamples=100), p_value=1.0, p_exact=True, better_units=0, better_seeds=0)
     limits = []
     original_savefig = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
         limits.append(figure.axes[0].get_ylim()), original_savefig(figure, *args, **kwargs))[1])
-    assert task_difference_figure([identical], tmp_path / "differences.png").exists()
+    assert paired_difference_figure([identical], tmp_path / "differences.png").exists()
     assert limits == [(-1.0, 1.0)]
 
 

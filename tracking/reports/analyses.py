@@ -1,7 +1,10 @@
-"""The paper's analyses over a sweep's finished trials: loss vs score, iso-resource comparisons, ablations.
+"""The paper's analyses over a sweep's runs: loss vs score, screening, iso-resource comparisons, ablations,
+significance.
 
 Each function takes a :class:`~tracking.reports.data.SweepRuns` and returns tables (pandas) plus the
-numbers the summary quotes; figures and files are made elsewhere.
+numbers the summary quotes; figures and files are made elsewhere. Every analysis uses the full-stage runs
+(scored on the tuning samples) unless its docstring says otherwise: screening runs have no score, and the
+held-out test stage is kept for the comparisons that decide (budgets and significance).
 """
 
 from __future__ import annotations
@@ -11,12 +14,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT
+from grkv_core.config import (
+    EVICTION_ONLY,
+    FULL_STAGE,
+    LOSS_METRICS,
+    PAPER_DEFAULT,
+    SAMPLER_PREFIX,
+    SCREENING_METRICS,
+    TEST_STAGE,
+)
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import Correlation, PairedComparison, compare_configs, correlate, pareto_front
 
 MIB = 2**20
-LOSS_METRICS = ("window_loss", "heldout_loss")
+SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening run measured it
+# NOTE: the driver tags a full trial enqueued from screening with the screening trial's number
+# (``sweeps.stages.PROMOTED_FROM_ATTR``); the loader keeps every tag as a ``tag.<key>`` column.
+PROMOTED_FROM_COLUMN = "tag.grkv.promoted_from"
 
 
 def _score_columns(runs: SweepRuns) -> list[str]:
@@ -28,7 +42,8 @@ def _score_columns(runs: SweepRuns) -> list[str]:
 class LossPerformance:
     """Reconstruction discrepancy against downstream score, per configuration (paper App. G).
 
-    ``table`` has one row per finished trial; ``correlations`` one entry per loss metric.
+    ``table`` has one row per configuration (``trial_number``, ``configuration``, ``method``, the losses and
+    the score); ``correlations`` one entry per loss metric.
     """
 
     table: pd.DataFrame
@@ -38,7 +53,7 @@ class LossPerformance:
 
 def loss_performance(runs: SweepRuns, score: str = "mean_score",
                      losses: tuple[str, ...] = LOSS_METRICS) -> LossPerformance:
-    """Correlate each reconstruction discrepancy metric with ``score`` across all finished trials."""
+    """Correlate each reconstruction discrepancy metric with ``score`` across the full-stage runs."""
     trials = runs.trials
     present = [loss for loss in losses if loss in trials]
     shown = ["trial_number", "configuration", "method", "budget",
@@ -49,7 +64,80 @@ def loss_performance(runs: SweepRuns, score: str = "mean_score",
     return LossPerformance(table, correlations, score)
 
 
-# ---- iso-memory and iso-prefill ------------------------------------------------------------------------
+# ---- screening ----------------------------------------------------------------------------------------
+@dataclass
+class Screening:
+    """What the screening stage ranked and how its ranking held up once the promoted configurations were scored.
+
+    Attributes
+    ----------
+    screened : int
+        Finished screening runs (configurations whose losses were measured without decoding).
+    promoted : LossPerformance
+        One row per full-stage run whose sampler proposals equal a screening run's: ``trial_number``
+        (full stage), ``screen_trial``, ``configuration``, ``method``, ``budget``, the screening run's losses
+        as ``screen_<loss>`` and the full-stage score; one correlation per screening loss against that score.
+    unscreened : int
+        Full-stage runs with no screening run (e.g. baselines enqueued directly, or a sweep without screening).
+    notes : list[str]
+    """
+
+    screened: int
+    promoted: LossPerformance
+    unscreened: int
+    notes: list[str] = field(default_factory=list)
+
+
+def _proposal(row: pd.Series, columns: list[str]) -> tuple:
+    """The sampler's proposals of a run as a hashable key (``optuna.<name>`` columns it has values for).
+
+    NOTE: MLflow params round-trip through ``str()``, so equal proposals parse to equal values; a column with
+    missing values holds 32 as 32.0, which compares and hashes equal to 32.
+    """
+    return tuple((column, row[column]) for column in columns if pd.notna(row.get(column)))
+
+
+def screening(runs: SweepRuns, score: str = "mean_score",
+              losses: tuple[str, ...] = SCREENING_METRICS) -> Screening:
+    """Match full-stage runs to the screening runs they were promoted from, and correlate screening loss
+    with the full-stage score over them.
+
+    A full-stage run names the screening trial it was promoted from in its ``grkv.promoted_from`` tag; a run
+    without the tag is matched to the screening run with the same sampler proposals (``optuna.<name>`` params).
+    The losses ``losses`` are the screening run's own measurements.
+    """
+    screen, trials, notes = runs.screen_trials, runs.trials, []
+    columns = sorted({c for frame in (screen, trials) for c in frame.columns if c.startswith(SAMPLER_PREFIX)})
+    present = [loss for loss in losses if loss in screen]
+    by_number = {int(run["trial_number"]): run for _, run in screen.iterrows()}
+    by_proposal: dict[tuple, pd.Series] = {}
+    for number, run in by_number.items():
+        key = _proposal(run, columns)
+        if key in by_proposal:
+            notes.append(f"screening trials {int(by_proposal[key]['trial_number'])} and {number} proposed the same "
+                         "configuration; a full run without a promoted_from tag is matched to the first")
+        else:
+            by_proposal[key] = run
+    rows = []
+    for _, trial in trials.iterrows():
+        tagged = trial.get(PROMOTED_FROM_COLUMN)
+        source = (by_number.get(int(tagged)) if isinstance(tagged, str)
+                  else by_proposal.get(_proposal(trial, columns)))
+        if source is not None:
+            rows.append({"trial_number": trial["trial_number"], "screen_trial": source["trial_number"],
+                         "configuration": trial["configuration"], "method": trial["method"],
+                         "budget": trial["budget"], **{SCREEN_PREFIX + loss: source[loss] for loss in present},
+                         score: trial.get(score, np.nan)})
+    table = pd.DataFrame(rows, columns=["trial_number", "screen_trial", "configuration", "method", "budget",
+                                        *[SCREEN_PREFIX + loss for loss in present], score])
+    correlations = [correlate(table[SCREEN_PREFIX + loss], table[score], SCREEN_PREFIX + loss, score)
+                    for loss in present]
+    if len(screen) and not present:
+        notes.append(f"the screening runs logged none of {', '.join(losses)}")
+    return Screening(len(screen), LossPerformance(table, correlations, score), len(trials) - len(table), notes)
+
+
+# ---- iso-memory, budgets and iso-prefill ----------------------------------------------------------------
 def _eviction_rows(trials: pd.DataFrame, compression_ratio: float) -> pd.DataFrame:
     at_budget = trials[(trials["merge"] == "none") & np.isclose(trials["compression_ratio"], compression_ratio)]
     tagged = at_budget[at_budget["baseline"] == EVICTION_ONLY]
@@ -93,18 +181,106 @@ def representative_trials(runs: SweepRuns, score: str = "mean_score",
     return [(label, rows.iloc[0]) for label, rows in _default_and_best(merged, score)]
 
 
+def tuning_scores(runs: SweepRuns, score: str = "mean_score") -> pd.Series:
+    """For each test-stage run, the ``score`` of the full-stage trial it confirms (NaN where there is none)."""
+    by_number = runs.trials.set_index("trial_number")[score] if score in runs.trials else pd.Series(dtype=float)
+    return runs.test_trials["trial_number"].map(by_number).astype(float)
+
+
+def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.DataFrame]:
+    """Score, KV memory and prefill time per method and budget: the points of one line per method.
+
+    On the test stage when the sweep has one (every confirmed configuration and every eviction-only run,
+    ``eviction_only@<ratio>`` giving the other budgets), on the full stage otherwise (the paper default and
+    the best trial of each merger at each budget, and the eviction-only run). ``selected`` marks the points a
+    method's line goes through: eviction only, and per merger and budget the configuration with the best score
+    on the tuning samples (so on the test stage the selection never saw the samples the point is scored on).
+
+    Returns
+    -------
+    (str, pandas.DataFrame)
+        The stage used, and one row per point: ``label``, ``method``, ``configuration``, ``trial_number``,
+        ``budget``, ``compression_ratio``, ``is_eviction``, ``selected``, ``kv_mib``, ``prefill_s``, ``ttft_s``,
+        ``score``.
+    """
+    if runs.has_test_stage:
+        stage, frame = TEST_STAGE, runs.test_trials.assign(_selection=tuning_scores(runs, score))
+    else:
+        stage, frame = FULL_STAGE, runs.trials.assign(_selection=runs.trials.get(score, np.nan))
+    points = []
+    for _, at_budget in frame.groupby("budget", sort=True):
+        eviction = _eviction_rows(at_budget, at_budget["compression_ratio"].iloc[0])
+        if len(eviction):
+            points.append(_point(eviction.iloc[0], "eviction only", True, score))
+        for _, merged in at_budget[at_budget["merge"] != "none"].groupby("merge"):
+            best = merged["_selection"].fillna(-np.inf).idxmax()
+            if stage == TEST_STAGE:
+                labelled = [(row["configuration"].replace("_", " "), row) for _, row in merged.iterrows()]
+            else:
+                labelled = [(label, rows.iloc[0]) for label, rows in _default_and_best(merged, score)]
+            points += [_point(row, label, row.name == best, score) for label, row in labelled]
+    columns = ["label", "method", "configuration", "trial_number", "budget", "compression_ratio", "is_eviction",
+               "selected", "kv_mib", "prefill_s", "ttft_s", score]
+    return stage, pd.DataFrame(points, columns=columns)
+
+
+def _point(row: pd.Series, label: str, selected: bool, score: str) -> dict:
+    return {"label": label, "method": row["method"], "configuration": row["configuration"],
+            "trial_number": row["trial_number"], "budget": row["budget"],
+            "compression_ratio": row["compression_ratio"], "is_eviction": row["merge"] == "none",
+            "selected": bool(selected), "kv_mib": _cost(row, "kv_bytes") / MIB, "prefill_s": _cost(row, "prefill_s"),
+            "ttft_s": _cost(row, "ttft_s"), score: _cost(row, score)}
+
+
+def _side(prefix: str, point: pd.Series, score: str) -> dict:
+    return {f"{prefix}_configuration": point["configuration"], f"{prefix}_trial": point["trial_number"],
+            f"{prefix}_budget": point["budget"], f"{prefix}_kv_mib": point["kv_mib"],
+            f"{prefix}_prefill_s": point["prefill_s"], f"{prefix}_ttft_s": point["ttft_s"],
+            f"{prefix}_{score}": point[score]}
+
+
+def _pair(merging: pd.Series, eviction: pd.Series, score: str) -> dict:
+    return {**_side("eviction", eviction, score),
+            "eviction_minus_merging": eviction[score] - merging[score],
+            "kv_ratio": eviction["kv_mib"] / merging["kv_mib"],
+            "prefill_ratio": eviction["prefill_s"] / merging["prefill_s"],
+            "ttft_gap": (eviction["ttft_s"] - merging["ttft_s"]) / merging["ttft_s"]}
+
+
 @dataclass
 class IsoResource:
-    """Iso-memory (same persistent KV budget) and approximate iso-prefill (TTFT within tolerance) tables."""
+    """Iso-memory, cross-budget and approximate iso-prefill comparisons.
+
+    Attributes
+    ----------
+    iso_memory : pandas.DataFrame
+        Full stage, per budget: eviction only, the paper default and the best trial, ``gain_vs_eviction``.
+    stage : str
+        The stage of ``points``, ``cross_budget`` and ``iso_prefill``: ``test`` when the sweep has a test stage.
+    points : pandas.DataFrame
+        :func:`budget_points`: one line per method across budgets.
+    cross_budget : pandas.DataFrame
+        Every merging point at budget b against the eviction-only point at every budget b' >= b: the merging
+        point's ``merging_*`` columns, the eviction point's ``eviction_*`` columns, ``eviction_minus_merging``,
+        ``kv_ratio`` and ``prefill_ratio`` (eviction over merging) and ``ttft_gap`` (relative TTFT difference).
+    iso_prefill : pandas.DataFrame
+        Per merging point, the row of ``cross_budget`` at b' > b whose TTFT is closest within
+        ``ttft_tolerance`` (eviction columns NaN where none is).
+    ttft_tolerance : float
+    notes : list[str]
+    """
 
     iso_memory: pd.DataFrame
+    stage: str
+    points: pd.DataFrame
+    cross_budget: pd.DataFrame
     iso_prefill: pd.DataFrame
     ttft_tolerance: float
     notes: list[str] = field(default_factory=list)
 
 
 def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: float = 0.10) -> IsoResource:
-    """Compare methods at equal persistent KV memory, and merging at budget b with eviction at b' > b.
+    """Compare methods at equal persistent KV memory, and merging at budget b with eviction at every b' >= b.
 
     Parameters
     ----------
@@ -114,9 +290,37 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
     ttft_tolerance : float
         Relative TTFT difference still counted as "approximately equal prefill" (0.10 = within 10%).
     """
-    trials, notes = runs.trials, []
-    memory_rows = []
-    for budget, at_budget in trials.groupby("budget", sort=True):
+    stage, points = budget_points(runs, score)
+    notes = []
+    cross, prefill = [], []
+    evictions = points[points["is_eviction"]]
+    for _, merging in points[~points["is_eviction"]].iterrows():
+        merging_columns = {"merging": f"{merging['method']} {merging['label']}", **_side("merging", merging, score)}
+        pairs = [{**merging_columns, **_pair(merging, eviction, score)}
+                 for _, eviction in evictions.iterrows() if eviction["budget"] >= merging["budget"] - 1e-12]
+        cross += pairs
+        close = [pair for pair in pairs if pair["eviction_budget"] > merging["budget"] + 1e-12
+                 and abs(pair["ttft_gap"]) <= ttft_tolerance]
+        if close:
+            prefill.append(min(close, key=lambda pair: abs(pair["ttft_gap"])))
+        else:
+            prefill.append(merging_columns)
+            if stage == TEST_STAGE:
+                hint = "; list larger budgets in test.eviction_ratios to test eviction there"
+            else:
+                hint = "" if "compression_ratio" in runs.search_space else (
+                    "; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
+            notes.append(f"iso-prefill: no eviction-only trial at a budget above {merging['budget']:.0%} has a TTFT "
+                         f"within {ttft_tolerance:.0%} of {merging_columns['merging']} ({merging['ttft_s']:.3g} s)"
+                         f"{hint}")
+    return IsoResource(_iso_memory(runs, score, notes), stage, points, pd.DataFrame(cross), pd.DataFrame(prefill),
+                       ttft_tolerance, notes)
+
+
+def _iso_memory(runs: SweepRuns, score: str, notes: list[str]) -> pd.DataFrame:
+    """Full stage, per budget: eviction only, and per merger its paper default and best trial."""
+    rows = []
+    for budget, at_budget in runs.trials.groupby("budget", sort=True):
         ratio = at_budget["compression_ratio"].iloc[0]
         if "kv_bytes" in at_budget and at_budget["kv_bytes"].notna().any():
             kv = at_budget["kv_bytes"]
@@ -129,37 +333,14 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
             budget_rows += [_iso_row(budget, label, f"{runs.press_name}+{merge}", rows, score)
                             for label, rows in _default_and_best(merged, score)]
         eviction_score = eviction[score].mean() if len(eviction) else np.nan
-        memory_rows += [{**row, "gain_vs_eviction": np.nan if row["configuration"] == "eviction only"
-                         else row[score] - eviction_score} for row in budget_rows]
-    iso_memory = pd.DataFrame(memory_rows)
-
-    prefill_rows = []
-    evictions = trials[trials["merge"] == "none"]
-    for label, merged in representative_trials(runs, score):
-        ttft = _cost(merged, "ttft_s")
-        larger = evictions[evictions["compression_ratio"] < merged["compression_ratio"] - 1e-12]
-        close = larger[(larger["ttft_s"] - ttft).abs() <= ttft_tolerance * ttft] if "ttft_s" in larger else larger[:0]
-        row = {"merging": f"{merged['method']} {label}", "merging_trial": int(merged["trial_number"]),
-               "merging_budget": merged["budget"], "merging_ttft_s": ttft,
-               "merging_kv_mib": _cost(merged, "kv_bytes") / MIB, f"merging_{score}": merged[score]}
-        if len(close):
-            match = close.loc[(close["ttft_s"] - ttft).abs().idxmin()]
-            row.update({"eviction_trial": int(match["trial_number"]), "eviction_budget": match["budget"],
-                        "eviction_ttft_s": match["ttft_s"], "eviction_kv_mib": _cost(match, "kv_bytes") / MIB,
-                        f"eviction_{score}": match[score], "eviction_minus_merging": match[score] - merged[score],
-                        "kv_ratio": _cost(match, "kv_bytes") / _cost(merged, "kv_bytes")})
-        else:
-            hint = "" if "compression_ratio" in runs.search_space else (
-                "; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
-            notes.append(f"iso-prefill: no eviction-only trial at a budget above {merged['budget']:.0%} has a TTFT "
-                         f"within {ttft_tolerance:.0%} of trial {int(merged['trial_number'])} ({ttft:.3g} s){hint}")
-        prefill_rows.append(row)
-    return IsoResource(iso_memory, pd.DataFrame(prefill_rows), ttft_tolerance, notes)
+        rows += [{**row, "gain_vs_eviction": np.nan if row["configuration"] == "eviction only"
+                  else row[score] - eviction_score} for row in budget_rows]
+    return pd.DataFrame(rows)
 
 
 @dataclass
 class TradeOff:
-    """Score against one cost over all finished trials, with the Pareto-optimal trials flagged."""
+    """Score against one cost over the full-stage trials, with the Pareto-optimal trials flagged."""
 
     cost: str
     cost_label: str
@@ -340,14 +521,14 @@ def _sort_key(setting: tuple) -> tuple:
                  else (1, str(v)) for v in setting)
 
 
-# ---- multi-seed significance ----------------------------------------------------------------------------
+# ---- significance ----------------------------------------------------------------------------------------
 def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
-    """Per-task scores as a tidy table ``config, seed, task, score, trial_number``.
+    """Per-task scores of the full-stage runs as a tidy table ``config, seed, task, score, trial_number``.
 
     ``config`` is the baseline name for baseline trials (so tables from sweeps run with different data
     seeds line up) and ``trial N`` otherwise; ``seed`` is the sweep's ``data.seed``.
     """
-    columns = _score_columns(runs)
+    columns = [column for column in _score_columns(runs) if column in runs.trials]
     long = runs.trials.melt(id_vars=["configuration", "trial_number"], value_vars=columns,
                             var_name="task", value_name="score").dropna(subset=["score"])
     long["task"] = long["task"].str.removeprefix(SCORE_PREFIX)
@@ -355,22 +536,118 @@ def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
     return long.rename(columns={"configuration": "config"})[["config", "seed", "task", "score", "trial_number"]]
 
 
-def significance(runs: SweepRuns, score: str = "mean_score", n_resamples: int = 100_000,
-                 seed: int = 0) -> tuple[list[PairedComparison], list[str]]:
-    """Paper default and best merging trial at the base's budget, each against the eviction-only base.
+def tidy_sample_scores(runs: SweepRuns) -> pd.DataFrame:
+    """Per-sample scores of the test-stage runs as a tidy table ``run_id, seed, sample, score``.
 
-    Returns the comparisons and notes (e.g. which could not be made). With one data seed the standard
-    deviations are NaN; pass several sweeps' :func:`tidy_task_scores` to :func:`compare_configs` for
-    the paper's multi-seed version.
+    ``sample`` is ``<task>/<sample_id>``; ``score`` is the mean of the sample's questions in points (0-100, the
+    scale of ``score.<task>``). NOTE: questions that share a context are not independent, so a sample, not a
+    question, is the unit the tests pair and resample.
     """
+    predictions = runs.test_predictions
+    keys = predictions["task"].astype(str) + "/" + predictions["sample_id"].astype(str)
+    per_sample = (predictions.assign(sample=keys, score=100 * predictions["score"].astype(float))
+                  .groupby(["run_id", "sample"], as_index=False)["score"].mean())
+    return per_sample.assign(seed=runs.data_seed)[["run_id", "seed", "sample", "score"]]
+
+
+@dataclass
+class Significance:
+    """Paired tests of merging against the eviction-only base press (and the paper default).
+
+    Attributes
+    ----------
+    stage : str
+        ``test``: every confirmed merging configuration against eviction only at its budget and against the
+        paper default at its budget, paired per held-out test sample. ``full`` (no test stage): the paper
+        default and the best trial at the base press's budget, paired per task on the tuning samples that also
+        selected the best trial.
+    comparisons : list[PairedComparison]
+    held_out : pandas.DataFrame
+        Test stage only: per test run that confirms a full-stage trial, ``configuration``, ``method``,
+        ``budget``, ``merge``, ``tuning_<score>`` (full stage), ``test_<score>`` and ``change`` (test minus
+        tuning), best tuning score first.
+    test_samples : int
+        Distinct held-out samples in the test runs' predictions (0 without a test stage).
+    notes : list[str]
+    """
+
+    stage: str
+    comparisons: list[PairedComparison]
+    held_out: pd.DataFrame
+    test_samples: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tuned_winners(self) -> pd.DataFrame:
+        """Per budget, the confirmed merging configuration with the best tuning score (the sweep's pick there)."""
+        if self.held_out.empty:
+            return self.held_out
+        merging = self.held_out[self.held_out["merge"] != "none"]
+        # NOTE: held_out is sorted by tuning score, best first, so the first row per budget is its winner.
+        return merging.drop_duplicates(subset="budget").sort_values("budget").reset_index(drop=True)
+
+
+def significance(runs: SweepRuns, score: str = "mean_score", n_resamples: int = 100_000,
+                 seed: int = 0) -> Significance:
+    """Paired bootstrap CI and sign-flip test of merging against the base press, on held-out samples when
+    the sweep has a test stage.
+
+    With one data seed the standard deviations are NaN; pass several sweeps' :func:`tidy_task_scores` to
+    :func:`compare_configs` for the paper's multi-seed version.
+    """
+    if runs.has_test_stage:
+        return _test_significance(runs, score, n_resamples, seed)
+    return _tuning_significance(runs, score, n_resamples, seed)
+
+
+def _test_name(run: pd.Series) -> str:
+    return f"{run['configuration']} ({run['method']}, {run['budget']:.0%})"
+
+
+def _test_significance(runs: SweepRuns, score: str, n_resamples: int, seed: int) -> Significance:
+    test, notes = runs.test_trials, []
+    samples = tidy_sample_scores(runs)
+    tidy = samples.assign(config=samples["run_id"].map({run["run_id"]: _test_name(run) for _, run in test.iterrows()}))
+    comparisons = []
+    for _, treatment in test[test["merge"] != "none"].iterrows():
+        same_budget = test[np.isclose(test["compression_ratio"], treatment["compression_ratio"])]
+        eviction = _eviction_rows(same_budget, treatment["compression_ratio"])
+        default = same_budget[(same_budget["baseline"] == PAPER_DEFAULT) & (same_budget["merge"] != "none")
+                              & (same_budget["run_id"] != treatment["run_id"])]
+        for kind, controls in (("eviction-only", eviction), ("paper-default", default)):
+            if kind == "paper-default" and treatment["baseline"] == PAPER_DEFAULT:
+                continue
+            if controls.empty:
+                notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare "
+                             f"{_test_name(treatment)} with")
+                continue
+            try:
+                comparisons.append(compare_configs(tidy, _test_name(treatment), _test_name(controls.iloc[0]),
+                                                   unit="sample", n_resamples=n_resamples, seed=seed))
+            except (KeyError, ValueError) as error:
+                notes.append(f"{_test_name(treatment)} vs {_test_name(controls.iloc[0])}: {error}")
+    held_out = pd.DataFrame({"configuration": test["configuration"], "method": test["method"],
+                             "budget": test["budget"], "merge": test["merge"],
+                             f"tuning_{score}": tuning_scores(runs, score), f"test_{score}": test.get(score, np.nan)})
+    held_out = held_out.dropna(subset=[f"tuning_{score}"]).assign(
+        change=lambda frame: frame[f"test_{score}"] - frame[f"tuning_{score}"])
+    held_out = held_out.sort_values(f"tuning_{score}", ascending=False, kind="stable").reset_index(drop=True)
+    return Significance(TEST_STAGE, comparisons, held_out, runs.test_sample_count, notes)
+
+
+def _tuning_significance(runs: SweepRuns, score: str, n_resamples: int, seed: int) -> Significance:
+    """Without a test stage: the paper default and the best trial at the base's budget, paired per task."""
+    def result(comparisons: list[PairedComparison], notes: list[str]) -> Significance:
+        return Significance(FULL_STAGE, comparisons, pd.DataFrame(), 0, notes)
+
     base = runs.baseline_trial(EVICTION_ONLY)
     if base is None:
-        return [], ["no eviction_only trial: nothing to test merging against"]
+        return result([], ["no eviction_only trial: nothing to test merging against"])
     if not runs.task_names:
-        return [], ["no per-task scores (score.<task> metrics) to pair"]
+        return result([], ["no per-task scores (score.<task> metrics) to pair"])
     treatments = representative_trials(runs, score, base["compression_ratio"])
     if not treatments:
-        return [], [f"no merging trial at the eviction_only trial's budget ({base['budget']:.0%})"]
+        return result([], [f"no merging trial at the eviction_only trial's budget ({base['budget']:.0%})"])
     tidy = tidy_task_scores(runs)
     control_name = f"{EVICTION_ONLY} (trial {int(base['trial_number'])})"
     control = tidy[tidy["trial_number"] == base["trial_number"]].assign(config=control_name)
@@ -380,4 +657,4 @@ def significance(runs: SweepRuns, score: str = "mean_score", n_resamples: int = 
         treatment = tidy[tidy["trial_number"] == trial["trial_number"]].assign(config=treatment_name)
         comparisons.append(compare_configs(pd.concat([treatment, control]), treatment_name, control_name,
                                            n_resamples=n_resamples, seed=seed))
-    return comparisons, []
+    return result(comparisons, [])

@@ -1,24 +1,53 @@
-"""A sweep read back from MLflow alone: its parent run, and one row per finished trial.
+"""A sweep read back from MLflow alone: its parent run, and one row per finished run of each stage.
 
-Everything here comes from the tags, params and metrics that :mod:`tracking.mlflow_tracker` writes, so a
-sweep can be reported while it runs, after it finished, or long after its Optuna storage is gone.
+Everything here comes from the tags, params, metrics and ``predictions.json`` artifacts that
+:mod:`tracking.mlflow_tracker` writes, so a sweep can be reported while it runs, after it finished, or long
+after its Optuna storage is gone.
+
+A sweep has up to three stages (tag ``grkv.stage``): screening (losses only, no score), full scoring on the
+tuning samples, and the held-out test stage. Runs without the tag are full-stage runs (sweeps logged before
+stages existed).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from mlflow.entities import ViewType
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import BASELINE_TAG, PARENT_TAG, ROLE_TAG, SAMPLER_PREFIX, SWEEP_TAG, TRIAL_TAG
+from grkv_core.config import (
+    BASELINE_TAG,
+    FULL_STAGE,
+    PARENT_TAG,
+    ROLE_TAG,
+    SAMPLER_PREFIX,
+    SCREEN_STAGE,
+    STAGE_TAG,
+    STAGES,
+    SWEEP_TAG,
+    TEST_OF_TAG,
+    TEST_STAGE,
+    TRIAL_TAG,
+)
+
+# NOTE: a report downloads one small predictions.json per test-stage run; MLflow would draw a progress bar for each.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 SCORE_PREFIX = "score."
+PREDICTIONS_ARTIFACT = "predictions.json"
+PREDICTION_COLUMNS = ["run_id", "sample_id", "task", "question", "score"]
+# A test-stage run of a baseline at another budget than the sweep's names it "eviction_only@0.88".
+BUDGET_SEPARATOR = "@"
 _PAGE = 1000
 _INTEGER = re.compile(r"[+-]?\d+")
 
@@ -41,7 +70,7 @@ class Objective:
 
 @dataclass
 class SweepRuns:
-    """The finished trials of one sweep, as logged in MLflow.
+    """The finished runs of one sweep, as logged in MLflow, one frame per stage.
 
     Attributes
     ----------
@@ -50,17 +79,30 @@ class SweepRuns:
     parent_params : dict[str, str]
         The flattened sweep config (``press.name``, ``search_space.beta.low``, ``objectives``...).
     trials : pandas.DataFrame
-        One row per FINISHED child run, ordered by trial number: ``run_id``, ``trial_number``,
+        The full-stage runs (scored on the tuning samples), which every analysis uses unless it says
+        otherwise: one row per FINISHED run, ordered by trial number: ``run_id``, ``stage``, ``trial_number``,
         ``baseline`` (``paper_default``/``eviction_only`` or None), the press as it ran
         (``PressConfig.resolved()``: ``press``, ``compression_ratio``, ``merge``, every merger option such as
         ``lambda_k``, ``press.window_size``...; typed, NaN where a trial's press has no such field), the
         sampler's raw proposals as ``optuna.<name>``, every metric, every non-``mlflow.`` tag as ``tag.<key>``
         (``tag.grkv.status``...), and derived ``budget`` (= 1 - compression ratio), ``method`` (press, or
         press+merger) and ``configuration`` (baseline name or ``trial N``).
+    screen_trials : pandas.DataFrame
+        The screening-stage runs (losses, no score), same columns; their trial numbers are those of the
+        screening study, so they are distinct from the full-stage ones.
+    test_trials : pandas.DataFrame
+        The held-out test-stage runs, one per confirmed configuration, same columns plus ``test_of`` (the
+        ``grkv.test_of`` tag: a full-stage trial number or a baseline label such as ``eviction_only@0.88``);
+        ``trial_number`` is the full-stage trial it confirms (NaN for a baseline with no full-stage run at
+        that budget) and ``configuration`` that trial's, or the baseline label.
+    test_predictions : pandas.DataFrame
+        The test-stage runs' per-question scores (0-1) from their ``predictions.json``: ``run_id``,
+        ``sample_id``, ``task``, ``question``, ``score``.
     param_names : list[str]
-        The sampler's parameters, as Optuna named them (their values are the ``optuna.<name>`` columns).
+        The sampler's parameters of the full-stage study, as Optuna named them (their values are the
+        ``optuna.<name>`` columns).
     task_names : list[str]
-        Tasks with a ``score.<task>`` metric.
+        Tasks with a ``score.<task>`` metric on a full- or test-stage run.
     child_status_counts : dict[str, int]
         Status of every child run (FINISHED, RUNNING, FAILED, KILLED), finished or not.
     notes : list[str]
@@ -76,7 +118,24 @@ class SweepRuns:
     param_names: list[str]
     task_names: list[str]
     child_status_counts: dict[str, int]
+    screen_trials: pd.DataFrame = field(default_factory=lambda: _empty_stage(SCREEN_STAGE))
+    test_trials: pd.DataFrame = field(default_factory=lambda: _empty_stage(TEST_STAGE))
+    test_predictions: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PREDICTION_COLUMNS))
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_test_stage(self) -> bool:
+        return not self.test_trials.empty
+
+    @property
+    def test_sample_count(self) -> int:
+        """Distinct held-out samples (task, sample id) in the test-stage runs' predictions."""
+        return len(self.test_predictions[["task", "sample_id"]].drop_duplicates())
+
+    @property
+    def stage_counts(self) -> dict[str, int]:
+        """Finished runs per stage (screen, full, test)."""
+        return {SCREEN_STAGE: len(self.screen_trials), FULL_STAGE: len(self.trials), TEST_STAGE: len(self.test_trials)}
 
     @property
     def press_name(self) -> str:
@@ -206,36 +265,129 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
     children = [run for run in search_all_runs(
         client, [parent.info.experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'trial'")
         if run.data.tags.get(PARENT_TAG) == parent_id]
-    notes = []
-    finished = [run for run in children if run.info.status == "FINISHED"]
-    by_number: dict[int, object] = {}
-    for run in finished:
-        number = int(run.data.tags[TRIAL_TAG])
-        if number in by_number:
-            notes.append(f"trial {number} has several FINISHED runs; the latest is used")
-        if number not in by_number or run.info.end_time > by_number[number].info.end_time:
-            by_number[number] = run
-    param_names = sorted({name.removeprefix(SAMPLER_PREFIX) for run in by_number.values()
+    notes: list[str] = []
+    by_stage: dict[str, list] = {stage: [] for stage in STAGES}
+    for run in children:
+        stage = run.data.tags.get(STAGE_TAG, FULL_STAGE)
+        if stage not in by_stage:
+            notes.append(f"run {run.info.run_id} has unknown stage {stage!r}; left out")
+        elif run.info.status == "FINISHED":
+            by_stage[stage].append(run)
+    full_runs = _latest_per_key(by_stage[FULL_STAGE], TRIAL_TAG, "trial", notes)
+    trials = _stage_frame(full_runs, FULL_STAGE)
+    screen_trials = _stage_frame(_latest_per_key(by_stage[SCREEN_STAGE], TRIAL_TAG, "screening trial", notes),
+                                 SCREEN_STAGE)
+    test_trials = _confirming(_stage_frame(_latest_per_key(by_stage[TEST_STAGE], TEST_OF_TAG, "test of", notes),
+                                           TEST_STAGE), trials)
+    param_names = sorted({name.removeprefix(SAMPLER_PREFIX) for run in full_runs
                           for name in run.data.params if name.startswith(SAMPLER_PREFIX)})
-    rows = [_trial_row(run) for _, run in sorted(by_number.items())]
-    trials = pd.DataFrame(rows) if rows else pd.DataFrame(columns=["run_id", "trial_number", "baseline", "merge"])
-    trials = _with_derived_columns(trials)
-    task_names = sorted(column.removeprefix(SCORE_PREFIX) for column in trials.columns
-                        if column.startswith(SCORE_PREFIX))
+    task_names = sorted({column.removeprefix(SCORE_PREFIX) for frame in (trials, test_trials)
+                         for column in frame.columns if column.startswith(SCORE_PREFIX)})
     return SweepRuns(
         sweep_id=sweep_id, experiment_id=parent.info.experiment_id, parent_run_id=parent_id,
         parent_status=parent.info.status, parent_params=dict(parent.data.params), trials=trials,
         param_names=param_names, task_names=task_names,
-        child_status_counts=dict(Counter(run.info.status for run in children)), notes=notes,
+        child_status_counts=dict(Counter(run.info.status for run in children)), screen_trials=screen_trials,
+        test_trials=test_trials, test_predictions=load_predictions(client, list(test_trials["run_id"]), notes),
+        notes=notes,
     )
 
 
-def _trial_row(run) -> dict:
-    row = {"run_id": run.info.run_id, "trial_number": int(run.data.tags[TRIAL_TAG]),
-           "baseline": run.data.tags.get(BASELINE_TAG)}
+def _latest_per_key(runs: list, tag: str, what: str, notes: list[str]) -> list:
+    """One run per value of ``tag`` (the latest to end where several finished), in natural key order.
+
+    NOTE: the key is (stage, tag value): screening trials are numbered in their own study, so a screening
+    trial and a full-stage trial may share a number; callers pass one stage's runs at a time.
+    """
+    by_key: dict[str, object] = {}
+    for run in runs:
+        key = run.data.tags.get(tag)
+        if key is None:
+            notes.append(f"run {run.info.run_id} lacks the {tag} tag; left out")
+            continue
+        if key in by_key:
+            notes.append(f"{what} {key} has several FINISHED runs; the latest is used")
+        if key not in by_key or run.info.end_time > by_key[key].info.end_time:
+            by_key[key] = run
+    return [by_key[key] for key in sorted(by_key, key=_natural_key)]
+
+
+def _natural_key(key: str) -> tuple:
+    return (0, int(key), "") if _INTEGER.fullmatch(key) else (1, 0, key)
+
+
+def _stage_frame(runs: list, stage: str) -> pd.DataFrame:
+    """The runs of one stage as rows; a test stage's ``configuration`` is left to :func:`_confirming`."""
+    rows = [_trial_row(run, stage) for run in runs]
+    frame = _with_derived_columns(pd.DataFrame(rows) if rows else _empty_stage(stage))
+    if stage != TEST_STAGE:
+        frame["configuration"] = [baseline if isinstance(baseline, str) else f"trial {number}"
+                                  for baseline, number in zip(frame["baseline"], frame["trial_number"])]
+    return frame
+
+
+def _empty_stage(stage: str) -> pd.DataFrame:
+    columns = ["run_id", "stage", "trial_number", "baseline", "merge"] + (["test_of"] if stage == TEST_STAGE else [])
+    return pd.DataFrame(columns=columns)
+
+
+def _confirming(test_trials: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame:
+    """Test-stage runs with the full-stage trial each confirms: its number, baseline and configuration.
+
+    A numeric ``test_of`` names the trial; a baseline label (``paper_default``, ``eviction_only@0.88``)
+    names the full-stage baseline run at the test run's own compression ratio, when the sweep has one.
+    """
+    test_trials = test_trials.copy()
+    numbers, baselines, configurations = [], [], []
+    for _, run in test_trials.iterrows():
+        label = str(run["test_of"])
+        if _INTEGER.fullmatch(label):
+            confirmed = trials[trials["trial_number"] == int(label)]
+            baseline = confirmed["baseline"].iloc[0] if len(confirmed) else None
+            configuration = confirmed["configuration"].iloc[0] if len(confirmed) else f"trial {label}"
+            number = int(label)
+        else:
+            baseline, configuration = label.partition(BUDGET_SEPARATOR)[0], label
+            confirmed = trials[(trials["baseline"] == baseline)
+                               & np.isclose(trials["compression_ratio"], run["compression_ratio"])]
+            number = confirmed["trial_number"].iloc[0] if len(confirmed) else np.nan
+        numbers.append(number)
+        baselines.append(baseline)
+        configurations.append(configuration)
+    test_trials["trial_number"] = pd.Series(numbers, index=test_trials.index, dtype=float)
+    test_trials["baseline"] = pd.Series(baselines, index=test_trials.index, dtype=object)
+    test_trials["configuration"] = pd.Series(configurations, index=test_trials.index, dtype=object)
+    return test_trials
+
+
+def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str]) -> pd.DataFrame:
+    """The per-question rows of each run's ``predictions.json`` (``PREDICTION_COLUMNS``).
+
+    A run without the artifact adds a note and no rows.
+    """
+    frames = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run_id in run_ids:
+            try:
+                path = client.download_artifacts(run_id, PREDICTIONS_ARTIFACT, str(Path(folder) / run_id))
+            except (MlflowException, OSError):
+                notes.append(f"run {run_id} has no {PREDICTIONS_ARTIFACT}; its samples cannot be paired")
+                continue
+            rows = json.loads(Path(path).read_text())
+            frames.append(pd.DataFrame(rows).assign(run_id=run_id)[PREDICTION_COLUMNS])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PREDICTION_COLUMNS)
+
+
+def _trial_row(run, stage: str) -> dict:
+    tags = run.data.tags
+    row = {"run_id": run.info.run_id, "stage": stage, "baseline": tags.get(BASELINE_TAG)}
+    if stage == TEST_STAGE:
+        row["test_of"] = tags[TEST_OF_TAG]  # NOTE: the trial number it confirms is resolved by _confirming
+    else:
+        row["trial_number"] = int(tags[TRIAL_TAG])
     row.update({name: parse_param(text) for name, text in run.data.params.items()})
     row.update(run.data.metrics)
-    row.update({f"tag.{key}": value for key, value in run.data.tags.items() if not key.startswith("mlflow.")})
+    row.update({f"tag.{key}": value for key, value in tags.items() if not key.startswith("mlflow.")})
     return row
 
 
@@ -248,6 +400,4 @@ def _with_derived_columns(trials: pd.DataFrame) -> pd.DataFrame:
     trials["budget"] = (1.0 - trials["compression_ratio"]).round(12)
     trials["method"] = [press if merge == "none" else f"{press}+{merge}"
                         for press, merge in zip(trials["press"], trials["merge"])]
-    trials["configuration"] = [baseline if isinstance(baseline, str) else f"trial {number}"
-                               for baseline, number in zip(trials["baseline"], trials["trial_number"])]
     return trials

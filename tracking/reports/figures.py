@@ -9,8 +9,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT
-from tracking.reports.analyses import LossPerformance, TradeOff
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
+from tracking.reports.analyses import SCREEN_PREFIX, IsoResource, LossPerformance, TradeOff
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text
 from tracking.reports.stats import PairedComparison
@@ -19,11 +19,15 @@ DPI = 120
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 BASELINE_MARKERS = {PAPER_DEFAULT: "*", EVICTION_ONLY: "s"}
 LABELS = {"mean_score": "mean score (0-100)", "window_loss": "window reconstruction discrepancy (relative)",
-          "heldout_loss": "held-out reconstruction discrepancy (relative)", "ttft_s": "TTFT (s)",
-          "kv_bytes": "persistent KV cache (MiB)", "decode_ms_per_token": "decode latency (ms/token)"}
+          "heldout_loss": "held-out reconstruction discrepancy (relative)",
+          "question_loss": "question reconstruction discrepancy (relative)", "ttft_s": "TTFT (s)",
+          "prefill_s": "prefill time (s)", "kv_bytes": "persistent KV cache (MiB)",
+          "decode_ms_per_token": "decode latency (ms/token)"}
 
 
 def axis_label(metric: str) -> str:
+    if metric.startswith(SCREEN_PREFIX):
+        return f"{axis_label(metric.removeprefix(SCREEN_PREFIX))}, screening run"
     return LABELS.get(metric, metric)
 
 
@@ -79,7 +83,8 @@ def spans_decades(values: pd.Series, decades: float = 2.0) -> bool:
     return bool(len(finite) > 1 and (finite > 0).all() and finite.max() / finite.min() > 10**decades)
 
 
-def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path) -> Path:
+def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path,
+                            title: str = "Reconstruction discrepancy vs downstream score") -> Path:
     """One panel per discrepancy metric: score against discrepancy, with Pearson/Spearman in the title."""
     table = result.table
     panels = len(result.correlations)
@@ -106,7 +111,7 @@ def loss_performance_figure(result: LossPerformance, colors: dict[str, str], pat
         ax.set_ylabel(axis_label(result.score))
         ax.grid(alpha=0.3)
     _figure_legend(figure, colors, table, [Line2D([], [], linestyle="--", color="gray", label="least-squares fit")])
-    figure.suptitle("Reconstruction discrepancy vs downstream score (labels: trial numbers)", fontsize=11)
+    figure.suptitle(f"{title} (labels: trial numbers)", fontsize=11)
     return _save(figure, path)
 
 
@@ -179,13 +184,18 @@ def importance_figure(importances: list[Importance], path: Path) -> Path:
 NEGLIGIBLE_POINTS = 1e-9  # score differences (0-100 points) below this are rounding noise
 
 
-def task_difference_figure(comparisons: list[PairedComparison], path: Path) -> Path:
-    """Per-task score difference vs the base press, with the mean and its bootstrap CI."""
-    figure = Figure(figsize=(max(6.0, 0.55 * len(comparisons[0].tasks) + 2.5), 3.6 * len(comparisons)),
-                    layout="constrained")
+# Beyond this many paired units the bars are sorted and unlabelled (held-out samples, not tasks).
+MAX_LABELLED_UNITS = 30
+
+
+def paired_difference_figure(comparisons: list[PairedComparison], path: Path) -> Path:
+    """Per-unit (task or held-out sample) score difference, with the mean and its bootstrap CI."""
+    widest = max(len(comparison.units) for comparison in comparisons)
+    figure = Figure(figsize=(min(max(6.0, 0.55 * widest + 2.5), 14.0), 3.6 * len(comparisons)), layout="constrained")
     for index, comparison in enumerate(comparisons):
         ax = figure.add_subplot(len(comparisons), 1, index + 1)
-        differences = comparison.task_differences
+        labelled = len(comparison.units) <= MAX_LABELLED_UNITS
+        differences = comparison.differences if labelled else tuple(sorted(comparison.differences))
         ax.bar(range(len(differences)), differences,
                color=["tab:green" if d > 0 else "tab:red" for d in differences])
         ax.axhline(0, color="black", linewidth=0.8)
@@ -193,14 +203,49 @@ def task_difference_figure(comparisons: list[PairedComparison], path: Path) -> P
         ax.axhspan(comparison.ci.low, comparison.ci.high, color="tab:blue", alpha=0.15,
                    label=f"{comparison.ci.confidence:.0%} bootstrap CI [{comparison.ci.low:+.2f}, "
                          f"{comparison.ci.high:+.2f}]")
-        ax.set_xticks(range(len(differences)), comparison.tasks, rotation=35, ha="right", fontsize=8)
+        if labelled:
+            ax.set_xticks(range(len(differences)), comparison.units, rotation=35, ha="right", fontsize=8)
+        else:
+            ax.set_xticks([])
+            ax.set_xlabel(f"{len(differences)} {comparison.unit}s, sorted by difference")
         ax.set_ylabel("score difference (points)")
-        ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_tasks}/"
-                     f"{len(differences)} tasks, exact sign-flip p = {comparison.p_value:.3g}", fontsize=9)
+        test = "exact sign-flip" if comparison.p_exact else "sampled sign-flip"
+        ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_units}/"
+                     f"{len(differences)} {comparison.unit}s, {test} p = {comparison.p_value:.3g}", fontsize=9)
         extent = max(abs(value) for value in (*differences, comparison.ci.low, comparison.ci.high))
         if extent < NEGLIGIBLE_POINTS:
-            # NOTE: identical scores on every task; autoscaling would blow rounding noise up to 1e-17 ticks.
+            # NOTE: identical scores on every unit; autoscaling would blow rounding noise up to 1e-17 ticks.
             ax.set_ylim(-1.0, 1.0)
         ax.legend(fontsize=8, loc="best")
         ax.grid(alpha=0.3, axis="y")
+    return _save(figure, path)
+
+
+def budget_figure(result: IsoResource, colors: dict[str, str], score: str, path: Path) -> Path:
+    """Score against persistent KV memory and against prefill time, one line per method across budgets.
+
+    A method's line goes through its selected points (eviction only; per merger and budget the configuration
+    best on the tuning samples); other confirmed configurations are drawn as lone points. Labels: budgets.
+    """
+    points = result.points
+    figure = Figure(figsize=(12.4, 5.2), layout="constrained")
+    for index, (cost, label) in enumerate((("kv_mib", axis_label("kv_bytes")), ("prefill_s", axis_label("prefill_s")))):
+        ax = figure.add_subplot(1, 2, index + 1)
+        for method, rows in points.groupby("method"):
+            line = rows[rows["selected"]].sort_values("budget")
+            ax.plot(line[cost], line[score], color=colors[method], linewidth=1.4, zorder=2)
+            for _, row in rows.iterrows():
+                marker = "s" if row["is_eviction"] else ("*" if row["configuration"] == PAPER_DEFAULT else "o")
+                ax.scatter(row[cost], row[score], color=colors[method], marker=marker, s=160 if marker == "*" else 45,
+                           edgecolor="black", linewidth=0.5, alpha=1.0 if row["selected"] else 0.5, zorder=3)
+                if np.isfinite(row[cost]) and np.isfinite(row[score]):
+                    ax.annotate(f"{row['budget']:.0%}", (row[cost], row[score]), xytext=(4, 3),
+                                textcoords="offset points", fontsize=7, color="dimgray")
+        ax.set_xlabel(label)
+        ax.set_ylabel(axis_label(score))
+        ax.grid(alpha=0.3)
+    _figure_legend(figure, colors, points.assign(configuration=np.where(points["is_eviction"], EVICTION_ONLY,
+                                                                       points["configuration"])))
+    samples = "held-out test samples" if result.stage == TEST_STAGE else "tuning samples (best selected on them)"
+    figure.suptitle(f"Score across KV budgets, on the {samples} (labels: budgets)", fontsize=11)
     return _save(figure, path)

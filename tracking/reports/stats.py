@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-# 2^24 sign assignments are 128 MiB of float64 partial sums; more tasks than that needs a sampled test.
-MAX_EXACT_SIGN_FLIP_TASKS = 24
+# 2^24 sign assignments are 128 MiB of float64 partial sums; more units than that needs a sampled test.
+MAX_EXACT_SIGN_FLIP_UNITS = 24
+_SIGN_FLIP_BLOCK = 8192  # sampled sign assignments drawn at once (bounds memory for thousands of units)
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,14 @@ def _differences(differences: Sequence[float]) -> np.ndarray:
 
 def paired_bootstrap_ci(differences: Sequence[float], n_resamples: int = 100_000, confidence: float = 0.95,
                         seed: int | None = 0) -> BootstrapCI:
-    """Percentile bootstrap CI of the mean of task-level paired differences (the paper's App. G).
+    """Percentile bootstrap CI of the mean of paired differences (per task, the paper's App. G, or per sample).
 
     Parameters
     ----------
     differences : sequence of float
-        One difference per task (treatment minus control, each averaged over seeds).
+        One difference per unit (treatment minus control, each averaged over seeds).
     n_resamples : int
-        Bootstrap resamples of the tasks, with replacement.
+        Bootstrap resamples of the units, with replacement.
     confidence : float
         Two-sided coverage, in (0, 1).
     seed : int or None
@@ -137,56 +138,75 @@ def paired_bootstrap_ci(differences: Sequence[float], n_resamples: int = 100_000
     return BootstrapCI(float(values.mean()), float(low), float(high), confidence, n_resamples)
 
 
-def sign_flip_test(differences: Sequence[float]) -> float:
-    """Exact two-sided paired sign-flip (permutation) test of a zero mean difference.
+def sign_flip_test(differences: Sequence[float], n_resamples: int | None = None, seed: int | None = 0) -> float:
+    """Two-sided paired sign-flip (permutation) test of a zero mean difference.
 
-    Under the null each task's difference is as likely to have either sign, so the p-value is the
-    fraction of all ``2**T`` sign assignments whose ``|sum|`` is at least the observed ``|sum|``.
+    Under the null each unit's difference is as likely to have either sign, so the p-value is the
+    fraction of sign assignments whose ``|sum|`` is at least the observed ``|sum|``. Up to
+    ``MAX_EXACT_SIGN_FLIP_UNITS`` units all ``2**T`` assignments are enumerated (exact); beyond, with
+    ``n_resamples`` given, that many random assignments estimate it as ``(1 + hits) / (1 + n_resamples)``
+    (never 0, so a valid p-value).
 
     Parameters
     ----------
     differences : sequence of float
-        One paired difference per task; at most ``MAX_EXACT_SIGN_FLIP_TASKS`` of them.
+        One paired difference per unit (task or test sample).
+    n_resamples : int, optional
+        Random sign assignments when there are too many units to enumerate; None refuses such input.
+    seed : int or None
+        Seed of the random assignments (unused by the exact test).
 
     Returns
     -------
     float
-        The exact p-value, a multiple of ``2**-T`` (at least ``2 / 2**T`` unless every difference is 0).
+        The p-value; exact tests give a multiple of ``2**-T`` (at least ``2 / 2**T`` unless every
+        difference is 0).
     """
     values = _differences(differences)
-    if values.size > MAX_EXACT_SIGN_FLIP_TASKS:
-        raise ValueError(f"an exact sign-flip test over {values.size} tasks needs 2^{values.size} sums; "
-                         f"at most {MAX_EXACT_SIGN_FLIP_TASKS} tasks are supported")
-    # Doubling builds every signed sum: after k steps the array holds all 2^k sums of the first k terms.
-    signed_sums = np.zeros(1)
-    for value in values:
-        signed_sums = np.concatenate((signed_sums + value, signed_sums - value))
     observed = abs(values.sum())
     # The same sum reached in a different order can differ in its last bits; count it as a tie.
     tolerance = 1e-9 * np.abs(values).sum()
-    return float(np.count_nonzero(np.abs(signed_sums) >= observed - tolerance) / signed_sums.size)
+    if values.size <= MAX_EXACT_SIGN_FLIP_UNITS:
+        # Doubling builds every signed sum: after k steps the array holds all 2^k sums of the first k terms.
+        signed_sums = np.zeros(1)
+        for value in values:
+            signed_sums = np.concatenate((signed_sums + value, signed_sums - value))
+        return float(np.count_nonzero(np.abs(signed_sums) >= observed - tolerance) / signed_sums.size)
+    if n_resamples is None:
+        raise ValueError(f"an exact sign-flip test over {values.size} units needs 2^{values.size} sums; "
+                         f"at most {MAX_EXACT_SIGN_FLIP_UNITS} units are supported without n_resamples")
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for start in range(0, n_resamples, _SIGN_FLIP_BLOCK):
+        signs = rng.choice((-1.0, 1.0), size=(min(_SIGN_FLIP_BLOCK, n_resamples - start), values.size))
+        hits += int(np.count_nonzero(np.abs(signs @ values) >= observed - tolerance))
+    return (1 + hits) / (1 + n_resamples)
 
 
 @dataclass(frozen=True)
 class PairedComparison:
-    """Treatment vs control over the same tasks and seeds (the paper's Table "multiseed").
+    """Treatment vs control over the same units and seeds (the paper's Table "multiseed").
 
-    ``*_mean``/``*_sd`` are the mean and sample standard deviation across seeds of the task-averaged
-    score; ``gain``, ``ci`` and ``p_value`` are over task-level differences averaged over seeds.
+    The paired unit is a task (the paper's) or a held-out test sample (``unit`` names it). ``*_mean``/``*_sd``
+    are the mean and sample standard deviation across seeds of the unit-averaged score; ``gain``, ``ci`` and
+    ``p_value`` are over unit-level differences averaged over seeds; ``p_exact`` tells whether the sign-flip
+    p-value enumerated every sign assignment or sampled them.
     """
 
     treatment: str
     control: str
+    unit: str
     seeds: tuple
-    tasks: tuple[str, ...]
-    task_differences: tuple[float, ...]
+    units: tuple[str, ...]
+    differences: tuple[float, ...]
     treatment_mean: float
     treatment_sd: float
     control_mean: float
     control_sd: float
     ci: BootstrapCI
     p_value: float
-    better_tasks: int
+    p_exact: bool
+    better_units: int
     better_seeds: int
 
     @property
@@ -194,38 +214,43 @@ class PairedComparison:
         return self.ci.estimate
 
 
-def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, n_resamples: int = 100_000,
-                    confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
-    """Compare two configurations across seeds and tasks, as in the paper's multi-seed evaluation.
+def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: str = "task",
+                    n_resamples: int = 100_000, confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
+    """Compare two configurations across seeds and paired units, as in the paper's multi-seed evaluation.
 
-    Each task is averaged over seeds; the task-level differences get a paired bootstrap CI and an
-    exact sign-flip p-value. Only (seed, task) cells scored for both configurations are used.
+    Each unit is averaged over seeds; the unit-level differences get a paired bootstrap CI and a sign-flip
+    p-value (exact up to ``MAX_EXACT_SIGN_FLIP_UNITS`` units, else from ``n_resamples`` random assignments).
+    Only (seed, unit) cells scored for both configurations are used.
 
     Parameters
     ----------
     tidy : pandas.DataFrame
-        Columns ``config``, ``seed``, ``task``, ``score``; repeated cells are averaged.
+        Columns ``config``, ``seed``, ``unit`` (the name given) and ``score``; repeated cells are averaged.
     treatment, control : str
         Values of ``config`` to compare (e.g. ``paper_default`` and ``eviction_only``).
+    unit : str
+        The column that pairs the scores: ``task`` (the paper's) or e.g. ``sample`` (held-out test samples).
     n_resamples, confidence, seed
-        Passed to :func:`paired_bootstrap_ci`.
+        Passed to :func:`paired_bootstrap_ci` (and to :func:`sign_flip_test` beyond the exact size).
     """
-    cells = tidy.groupby(["config", "seed", "task"])["score"].mean()
+    cells = tidy.groupby(["config", "seed", unit])["score"].mean()
     missing = [name for name in (treatment, control) if name not in cells.index.get_level_values("config")]
     if missing:
         raise KeyError(f"no scores for configuration(s) {missing}")
     paired = pd.concat({"treatment": cells.loc[treatment], "control": cells.loc[control]}, axis=1).dropna()
     if paired.empty:
-        raise ValueError(f"{treatment!r} and {control!r} share no (seed, task) cell")
+        raise ValueError(f"{treatment!r} and {control!r} share no (seed, {unit}) cell")
     per_seed = paired.groupby(level="seed").mean()
-    per_task = paired.groupby(level="task").mean()
-    differences = (per_task["treatment"] - per_task["control"]).to_numpy()
+    per_unit = paired.groupby(level=unit).mean()
+    differences = (per_unit["treatment"] - per_unit["control"]).to_numpy()
     return PairedComparison(
-        treatment=treatment, control=control, seeds=tuple(per_seed.index), tasks=tuple(per_task.index),
-        task_differences=tuple(float(d) for d in differences),
+        treatment=treatment, control=control, unit=unit, seeds=tuple(per_seed.index), units=tuple(per_unit.index),
+        differences=tuple(float(d) for d in differences),
         treatment_mean=float(per_seed["treatment"].mean()), treatment_sd=float(per_seed["treatment"].std(ddof=1)),
         control_mean=float(per_seed["control"].mean()), control_sd=float(per_seed["control"].std(ddof=1)),
         ci=paired_bootstrap_ci(differences, n_resamples=n_resamples, confidence=confidence, seed=seed),
-        p_value=sign_flip_test(differences), better_tasks=int((differences > 0).sum()),
+        p_value=sign_flip_test(differences, n_resamples=n_resamples, seed=seed),
+        p_exact=len(differences) <= MAX_EXACT_SIGN_FLIP_UNITS,
+        better_units=int((differences > 0).sum()),
         better_seeds=int((per_seed["treatment"] > per_seed["control"]).sum()),
     )
