@@ -18,8 +18,10 @@ from grkv_core.config import (
     EVICTION_PRESS_NAMES,
     MERGER_NAMES,
     OBJECTIVE_METRICS,
+    SCREENING_METRICS,
     SEARCHABLE_SPECS,
     OptionSpec,
+    is_number,
 )
 
 
@@ -76,13 +78,19 @@ class ModelSection(_Strict):
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = None
 
 
+class TestSamplesSection(_Strict):
+    samples: int = Field(default=0, ge=0, description="held-out samples per task for the test stage (0: none)")
+
+
 class DataSection(_Strict):
     dataset: Literal[DATASETS] = "ruler"
     tasks: list[str] | None = None
     context_length: int | None = 2048
-    samples: int = Field(default=5, ge=1)
+    samples: int = Field(default=5, ge=1, description="tuning samples per task (screening and full trials)")
     seed: int = 0
     data_dir: str | None = None
+    # NOTE: loaded in one call with the tuning samples and split per task, so the two sets are disjoint.
+    test: TestSamplesSection = TestSamplesSection()
 
 
 class PressSection(_Strict):
@@ -120,7 +128,35 @@ class WorkerSection(_Strict):
     count: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
-    max_retries: int = Field(default=2, ge=0, description="re-runs of a trial whose worker died")
+    max_retries: int = Field(default=2, ge=0, description="re-runs of a batch whose worker died")
+    batch_size: int = Field(default=8, ge=1, description=(
+        "most trials a worker evaluates together (one prefill per sample for all of them); a batch of K holds "
+        "K compressed caches plus one full cache in memory"))
+
+
+class ScreeningSection(_Strict):
+    """A cheap first stage: trials ranked by a reconstruction loss, nothing generated; the best are promoted."""
+
+    trials: int = Field(default=0, ge=0, description="screening trials before the full ones (0: no screening)")
+    promote: int = Field(default=4, ge=1, description="best screened configurations run first as full trials")
+    metric: Literal[SCREENING_METRICS] = "question_loss"
+
+
+class TestSection(_Strict):
+    """What the held-out test stage confirms (on ``data.test.samples`` samples per task)."""
+
+    top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
+    eviction_ratios: list[float] = Field(default_factory=list, description=(
+        "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"))
+
+    @field_validator("eviction_ratios")
+    @classmethod
+    def _ratios(cls, ratios):
+        for ratio in ratios:
+            COMPRESSION_RATIO_SPEC.check("each ratio", ratio)
+        if len(set(ratios)) != len(ratios):
+            raise ValueError(f"ratios must differ, got {ratios}")
+        return ratios
 
 
 class TrackingSection(_Strict):
@@ -149,6 +185,12 @@ def _range_problem(param, spec: OptionSpec) -> str | None:
     return f"bound(s) {rejected} rejected: must be {spec.describe()}" if rejected else None
 
 
+def can_fix(param, value) -> bool:
+    """Whether an enqueued trial (a baseline) can fix a searched parameter at ``value``: a categorical one only
+    at one of its choices; a numeric one at any number (outside its range Optuna warns and uses it)."""
+    return value in param.choices if isinstance(param, CategoricalParam) else is_number(value)
+
+
 class SweepConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     model: ModelSection = ModelSection()
@@ -160,6 +202,8 @@ class SweepConfig(_Strict):
                                         min_length=1)
     sampler: SamplerSection = SamplerSection()
     trials: int = Field(ge=1)
+    screening: ScreeningSection = ScreeningSection()
+    test: TestSection = TestSection()
     # NOTE: left out, the baselines are every one the merge choices allow (eviction-only needs "none").
     baselines: list[Literal[BASELINES]] = Field(default_factory=lambda data: [
         name for name in BASELINES if name != EVICTION_ONLY or "none" in data.get("merge", ())])
@@ -188,7 +232,27 @@ class SweepConfig(_Strict):
             raise ValueError(f"baselines: '{EVICTION_ONLY}' needs 'none' among merge choices")
         if self.sampler.type == "grid" and any(not isinstance(p, CategoricalParam) for p in self.search_space.values()):
             raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
+        ratio = self.search_space.get("compression_ratio")
+        if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
+            raise ValueError(f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, which "
+                             "search_space.compression_ratio cannot be fixed at")
+        screening = self.screening
+        if screening.trials and screening.promote > screening.trials:
+            raise ValueError(f"screening.promote: {screening.promote} exceeds screening.trials ({screening.trials})")
+        if screening.trials and screening.promote + len(self.baselines) > self.trials:
+            raise ValueError(f"screening.promote: {screening.promote} promoted plus {len(self.baselines)} baseline(s) "
+                             f"exceed trials ({self.trials})")
+        if "test" in self.model_fields_set and not self.data.test.samples:
+            raise ValueError("test: a test stage needs held-out samples; set data.test.samples")
+        larger = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
+        if larger:
+            raise ValueError(f"test.eviction_ratios: {larger} must be below press.compression_ratio "
+                             f"({self.press.compression_ratio}): eviction-only is compared at a larger budget")
         return self
+
+    @property
+    def test_stage(self) -> bool:
+        return self.data.test.samples > 0
 
     @property
     def directions(self) -> list[str]:

@@ -1,23 +1,27 @@
 """The sweep driver: Optuna ask/tell over a pool of Ray workers, every trial tracked in MLflow.
 
-The loop is small on purpose: the ``TrialLedger`` (``sweeps.ledger``) owns the study, the MLflow runs and the
-state directory and writes every outcome to them in order; the ``WorkerPool`` (``sweeps.worker_pool``) owns
-the Ray workers, their dispatch and retries. The driver asks the ledger for trials while workers are idle and
-hands it every outcome the pool returns.
+The loop is small on purpose: the ledgers (``sweeps.ledger``) own the studies, the MLflow runs and the state
+directory and write every outcome to them in order; the ``WorkerPool`` (``sweeps.worker_pool``) owns the Ray
+workers, their dispatch and retries. For each stage in turn (screening, full trials, the held-out test stage)
+the driver opens batches of trials while workers are idle and hands the stage's ledger every outcome the pool
+returns.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
 
 import ray
 
-from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
 from sweeps.config import SweepConfig
-from sweeps.ledger import TrialLedger
+from sweeps.ledger import HeldOutLedger, SweepRecords, TrialLedger
+from sweeps.space import baseline_params
+from sweeps.stages import promotions, test_presses
 from sweeps.worker_pool import WorkerPool
 
 log = logging.getLogger("grkv.sweep")
@@ -40,37 +44,72 @@ class SweepDriver:
         self.config = config
         self.sweep_id = sweep_id
         self.stop_requested = False
-        self.ledger = TrialLedger(config, sweep_id)
+        self.records = SweepRecords(config, sweep_id)
 
     def run(self) -> str:
-        """Run until the trial budget is met or a stop is requested; returns the parent run's final status."""
-        self.ledger.open()
+        """Run every stage to its end or until a stop is requested; returns the parent run's final status."""
+        self.records.open()
+        screen = TrialLedger(self.records, SCREEN_STAGE) if self.config.screening.trials else None
+        full = TrialLedger(self.records, FULL_STAGE)
+        for ledger in (screen, full):
+            if ledger is not None:
+                ledger.open()
+        full.enqueue_once([(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)])
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
-        pool = WorkerPool(eval_config_for(self.config).to_dict(), workers.count, workers.num_cpus, workers.num_gpus,
-                          workers.max_retries)
-        done = self.ledger.finished_trials()
-        log.info("sweep %s: %d of %d trials already finished", self.sweep_id, done, self.config.trials)
-        while (done + pool.busy < self.config.trials or pool.busy) and not self.stop_requested:
-            while pool.idle and done + pool.busy < self.config.trials and not self.stop_requested:
-                open_trial = self.ledger.ask()
-                pool.submit(open_trial.request, open_trial)
-            for dispatch, outcome in pool.wait(timeout_s=1.0):
-                received = time.time()
-                dispatch_s = 0.0
-                if outcome.ok:
-                    dispatch_s = (max(outcome.started_at - dispatch.submitted_at, 0.0)
-                                  + max(received - outcome.finished_at, 0.0))
-                self.ledger.record(dispatch.context, outcome, dispatch_s, dispatch.attempt + 1)
-                done += 1
+        pool = WorkerPool(eval_config_for(self.config).to_dict(), self.config.data.test.samples, workers.count,
+                          workers.num_cpus, workers.num_gpus, workers.max_retries)
+        if screen is not None:
+            self._run_stage(pool, screen)
+            if not self.stop_requested:
+                # NOTE: enqueued after the baselines, so the promoted configurations are the first full trials
+                # after them; enqueue_once makes this a no-op when a resumed sweep gets here again.
+                full.enqueue_once(promotions(screen.study, self.config.screening.promote))
+        if not self.stop_requested:
+            self._run_stage(pool, full)
+        if self.config.test_stage and not self.stop_requested:
+            tests = HeldOutLedger(self.records, test_presses(full.study, self.config))
+            tests.open()
+            self._run_stage(pool, tests)
         status = "KILLED" if self.stop_requested else "FINISHED"
-        for dispatch in pool.drain():
-            self.ledger.abandon(dispatch.context)
-        self.ledger.close(status)
+        self.records.close(status)
         return status
+
+    def _run_stage(self, pool: WorkerPool, ledger: TrialLedger | HeldOutLedger) -> None:
+        """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.
+
+        NOTE: an Optuna stage spreads its trials over the workers (batches of at most ``workers.batch_size``);
+        the test stage sends its evaluations in as few batches as it can, so the methods it compares are
+        measured together, on one worker.
+        """
+        remaining = ledger.remaining()
+        log.info("sweep %s: %s stage, %d to run", self.sweep_id, ledger.stage, remaining)
+        batch_size = self.config.workers.batch_size
+        while (remaining or pool.busy) and not self.stop_requested:
+            while pool.idle and remaining and not self.stop_requested:
+                size = min(batch_size, remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size))
+                opened = ledger.open_trials(size)
+                remaining -= len(opened)
+                pool.submit([open_trial.request for open_trial in opened], opened)
+            for dispatch, outcomes in pool.wait(timeout_s=1.0):
+                received = time.time()
+                for open_trial, outcome in zip(dispatch.context, outcomes, strict=True):
+                    ledger.record(open_trial, outcome, self._dispatch_share(dispatch, outcome, received),
+                                  dispatch.attempt + 1)
+        for dispatch in pool.drain():
+            for open_trial in dispatch.context:
+                ledger.abandon(open_trial)
+
+    @staticmethod
+    def _dispatch_share(dispatch, outcome, received: float) -> float:
+        """A finished trial's share of its batch's Ray round trip (sending, queueing, returning)."""
+        if not outcome.ok:
+            return 0.0
+        round_trip = max(outcome.started_at - dispatch.submitted_at, 0.0) + max(received - outcome.finished_at, 0.0)
+        return round_trip / len(dispatch.requests)
 
     def _request_stop(self, signum, frame) -> None:
         log.warning("signal %d: stopping after cleaning up in-flight trials", signum)

@@ -1,8 +1,13 @@
-"""The trial ledger: where every trial's fate is written, always in the same order.
+"""The trial ledgers: where every trial's fate is written, always in the same order.
 
 A finished trial goes first to the sweep's state directory (atomically), then to MLflow, then to Optuna. Only
-the driver writes the Optuna storage. On a restart with the same sweep id, ``reconcile`` walks that chain, so
-nothing finished is redone and nothing is logged twice; a trial that was interrupted is re-enqueued once.
+the driver writes the Optuna storage. On a restart with the same sweep id, each ledger walks that chain
+(``reconcile``), so nothing finished is redone and nothing is logged twice; a trial that was interrupted is
+re-enqueued once.
+
+A ``TrialLedger`` keeps one Optuna stage (the screening study or the main study), a ``HeldOutLedger`` the
+held-out test stage; all of them write through the sweep's ``SweepRecords`` (state directory, Optuna storage,
+MLflow parent run, service overhead).
 """
 
 from __future__ import annotations
@@ -11,28 +16,41 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import optuna
 
-from grkv_core.config import BASELINE_TAG, BASELINES_ENQUEUED_ATTR, RECOVERED_TAG, REQUEUE_OF_ATTR, TRIAL_TAG
+from grkv_core.config import (
+    BASELINE_TAG,
+    FULL_STAGE,
+    RECOVERED_TAG,
+    REQUEUE_OF_ATTR,
+    SCREEN_STAGE,
+    TEST_STAGE,
+    PressConfig,
+)
 from sweeps.config import SweepConfig
-from sweeps.space import baseline_params, make_sampler, suggest_press
+from sweeps.space import make_sampler, suggest_press
+from sweeps.stages import PROMOTED_FROM_ATTR, SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
-from workers.protocol import TrialOutcome, TrialRequest
+from workers.protocol import FAILED, TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
+
+# The Optuna user attributes a trial's MLflow run carries as tags.
+RUN_TAG_ATTRS = (BASELINE_TAG, PROMOTED_FROM_ATTR)
 
 
 @dataclass
 class OpenTrial:
-    """A trial asked of Optuna whose MLflow run is open; ``asked_s``: driver seconds spent opening it."""
+    """A trial whose MLflow run is open; ``asked_s``: driver seconds spent opening it; ``trial``: its Optuna
+    trial (None in the test stage)."""
 
-    trial: optuna.Trial
     request: TrialRequest
     run_id: str
     asked_s: float
+    trial: optuna.Trial | None = None
 
 
 @dataclass
@@ -50,23 +68,27 @@ class Overhead:
 
 
 class StateDir:
-    """The driver's own record of finished trials: ``<state>/<sweep>/trials/<number>.json``."""
+    """The driver's own record of finished trials: ``<state>/<sweep>/<folder>/<key>.json``, one folder a stage
+    (``trials/3.json``, ``screen/0.json``, ``test/eviction_only@0.88.json``)."""
+
+    FOLDERS = {FULL_STAGE: "trials", SCREEN_STAGE: "screen", TEST_STAGE: "test"}
 
     def __init__(self, root: Path, sweep_id: str):
         self.root = Path(root) / sweep_id
-        (self.root / "trials").mkdir(parents=True, exist_ok=True)
+        for folder in self.FOLDERS.values():
+            (self.root / folder).mkdir(parents=True, exist_ok=True)
 
-    def path(self, number: int) -> Path:
-        return self.root / "trials" / f"{number}.json"
+    def path(self, stage: str, key: str) -> Path:
+        return self.root / self.FOLDERS[stage] / f"{key}.json"
 
     def save(self, outcome: TrialOutcome) -> None:
-        path = self.path(outcome.trial_number)
+        path = self.path(outcome.stage, outcome.key)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(outcome.to_dict()))
         os.replace(temporary, path)
 
-    def load(self, number: int) -> TrialOutcome | None:
-        path = self.path(number)
+    def load(self, stage: str, key: str) -> TrialOutcome | None:
+        path = self.path(stage, key)
         return TrialOutcome.from_dict(json.loads(path.read_text())) if path.exists() else None
 
     @property
@@ -74,124 +96,267 @@ class StateDir:
         return self.root / "optuna.journal"
 
 
-def objective_values(config: SweepConfig, summary: dict) -> list[float]:
-    metrics = trial_metrics(summary)
-    return [metrics[objective.metric] for objective in config.objectives]
+class SweepRecords:
+    """What every stage of a sweep writes to: the state directory, the Optuna storage and the MLflow runs.
 
-
-class TrialLedger:
-    """The sweep's study, its MLflow runs and its state directory, kept in step."""
+    The ledgers register themselves in ``ledgers`` (by stage); the parent run carries their progress.
+    """
 
     def __init__(self, config: SweepConfig, sweep_id: str):
         self.config = config
         self.sweep_id = sweep_id
         self.overhead = Overhead()
+        self.ledgers: dict[str, TrialLedger | HeldOutLedger] = {}
 
     def open(self) -> None:
         # NOTE: the tracking server is checked before anything is created, so a sweep that cannot be
         # tracked leaves no study, no state directory and no half-made runs behind.
         check_tracking_server(self.config.tracking.tracking_uri)
         self.state = StateDir(Path(self.config.storage.state_dir).expanduser(), self.sweep_id)
-        storage = self.config.storage.url or optuna.storages.JournalStorage(
+        self.storage = self.config.storage.url or optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(str(self.state.journal))
         )
-        self.study = optuna.create_study(study_name=self.sweep_id, storage=storage, load_if_exists=True,
-                                         directions=self.config.directions, sampler=make_sampler(self.config))
         self.tracker = SweepTracker.open(self.config.tracking.tracking_uri, self.config.tracking.experiment,
                                          self.sweep_id, self.config.model_dump(mode="json"))
-        self.reconcile()
-        if not self.study.user_attrs.get(BASELINES_ENQUEUED_ATTR):
-            for name, params in baseline_params(self.config):
-                self.study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
-            self.study.set_user_attr(BASELINES_ENQUEUED_ATTR, True)
 
-    def reconcile(self) -> None:
-        """Bring Optuna, MLflow and the state directory back in line after an interrupted run."""
-        children: dict[int, list] = {}
-        for run in self.tracker.child_runs():
-            children.setdefault(int(run.data.tags[TRIAL_TAG]), []).append(run)
-        for frozen in self.study.get_trials(deepcopy=False):
-            runs = children.get(frozen.number, [])
-            finished = [run for run in runs if run.info.status == "FINISHED"]
-            for run in runs:
-                if run.info.status == "RUNNING":
-                    self.tracker.client.set_terminated(run.info.run_id, "KILLED")
-            if frozen.state != optuna.trial.TrialState.RUNNING:
-                continue
-            outcome = self.state.load(frozen.number)
-            if outcome is not None and outcome.ok:
-                if not finished:
-                    run_id = self.tracker.start_trial(frozen.number, frozen.params, frozen.user_attrs.get(BASELINE_TAG))
-                    self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
-                    self.tracker.finish_trial(run_id, outcome, outcome.worker_timing())
-                self.study.tell(frozen.number, objective_values(self.config, outcome.summary))
-                log.info("trial %d: recovered its finished result", frozen.number)
-            else:
-                self._requeue(frozen.number, frozen.params, frozen.user_attrs)
-                log.info("trial %d: interrupted, re-enqueued", frozen.number)
-
-    def finished_trials(self) -> int:
-        """Trials that count against the budget: complete, or failed on their own (not re-enqueued)."""
-        trials = self.study.get_trials(deepcopy=False)
-        requeued = {trial.user_attrs[REQUEUE_OF_ATTR] for trial in trials if REQUEUE_OF_ATTR in trial.user_attrs}
-        return sum(trial.state == optuna.trial.TrialState.COMPLETE
-                   or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued)
-                   for trial in trials)
-
-    def ask(self) -> OpenTrial:
-        """The next trial: asked of Optuna, turned into a press configuration, its MLflow run opened."""
-        started = time.perf_counter()
-        trial = self.study.ask()
-        request = TrialRequest(trial.number, suggest_press(trial, self.config))
-        run_id = self.tracker.start_trial(trial.number, trial.params, trial.user_attrs.get(BASELINE_TAG))
-        return OpenTrial(trial, request, run_id, time.perf_counter() - started)
-
-    def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
-        """Write a trial's outcome: state directory, then MLflow, then Optuna, then the parent run's summary."""
-        started = time.perf_counter()
+    def write(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int,
+              started: float) -> dict[str, float] | None:
+        """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
         self.state.save(outcome)
-        number = open_trial.trial.number
-        if outcome.ok:
-            timing = outcome.worker_timing()
-            # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a
-            # crash never leaves a finished run without it; it therefore leaves out its own MLflow write and
-            # the Optuna tell that follow. The sweep-level total on the parent run includes them.
-            timing.update(trial_dispatch_s=dispatch_s, worker_attempts=attempts,
-                          service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started))
-            self.tracker.finish_trial(open_trial.run_id, outcome, timing)
-            self.study.tell(open_trial.trial, objective_values(self.config, outcome.summary))
-            self.overhead.evaluation_s += timing["trial_eval_s"]
-            self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
-            self.overhead.trials += 1
-            log.info("trial %d: %s -> %s", number, open_trial.trial.params, outcome.summary["mean_score"])
-        else:
+        if not outcome.ok:
             self.tracker.fail_trial(open_trial.run_id, outcome)
-            self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
-            log.warning("trial %d failed: %s", number, outcome.error)
-        self.update_parent()
+            log.warning("%s failed: %s", outcome, outcome.error)
+            return None
+        timing = outcome.worker_timing()
+        # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a crash
+        # never leaves a finished run without it; it therefore leaves out its own MLflow write and the Optuna
+        # tell that follow. The sweep-level total on the parent run (``count``) includes them.
+        timing.update(trial_dispatch_s=dispatch_s, worker_attempts=attempts,
+                      service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started))
+        self.tracker.finish_trial(open_trial.run_id, outcome, timing)
+        return timing
+
+    def count(self, open_trial: OpenTrial, timing: dict[str, float], dispatch_s: float, started: float) -> None:
+        """Add a finished trial, fully recorded, to the service overhead."""
+        self.overhead.evaluation_s += timing["trial_eval_s"]
+        self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
+        self.overhead.trials += 1
+
+    def recover(self, outcome: TrialOutcome, sampler_params: dict | None = None, tags: dict | None = None) -> None:
+        """Log a finished outcome of the state directory whose run never closed (the driver died in between)."""
+        run_id = self.tracker.start_trial(outcome, outcome.resolved_press, sampler_params, tags)
+        self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
+        self.tracker.finish_trial(run_id, outcome, outcome.worker_timing())
+        log.info("%s: recovered its finished result", outcome)
+
+    def close_leftovers(self, runs: list) -> list:
+        """Close the RUNNING ones of an item's runs as KILLED (their driver is gone); return the FINISHED ones."""
+        for run in runs:
+            if run.info.status == "RUNNING":
+                self.tracker.client.set_terminated(run.info.run_id, "KILLED")
+        return [run for run in runs if run.info.status == "FINISHED"]
 
     def abandon(self, open_trial: OpenTrial) -> None:
-        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
-        self.tracker.fail_trial(open_trial.run_id, TrialOutcome.lost(open_trial.trial.number, "sweep stopped"),
+        """On a stop: close the trial's run as KILLED."""
+        self.tracker.fail_trial(open_trial.run_id, TrialOutcome.lost(open_trial.request, "sweep stopped"),
                                 status="KILLED")
-        self._requeue(open_trial.trial.number, open_trial.trial.params, open_trial.trial.user_attrs)
 
     def update_parent(self) -> None:
-        self.tracker.update_parent(self._best(), self._completed(), self.overhead.as_metrics())
+        full = self.ledgers[FULL_STAGE]
+        metrics = self.overhead.as_metrics()
+        for ledger in self.ledgers.values():
+            metrics.update(ledger.progress())
+        self.tracker.update_parent(full.best(), full.completed(), metrics)
 
     def close(self, status: str) -> None:
         self.update_parent()
-        self.tracker.close(status, self.study.trials_dataframe().to_csv(index=False))
+        self.tracker.close(status, {f"{'study' if ledger.stage == FULL_STAGE else ledger.stage}_trials.csv":
+                                    ledger.study.trials_dataframe().to_csv(index=False)
+                                    for ledger in self.ledgers.values() if isinstance(ledger, TrialLedger)})
+
+
+class TrialLedger:
+    """One Optuna stage of a sweep, screening or full trials: its study, its runs and its results in step.
+
+    The full stage is the sweep's main study (named as the sweep, its configured objectives, ``trials``); the
+    screening stage a study ``<sweep_id>.screen`` that minimises ``screening.metric`` over
+    ``screening.trials``. Both propose from the same search space.
+    """
+
+    def __init__(self, records: SweepRecords, stage: str):
+        config = records.config
+        self.records = records
+        self.stage = stage
+        if stage == SCREEN_STAGE:
+            self.study_name = records.sweep_id + SCREEN_STUDY_SUFFIX
+            self.metrics, self.directions = [config.screening.metric], ["minimize"]
+            self.budget, self.seed = config.screening.trials, config.sampler.seed + SCREEN_SEED_OFFSET
+        else:
+            self.study_name = records.sweep_id
+            self.metrics = [objective.metric for objective in config.objectives]
+            self.directions = config.directions
+            self.budget, self.seed = config.trials, config.sampler.seed
+        records.ledgers[stage] = self
+
+    def open(self) -> None:
+        self.study = optuna.create_study(study_name=self.study_name, storage=self.records.storage,
+                                         load_if_exists=True, directions=self.directions,
+                                         sampler=make_sampler(self.records.config, self.seed))
+        self.reconcile()
+
+    def enqueue_once(self, trials: list[tuple[dict, dict]]) -> None:
+        """Enqueue each ``(params, user_attrs)`` whose user attributes no trial of the study carries yet, so a
+        resumed sweep enqueues nothing twice (a re-enqueued copy carries its original's)."""
+        existing = [trial.user_attrs.items() for trial in self.study.get_trials(deepcopy=False)]
+        for params, user_attrs in trials:
+            if not any(user_attrs.items() <= attrs for attrs in existing):
+                self.study.enqueue_trial(params, user_attrs=user_attrs)
+
+    def reconcile(self) -> None:
+        """Bring Optuna, MLflow and the state directory back in line after an interrupted run."""
+        children = self.records.tracker.child_runs(self.stage)
+        for frozen in self.study.get_trials(deepcopy=False):
+            finished = self.records.close_leftovers(children.get(str(frozen.number), []))
+            if frozen.state != optuna.trial.TrialState.RUNNING:
+                continue
+            outcome = self.records.state.load(self.stage, str(frozen.number))
+            if outcome is not None and outcome.ok:
+                if not finished:
+                    self.records.recover(outcome, frozen.params, run_tags(frozen.user_attrs))
+                self.study.tell(frozen.number, self._objective_values(outcome))
+            else:
+                self._requeue(frozen.number, frozen.params, frozen.user_attrs)
+                log.info("%s trial %d: interrupted, re-enqueued", self.stage, frozen.number)
+
+    def remaining(self) -> int:
+        """Trials still to run: the budget less those that count against it, complete or failed on their own
+        (not re-enqueued)."""
+        trials = self.study.get_trials(deepcopy=False)
+        requeued = {trial.user_attrs[REQUEUE_OF_ATTR] for trial in trials if REQUEUE_OF_ATTR in trial.user_attrs}
+        done = sum(trial.state == optuna.trial.TrialState.COMPLETE
+                   or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued)
+                   for trial in trials)
+        return max(self.budget - done, 0)
+
+    def open_trials(self, count: int) -> list[OpenTrial]:
+        """The next ``count`` trials: asked of Optuna, turned into press configurations, their MLflow runs opened."""
+        opened = []
+        for _ in range(count):
+            started = time.perf_counter()
+            trial = self.study.ask()
+            request = TrialRequest(trial.number, suggest_press(trial, self.records.config), self.stage)
+            run_id = self.records.tracker.start_trial(request, request.press.resolved(), trial.params,
+                                                      run_tags(trial.user_attrs))
+            opened.append(OpenTrial(request, run_id, time.perf_counter() - started, trial))
+        return opened
+
+    def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
+        """Write a trial's outcome: state directory, then MLflow, then Optuna, then the parent run's summary.
+
+        A finished trial whose objectives were not all measured is recorded as failed.
+        """
+        started = time.perf_counter()
+        values = self._objective_values(outcome) if outcome.ok else None
+        if outcome.ok and values is None:
+            missing = [name for name in self.metrics if name not in trial_metrics(outcome.summary)]
+            outcome = replace(outcome, status=FAILED, error=f"objective(s) {missing} not measured")
+        timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        if outcome.ok:
+            self.study.tell(open_trial.trial, values)
+            self.records.count(open_trial, timing, dispatch_s, started)
+            log.info("%s: %s -> %s", outcome, open_trial.trial.params, dict(zip(self.metrics, values)))
+        else:
+            self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
+        self.records.update_parent()
+
+    def abandon(self, open_trial: OpenTrial) -> None:
+        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
+        self.records.abandon(open_trial)
+        self._requeue(open_trial.trial.number, open_trial.trial.params, open_trial.trial.user_attrs)
+
+    def completed(self) -> int:
+        return sum(t.state == optuna.trial.TrialState.COMPLETE for t in self.study.get_trials(deepcopy=False))
+
+    def progress(self) -> dict[str, float]:
+        """The parent run's count of this stage: ``completed_trials`` (full) or ``completed_screen_trials``."""
+        return {"completed_trials" if self.stage == FULL_STAGE else f"completed_{self.stage}_trials": self.completed()}
+
+    def best(self) -> list[dict]:
+        if not self.completed():
+            return []
+        return [{"number": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials[:5]]
+
+    def _objective_values(self, outcome: TrialOutcome) -> list[float] | None:
+        metrics = trial_metrics(outcome.summary)
+        values = [metrics.get(name) for name in self.metrics]
+        return None if None in values else values
 
     def _requeue(self, number: int, params: dict, user_attrs: dict) -> None:
         """Fail trial ``number`` and enqueue its parameters again; the copy names it, so it no longer counts."""
         self.study.tell(number, state=optuna.trial.TrialState.FAIL)
         self.study.enqueue_trial(params, user_attrs={**user_attrs, REQUEUE_OF_ATTR: number})
 
-    def _completed(self) -> int:
-        return sum(t.state == optuna.trial.TrialState.COMPLETE for t in self.study.get_trials(deepcopy=False))
 
-    def _best(self) -> list[dict]:
-        if not self._completed():
-            return []
-        return [{"number": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials[:5]]
+class HeldOutLedger:
+    """The held-out test stage: one evaluation per ``(test_of, press)`` (``sweeps.stages.test_presses``), each
+    with one MLflow run (tag ``grkv.test_of``) and one state file ``test/<test_of>.json``.
+
+    On ``open`` it resumes: an evaluation with a FINISHED run is done, a finished result in the state
+    directory whose run never closed is logged, and any other is (re)done.
+    """
+
+    stage = TEST_STAGE
+
+    def __init__(self, records: SweepRecords, presses: list[tuple[str, PressConfig]]):
+        self.records = records
+        self.presses = presses
+        self.pending: list[TrialRequest] = []
+        self.finished = 0
+        records.ledgers[TEST_STAGE] = self
+
+    def open(self) -> None:
+        children = self.records.tracker.child_runs(TEST_STAGE)
+        for test_of, press in self.presses:
+            finished = self.records.close_leftovers(children.get(test_of, []))
+            outcome = self.records.state.load(TEST_STAGE, test_of)
+            if not finished and outcome is not None and outcome.ok:
+                self.records.recover(outcome)
+            elif not finished:
+                self.pending.append(TrialRequest(None, press, TEST_STAGE, test_of))
+                continue
+            self.finished += 1
+
+    def remaining(self) -> int:
+        return len(self.pending)
+
+    def open_trials(self, count: int) -> list[OpenTrial]:
+        """The next ``count`` test evaluations, their MLflow runs opened."""
+        opened = []
+        for request in self.pending[:count]:
+            started = time.perf_counter()
+            run_id = self.records.tracker.start_trial(request, request.press.resolved())
+            opened.append(OpenTrial(request, run_id, time.perf_counter() - started))
+        del self.pending[:count]
+        return opened
+
+    def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
+        """Write a test evaluation's outcome: state directory, then MLflow, then the parent run's summary."""
+        started = time.perf_counter()
+        timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        if timing is not None:
+            self.finished += 1
+            self.records.count(open_trial, timing, dispatch_s, started)
+            log.info("%s: %s", outcome, outcome.summary["mean_score"])
+        self.records.update_parent()
+
+    def abandon(self, open_trial: OpenTrial) -> None:
+        """On a stop: close the run as KILLED; the next run of the sweep does it again."""
+        self.records.abandon(open_trial)
+
+    def progress(self) -> dict[str, float]:
+        return {"finished_test_runs": self.finished}
+
+
+def run_tags(user_attrs: dict) -> dict[str, str]:
+    """The MLflow tags of a trial's run from its Optuna user attributes (baseline name, promoted-from)."""
+    return {name: str(user_attrs[name]) for name in RUN_TAG_ATTRS if name in user_attrs}

@@ -6,8 +6,8 @@ import warnings
 
 import optuna
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig, is_number
-from sweeps.config import CategoricalParam, FloatParam, IntParam, SweepConfig
+from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig
+from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
 # and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).
@@ -25,6 +25,11 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 
+def press_of(params: dict, config: SweepConfig) -> PressConfig:
+    """The press configuration a finished trial ran, from its parameters (``FrozenTrial.params``)."""
+    return suggest_press(optuna.trial.FixedTrial(params), config)
+
+
 def _suggest(trial: optuna.Trial, name: str, param):
     if isinstance(param, FloatParam):
         if param.include_zero and trial.suggest_categorical(name + ZERO_SUFFIX, [False, True]):
@@ -37,39 +42,50 @@ def _suggest(trial: optuna.Trial, name: str, param):
 
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     """The trials enqueued first: the paper's Alg. 1 behind the press (its options among the searched ones; a
-    sweep that does not search an option runs GRKVPress's default), and the press alone."""
+    sweep that does not search an option runs GRKVPress's default), and the press alone; both at the sweep's
+    ``press.compression_ratio``, also when the ratio is searched."""
+    budget = {}
+    if "compression_ratio" in config.search_space:
+        budget = _fixed("compression_ratio", config.search_space["compression_ratio"], config.press.compression_ratio)
     baselines = []
     if PAPER_DEFAULT in config.baselines and "grkv" in config.merge:
-        params = {"merge": "grkv"}
+        params = {**budget, "merge": "grkv"}
         for name, value in PAPER_GRKV_OPTIONS.items():
             param = config.search_space.get(name)
             if param is None:
                 continue
-            expressible = value in param.choices if isinstance(param, CategoricalParam) else is_number(value)
-            if not expressible:
+            if not can_fix(param, value):
                 warnings.warn(f"paper default {name}={value!r} cannot be proposed by the searched {param.type} "
                               "parameter; left to the sampler")
                 continue
-            params[name] = value
-            if isinstance(param, FloatParam) and param.include_zero:
-                params[name + ZERO_SUFFIX] = False
+            params.update(_fixed(name, param, value))
         baselines.append((PAPER_DEFAULT, params))
     if EVICTION_ONLY in config.baselines:
-        baselines.append((EVICTION_ONLY, {"merge": "none"}))
+        baselines.append((EVICTION_ONLY, {**budget, "merge": "none"}))
     return baselines
 
 
-def make_sampler(config: SweepConfig) -> optuna.samplers.BaseSampler:
+def _fixed(name: str, param, value) -> dict:
+    """The parameters that make ``_suggest`` return ``value`` for ``name`` (with its exact-zero switch)."""
+    if isinstance(param, FloatParam) and param.include_zero:
+        return {name + ZERO_SUFFIX: True} if value == 0 else {name: value, name + ZERO_SUFFIX: False}
+    return {name: value}
+
+
+def make_sampler(config: SweepConfig, seed: int) -> optuna.samplers.BaseSampler:
+    """The configured sampler, seeded with ``seed`` (each of a sweep's studies has its own)."""
     sampler = config.sampler
     if sampler.type == "tpe":
-        return optuna.samplers.TPESampler(seed=sampler.seed, n_startup_trials=sampler.n_startup_trials,
-                                          multivariate=True)
+        # NOTE: a worker's batch asks for several trials before any is told; the constant liar counts the
+        # running ones as bad, so they differ.
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=sampler.n_startup_trials, multivariate=True,
+                                          constant_liar=True)
     if sampler.type == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=sampler.seed)
+        return optuna.samplers.NSGAIISampler(seed=seed)
     if sampler.type == "gp":
-        return optuna.samplers.GPSampler(seed=sampler.seed, n_startup_trials=sampler.n_startup_trials)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=sampler.n_startup_trials)
     if sampler.type == "random":
-        return optuna.samplers.RandomSampler(seed=sampler.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     grid = {name: param.choices for name, param in config.search_space.items()}
     grid["merge"] = config.merge
-    return optuna.samplers.GridSampler(grid, seed=sampler.seed)
+    return optuna.samplers.GridSampler(grid, seed=seed)

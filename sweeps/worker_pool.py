@@ -1,8 +1,9 @@
-"""A pool of Ray trial workers: dispatch to idle workers, wait for outcomes, retry on a restarted worker.
+"""A pool of Ray trial workers: dispatch batches to idle workers, wait for outcomes, retry on a restarted worker.
 
-A worker that dies mid-trial is restarted by Ray (``max_restarts``) and reloads its model; its trial waits
-until the worker answers a ping and is then sent again, at most ``max_retries`` times. Whatever happens, every
-submitted request ends as exactly one ``TrialOutcome`` from ``wait`` (or one pending dispatch from ``drain``).
+A worker that dies mid-batch is restarted by Ray (``max_restarts``) and reloads its model; its batch waits
+until the worker answers a ping and is then sent again whole, at most ``max_retries`` times. Whatever happens,
+every submitted request ends as exactly one ``TrialOutcome`` from ``wait`` (or in one pending dispatch from
+``drain``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from workers.protocol import TrialOutcome, TrialRequest
-from workers.trial_worker import TrialWorker
+from workers.trial_worker import RemoteTrialWorker
 
 log = logging.getLogger("grkv.sweep")
 
@@ -25,47 +26,59 @@ WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 @dataclass
 class Dispatch:
-    """A request on its way through the pool; ``context`` is the caller's, handed back with the outcome."""
+    """A batch on its way through the pool; ``context`` is the caller's, handed back with the outcomes."""
 
-    request: TrialRequest
+    requests: list[TrialRequest]
     context: Any
     worker: int
     attempt: int = 0
     submitted_at: float = 0.0
 
+    def lost(self, error: str) -> list[TrialOutcome]:
+        return [TrialOutcome.lost(request, error) for request in self.requests]
+
 
 class WorkerPool:
-    """``count`` workers, each loading ``eval_config`` once.
+    """``count`` workers, each loading ``eval_config`` (and ``test_samples`` more samples per task) once.
 
     Parameters
     ----------
     eval_config : dict
         ``EvalConfig.to_dict()`` of the sweep; each trial replaces its press.
+    test_samples : int
+        Samples per task each worker holds out for the test stage.
     count, num_cpus, num_gpus : int, float, float
         Workers and the Ray resources each holds.
     max_retries : int
-        Re-sends of a trial whose worker died.
+        Re-sends of a batch whose worker died.
     """
 
-    def __init__(self, eval_config: dict, count: int, num_cpus: float, num_gpus: float, max_retries: int):
+    def __init__(self, eval_config: dict, test_samples: int, count: int, num_cpus: float, num_gpus: float,
+                 max_retries: int):
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_retries * count, max_task_retries=0)
-        self.workers = [TrialWorker.options(**options).remote(eval_config) for _ in range(count)]
+        self.workers = [RemoteTrialWorker.options(**options).remote(eval_config, test_samples) for _ in range(count)]
         self.max_retries = max_retries
         self.idle = list(range(count))
         self.running: dict[ray.ObjectRef, Dispatch] = {}
-        # NOTE: a trial whose worker died waits here, keyed by a ping, until the restarted worker answers.
+        # NOTE: a batch whose worker died waits here, keyed by a ping, until the restarted worker answers.
         self.pinging: dict[ray.ObjectRef, Dispatch] = {}
 
     @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    @property
     def busy(self) -> int:
-        return len(self.running) + len(self.pinging)
+        """Trials in flight (not batches)."""
+        return sum(len(dispatch.requests) for dispatch in [*self.running.values(), *self.pinging.values()])
 
-    def submit(self, request: TrialRequest, context: Any = None) -> None:
-        """Send ``request`` to an idle worker (the caller checks ``idle`` first)."""
-        self._send(Dispatch(request, context, self.idle.pop()))
+    def submit(self, requests: list[TrialRequest], context: Any = None) -> None:
+        """Send a batch of ``requests`` to an idle worker (the caller checks ``idle`` first)."""
+        self._send(Dispatch(requests, context, self.idle.pop()))
 
-    def wait(self, timeout_s: float = 1.0) -> list[tuple[Dispatch, TrialOutcome]]:
-        """The dispatches that ended within ``timeout_s`` (at least one, unless the time ran out), with outcomes."""
+    def wait(self, timeout_s: float = 1.0) -> list[tuple[Dispatch, list[TrialOutcome]]]:
+        """The dispatches that ended within ``timeout_s`` (at least one, unless the time ran out), each with one
+        outcome per request, in order."""
         ended = []
         ready, _ = ray.wait([*self.running, *self.pinging], num_returns=1, timeout=timeout_s)
         for reference in ready:
@@ -74,18 +87,17 @@ class WorkerPool:
                 continue
             dispatch = self.running.pop(reference)
             try:
-                outcome = ray.get(reference)
+                outcomes = ray.get(reference)
             except WORKER_FAILURES as error:
                 if dispatch.attempt < self.max_retries:
-                    log.warning("trial %d: worker died (%s); retrying", dispatch.request.trial_number,
+                    log.warning("%s: worker died (%s); retrying", ", ".join(map(str, dispatch.requests)),
                                 type(error).__name__)
                     dispatch.attempt += 1
                     self._ping(dispatch)
                     continue
-                outcome = TrialOutcome.lost(dispatch.request.trial_number,
-                                            f"worker died {dispatch.attempt + 1} times: {error}")
+                outcomes = dispatch.lost(f"worker died {dispatch.attempt + 1} times: {error}")
             self.idle.append(dispatch.worker)
-            ended.append((dispatch, outcome))
+            ended.append((dispatch, outcomes))
         return ended
 
     def drain(self) -> list[Dispatch]:
@@ -97,7 +109,7 @@ class WorkerPool:
 
     def _send(self, dispatch: Dispatch) -> None:
         dispatch.submitted_at = time.time()
-        self.running[self.workers[dispatch.worker].evaluate.remote(dispatch.request)] = dispatch
+        self.running[self.workers[dispatch.worker].evaluate_batch.remote(dispatch.requests)] = dispatch
 
     def _ping(self, dispatch: Dispatch) -> None:
         self.pinging[self.workers[dispatch.worker].identity.remote()] = dispatch
@@ -111,6 +123,6 @@ class WorkerPool:
             self._ping(dispatch)
             return
         except WORKER_FAILURES as error:  # NOTE: a worker Ray gave up on never becomes idle again
-            ended.append((dispatch, TrialOutcome.lost(dispatch.request.trial_number, f"worker is gone: {error}")))
+            ended.append((dispatch, dispatch.lost(f"worker is gone: {error}")))
             return
         self._send(dispatch)

@@ -1,4 +1,5 @@
-"""MLflow logging of a sweep: one parent run per sweep, one child run per trial, found again by tags."""
+"""MLflow logging of a sweep: one parent run per sweep, one child run per trial (screening and full trials) and
+per test-stage evaluation, found again by tags (``grkv.stage`` tells the stages apart)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ from mlflow.tracking import MlflowClient
 from grkv_core.config import (
     BASELINE_TAG,
     BEST_TRIALS_TAG,
+    FULL_STAGE,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
+    STAGE_TAG,
     STATUS_TAG,
     SWEEP_TAG,
+    TEST_OF_TAG,
+    TEST_STAGE,
     TRIAL_TAG,
     WORKER_PID_TAG,
 )
-from workers.protocol import TrialOutcome
+from workers.protocol import TrialOutcome, TrialRequest
 
 
 class TrackingUnavailableError(RuntimeError):
@@ -62,7 +67,7 @@ def resolved_params(resolved_press: dict) -> list[Param]:
 
 def trial_metrics(summary: dict) -> dict[str, float]:
     """The numbers of an evaluation summary, named for MLflow (per-task scores under ``score.<task>``)."""
-    metrics = {"mean_score": summary["mean_score"]}
+    metrics = {"mean_score": summary["mean_score"]}  # None for screening trials, then left out
     metrics.update({f"score.{task}": value for task, value in summary["tasks"].items()})
     metrics.update({name: value for name, value in summary.get("costs", {}).items() if value is not None})
     return {name: float(value) for name, value in metrics.items()
@@ -97,57 +102,73 @@ class SweepTracker:
             client.log_text(parent_id, json.dumps(config, indent=1), "sweep_config.json")
         return cls(client, experiment_id, sweep_id, parent_id)
 
-    def child_runs(self) -> list:
-        return self.client.search_runs(
-            [self.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = 'trial'",
-            max_results=50000,
-        )
+    def child_runs(self, stage: str) -> dict[str, list]:
+        """The child runs of ``stage``, by item (``TrialRequest.key``: trial number, or what a test run tests).
 
-    def start_trial(self, trial_number: int, params: dict, baseline: str | None) -> str:
-        """Open a trial's run, with the sampler's raw parameters as ``optuna.<name>`` params."""
-        tags = {PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
-                TRIAL_TAG: str(trial_number)}
-        if baseline:
-            tags[BASELINE_TAG] = baseline
-        run = self.client.create_run(self.experiment_id, run_name=f"trial-{trial_number}", tags=tags)
-        self.client.log_batch(run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v))
-                                                       for k, v in sorted(params.items())])
+        NOTE: runs of sweeps from before stages carry no stage tag; they were full trials.
+        """
+        runs: dict[str, list] = {}
+        for run in self.client.search_runs(
+                [self.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = 'trial'",
+                max_results=50000):
+            if run.data.tags.get(STAGE_TAG, FULL_STAGE) == stage:
+                key = run.data.tags[TEST_OF_TAG if stage == TEST_STAGE else TRIAL_TAG]
+                runs.setdefault(key, []).append(run)
+        return runs
+
+    def start_trial(self, item: TrialRequest | TrialOutcome, resolved_press: dict, sampler_params: dict | None = None,
+                    tags: dict[str, str] | None = None) -> str:
+        """Open the child run of ``item`` (a request, or a recovered outcome): its stage and its trial number or
+        ``test_of`` as tags, besides ``tags``; the press it runs (``PressConfig.resolved()``) as params under
+        the options' names, and the sampler's raw proposals, if any, as ``optuna.<name>``."""
+        tags = {**(tags or {}), PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
+                STAGE_TAG: item.stage}
+        if item.stage == TEST_STAGE:
+            tags[TEST_OF_TAG] = item.test_of
+        else:
+            tags[TRIAL_TAG] = str(item.trial_number)
+        name = {FULL_STAGE: "trial"}.get(item.stage, item.stage)
+        run = self.client.create_run(self.experiment_id, run_name=f"{name}-{item.key}", tags=tags)
+        params = resolved_params(resolved_press)
+        params += [Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted((sampler_params or {}).items())]
+        self.client.log_batch(run.info.run_id, params=params)
         return run.info.run_id
 
     def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
-        """Log a finished trial's press as it ran, its metrics, timings and predictions; close it as FINISHED."""
+        """Log a finished trial's metrics, timings and predictions (when it generated any); close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              params=resolved_params(outcome.resolved_press),
                               tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid))])
         rows = [
             {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
              "score": row["scores"][index]}
             for row in outcome.samples for index, prediction in enumerate(row["predictions"])
         ]
-        self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
+        if rows:
+            self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
         self.client.set_terminated(run_id, "FINISHED")
 
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
-        self.client.log_batch(run_id, params=resolved_params(outcome.resolved_press),
-                              tags=[RunTag(STATUS_TAG, "failed")])
+        self.client.set_tag(run_id, STATUS_TAG, "failed")
         self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
 
-    def update_parent(self, best: list[dict], completed: int, overhead: dict[str, float]) -> None:
-        """Carry the best trials so far (and the service overhead) on the parent run."""
+    def update_parent(self, best: list[dict], completed: int, metrics: dict[str, float]) -> None:
+        """Carry the best trials so far and ``metrics`` (progress, service overhead) on the parent run, at step
+        ``completed`` (full trials completed)."""
         now = int(time.time() * 1000)
-        metrics = [Metric("completed_trials", completed, now, completed)]
-        metrics += [Metric(k, v, now, completed) for k, v in overhead.items()]
+        logged = [Metric("completed_trials", completed, now, completed)]
+        logged += [Metric(k, v, now, completed) for k, v in metrics.items()]
         if best:
             for index, value in enumerate(best[0]["values"]):
-                metrics.append(Metric(f"best_objective_{index}", value, now, completed))
-        self.client.log_batch(self.parent_run_id, metrics=metrics,
+                logged.append(Metric(f"best_objective_{index}", value, now, completed))
+        self.client.log_batch(self.parent_run_id, metrics=logged,
                               tags=[RunTag(BEST_TRIALS_TAG, json.dumps(best)[:4900])])
 
-    def close(self, status: str, summary_csv: str | None = None) -> None:
-        if summary_csv is not None:
-            self.client.log_text(self.parent_run_id, summary_csv, "study_trials.csv")
+    def close(self, status: str, artifacts: dict[str, str]) -> None:
+        """Log ``artifacts`` (file name -> text) on the parent run and close it with ``status``."""
+        for name, text in artifacts.items():
+            self.client.log_text(self.parent_run_id, text, name)
         self.client.set_terminated(self.parent_run_id, status)

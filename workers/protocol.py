@@ -3,6 +3,10 @@
 Both cross the Ray boundary as they are (Ray pickles dataclasses) and round-trip exactly through JSON
 (``to_dict``/``from_dict``), which is how the driver's state directory keeps finished outcomes.
 
+A request belongs to a stage (``grkv_core.config.STAGES``): a screening trial (losses only, nothing
+generated) or a full trial, both numbered in their own Optuna study, or a held-out test evaluation, named by
+what it confirms (``test_of``: a trial number or a baseline name) and numbered in no study.
+
 NOTE: imports nothing heavy, so the driver's bookkeeping and the tracker can read outcomes without torch.
 """
 
@@ -11,25 +15,54 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from grkv_core.config import PressConfig
+from grkv_core.config import FULL_STAGE, STAGES, TEST_STAGE, PressConfig
 
 OK = "ok"
 FAILED = "failed"
 
 
+def check_identity(trial_number: int | None, stage: str, test_of: str | None) -> None:
+    """Raise a ValueError unless ``stage`` is known and the item is named the way its stage names items."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if stage == TEST_STAGE and (test_of is None or trial_number is not None):
+        raise ValueError("a test-stage item names what it tests (test_of) and has no trial number")
+    if stage != TEST_STAGE and (trial_number is None or test_of is not None):
+        raise ValueError(f"a {stage}-stage item has a trial number and no test_of")
+
+
+def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
+    """How logs name a trial: ``full trial 3``, ``screen trial 0`` or ``test of eviction_only@0.88``."""
+    return f"test of {test_of}" if stage == TEST_STAGE else f"{stage} trial {trial_number}"
+
+
 @dataclass(frozen=True)
 class TrialRequest:
-    """One trial for a worker: its number in the study and the press configuration to evaluate."""
+    """One trial for a worker: its identity (number or ``test_of``, and stage) and the press to evaluate."""
 
-    trial_number: int
+    trial_number: int | None
     press: PressConfig
+    stage: str = FULL_STAGE
+    test_of: str | None = None
+
+    def __post_init__(self) -> None:
+        check_identity(self.trial_number, self.stage, self.test_of)
+
+    def __str__(self) -> str:
+        return describe(self.trial_number, self.stage, self.test_of)
+
+    @property
+    def key(self) -> str:
+        """The item's name within its stage: its trial number, or what a test-stage item tests."""
+        return self.test_of if self.stage == TEST_STAGE else str(self.trial_number)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialRequest:
-        return cls(int(data["trial_number"]), PressConfig(**data["press"]))
+        return cls(data["trial_number"], PressConfig(**data["press"]), data.get("stage", FULL_STAGE),
+                   data.get("test_of"))
 
 
 @dataclass(frozen=True)
@@ -50,10 +83,15 @@ class TrialOutcome:
 
     Attributes
     ----------
+    trial_number, stage, test_of :
+        The request's identity (see ``TrialRequest``).
     status : str
         ``"ok"`` or ``"failed"`` (then ``error``, and ``traceback`` when the worker caught it).
     started_at, finished_at : float or None
-        Wall-clock seconds (``time.time()``) on the worker; None when no worker ran it to the end.
+        Wall-clock seconds (``time.time()``) on the worker, of the whole batch the trial was evaluated in;
+        None when no worker ran it to the end.
+    batch_trials : int
+        How many trials the worker evaluated together with this one (itself included).
     resolved_press : dict
         ``PressConfig.resolved()`` of the press the worker built: every field, defaults included.
     summary : dict or None
@@ -62,35 +100,54 @@ class TrialOutcome:
         One ``SampleResult`` as a dict per evaluated sample (predictions, scores, costs).
     """
 
-    trial_number: int
+    trial_number: int | None
     status: str
+    stage: str = FULL_STAGE
+    test_of: str | None = None
     error: str | None = None
     traceback: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    batch_trials: int = 1
     worker: WorkerIdentity | None = None
     resolved_press: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_identity(self.trial_number, self.stage, self.test_of)
         if self.status not in (OK, FAILED):
             raise ValueError(f"trial outcome status must be {OK!r} or {FAILED!r}, got {self.status!r}")
         if self.status == OK and (self.summary is None or self.worker is None or self.finished_at is None):
             raise ValueError("a finished trial outcome needs its summary, worker and timestamps")
+
+    def __str__(self) -> str:
+        return describe(self.trial_number, self.stage, self.test_of)
+
+    @property
+    def key(self) -> str:
+        """The item's name within its stage: its trial number, or what a test-stage item tests."""
+        return self.test_of if self.stage == TEST_STAGE else str(self.trial_number)
 
     @property
     def ok(self) -> bool:
         return self.status == OK
 
     @classmethod
-    def lost(cls, trial_number: int, error: str) -> TrialOutcome:
+    def of(cls, request: TrialRequest, status: str, **fields) -> TrialOutcome:
+        """An outcome of ``request`` (its identity copied)."""
+        return cls(request.trial_number, status, request.stage, request.test_of, **fields)
+
+    @classmethod
+    def lost(cls, request: TrialRequest, error: str) -> TrialOutcome:
         """A trial whose worker could not finish it (the driver's verdict, nothing measured)."""
-        return cls(trial_number, FAILED, error=error)
+        return cls.of(request, FAILED, error=error)
 
     def worker_timing(self) -> dict[str, float]:
-        """What the worker itself measured of a finished trial."""
-        return {"trial_eval_s": self.finished_at - self.started_at, "worker_model_loads": self.worker.model_loads}
+        """What the worker itself measured of a finished trial; ``trial_eval_s`` is the trial's share of its
+        batch's wall time, so the shares of a batch add up to it."""
+        return {"trial_eval_s": (self.finished_at - self.started_at) / self.batch_trials,
+                "batch_trials": self.batch_trials, "worker_model_loads": self.worker.model_loads}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

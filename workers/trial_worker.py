@@ -1,59 +1,146 @@
-"""The Ray actor that holds one loaded model and its evaluation samples, and evaluates many trials."""
+"""The Ray actor that holds one loaded model and its evaluation samples, and evaluates many trials in batches."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
-from dataclasses import asdict
-from functools import partial
+from collections import Counter
+from dataclasses import asdict, replace
 
 import ray
 import torch
 
-from grkv_core.config import EvalConfig
-from grkv_core.evaluate import EvaluationSetup, summarize
+from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig
+from grkv_core.datasets import EvalSample
+from grkv_core.evaluate import EvaluationSetup, SampleResult, summarize
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
+log = logging.getLogger("grkv.sweep")
 
-@ray.remote
+
+def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, list[EvalSample]]:
+    """The samples each stage evaluates: the first ``tuning_per_task`` of each task tune (screening and full
+    trials), the rest are the held-out test samples.
+
+    Raises
+    ------
+    ValueError
+        If a sample id is both a tuning and a test sample.
+    """
+    seen: Counter[str] = Counter()
+    tuning, test = [], []
+    for sample in samples:
+        (tuning if seen[sample.task] < tuning_per_task else test).append(sample)
+        seen[sample.task] += 1
+    # NOTE: disjoint by construction (one load, split by position); checked because every test-stage
+    # comparison rests on it.
+    overlap = {sample.sample_id for sample in tuning} & {sample.sample_id for sample in test}
+    if overlap:
+        raise ValueError(f"tuning and test samples share ids {sorted(overlap)}")
+    return {SCREEN_STAGE: tuning, FULL_STAGE: tuning, TEST_STAGE: test}
+
+
+def summarize_stage(results: list[SampleResult]) -> dict:
+    """``grkv_core.evaluate.summarize``, also of screening results (no score: ``mean_score`` None, no tasks).
+
+    NOTE: a temporary guard: ``summarize`` averages every result's score and fails on None; once it skips
+    missing scores this is ``summarize`` itself.
+    """
+    if all(result.score is not None for result in results):
+        return summarize(results)
+    return {**summarize([replace(result, score=0.0) for result in results]), "tasks": {}, "mean_score": None}
+
+
 class TrialWorker:
-    """Loads the model and the samples once in ``__init__``; ``evaluate`` runs one trial's press on them.
+    """Loads the model and the samples once in ``__init__``; ``evaluate_batch`` runs trials' presses on them.
+
+    Run as a Ray actor (``RemoteTrialWorker``); the class itself also works in-process.
 
     Parameters
     ----------
     eval_config : dict
-        ``EvalConfig.to_dict()`` of the sweep (model, data, dtype...); its press is replaced per trial.
+        ``EvalConfig.to_dict()`` of the sweep (model, data, dtype...); its ``samples`` (per task) tune, and its
+        press is replaced per trial.
+    test_samples : int
+        Further samples per task held out for the test stage, loaded in the same call as the tuning ones.
     """
 
-    def __init__(self, eval_config: dict):
+    def __init__(self, eval_config: dict, test_samples: int = 0):
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # a worker's log is no terminal
-        self.setup = EvaluationSetup.load(EvalConfig.from_dict(eval_config))
+        config = EvalConfig.from_dict(eval_config)
+        self.setup = EvaluationSetup.load(replace(config, samples=config.samples + test_samples))
+        self.samples = split_samples(self.setup.samples, config.samples)
         self.model_loads = 1
         self.trials_evaluated = 0
 
     def identity(self) -> WorkerIdentity:
-        context = ray.get_runtime_context()
-        return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id(), actor_id=context.get_actor_id(),
+        # NOTE: asked outside Ray, the runtime context would start a local Ray instance; in-process there is
+        # no node or actor to name.
+        context = ray.get_runtime_context() if ray.is_initialized() else None
+        return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id() if context else "local",
+                              actor_id=(context.get_actor_id() if context else None) or "local",
                               model_loads=self.model_loads, trials_evaluated=self.trials_evaluated,
                               samples=len(self.setup.samples))
 
-    def evaluate(self, request: TrialRequest) -> TrialOutcome:
-        """Evaluate one trial. Errors (including CUDA OOM) come back as a failed outcome, never raised."""
+    def evaluate_batch(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
+        """Evaluate trials of one stage together; one outcome per request, in order.
+
+        Sample-major: each sample is evaluated for every trial at once (``Evaluator.evaluate_trials``, one
+        prefill per sample). Screening trials generate nothing; test-stage trials run on the test samples.
+        Errors (CUDA OOM included) come back as failed outcomes, never raised: a batch that fails is evaluated
+        again one trial at a time, so only the trials that fail on their own are failed.
+        """
+        stages = {request.stage for request in requests}
+        if len(stages) != 1:
+            raise ValueError(f"a batch holds trials of one stage, got {sorted(stages)}")
+        if len(requests) > 1:
+            try:
+                return self._evaluate(requests)
+            except Exception as error:  # noqa: BLE001 - a batch's failure must not take the worker down
+                self._release(error)
+                log.warning("a batch of %d trials failed (%s: %s); evaluating them one at a time", len(requests),
+                            type(error).__name__, error)
+        return [self._evaluate_alone(request) for request in requests]
+
+    def _evaluate_alone(self, request: TrialRequest) -> TrialOutcome:
         started = time.time()
-        failed = partial(TrialOutcome, request.trial_number, FAILED, started_at=started, worker=self.identity())
         try:
-            resolved = request.press.resolved()
-            results = [self.setup.evaluator.evaluate_sample(sample, request.press) for sample in self.setup.samples]
-        except torch.cuda.OutOfMemoryError as error:
-            torch.cuda.empty_cache()
-            return failed(error=f"CUDA out of memory: {error}", finished_at=time.time())
+            return self._evaluate([request])[0]
         except Exception as error:  # noqa: BLE001 - a trial's failure must not take the worker down
-            return failed(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
-                          finished_at=time.time())
-        self.trials_evaluated += 1
-        return TrialOutcome(request.trial_number, OK, started_at=started, finished_at=time.time(),
-                            worker=self.identity(), resolved_press=resolved, summary=summarize(results),
-                            samples=[asdict(result) for result in results])
+            self._release(error)
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                details = dict(error=f"CUDA out of memory: {error}")
+            else:
+                details = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+            return TrialOutcome.of(request, FAILED, started_at=started, finished_at=time.time(),
+                                   worker=self.identity(), **details)
+
+    def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
+        started = time.time()
+        stage = requests[0].stage
+        presses = [request.press for request in requests]
+        resolved = [press.resolved() for press in presses]
+        per_trial: list[list[SampleResult]] = [[] for _ in requests]
+        for sample in self.samples[stage]:
+            results = self.setup.evaluator.evaluate_trials(sample, presses, decode=stage != SCREEN_STAGE)
+            for trial_results, result in zip(per_trial, results, strict=True):
+                trial_results.append(result)
+        finished = time.time()
+        self.trials_evaluated += len(requests)
+        identity = self.identity()
+        return [TrialOutcome.of(request, OK, started_at=started, finished_at=finished, batch_trials=len(requests),
+                                worker=identity, resolved_press=press, summary=summarize_stage(results),
+                                samples=[asdict(result) for result in results])
+                for request, press, results in zip(requests, resolved, per_trial)]
+
+    @staticmethod
+    def _release(error: Exception) -> None:
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+
+
+RemoteTrialWorker = ray.remote(TrialWorker)

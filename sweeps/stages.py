@@ -1,0 +1,77 @@
+"""What each stage of a sweep runs, besides the sampler's proposals: the screened configurations promoted to
+full trials, and the held-out test stage's presses.
+
+A sweep with ``screening.trials`` runs a screening study (``<sweep_id>.screen``, ranked by a reconstruction
+loss, nothing generated) before the main study; its best configurations are enqueued in the main study right
+after the baselines. A sweep with ``data.test.samples`` ends with a test stage on held-out samples: the main
+study's best trials, the baselines, and eviction-only at larger budgets.
+"""
+
+from __future__ import annotations
+
+import optuna
+
+from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PressConfig
+from sweeps.config import SweepConfig
+from sweeps.space import press_of
+
+SCREEN_STUDY_SUFFIX = ".screen"
+# Optuna user attribute (and MLflow tag) of a full trial enqueued from screening: the screening trial's number.
+PROMOTED_FROM_ATTR = "grkv.promoted_from"
+# NOTE: the screening study's sampler is seeded apart from the main study's, so the main study's random
+# start-up trials do not repeat the screened configurations it was not given.
+SCREEN_SEED_OFFSET = 1
+
+COMPLETE = optuna.trial.TrialState.COMPLETE
+
+
+def promotions(screen: optuna.Study, count: int) -> list[tuple[dict, dict]]:
+    """The ``count`` best distinct screened configurations, best first, as ``(params, user_attrs)`` to enqueue
+    in the main study."""
+    ranked = sorted(screen.get_trials(deepcopy=False, states=(COMPLETE,)), key=lambda t: (t.value, t.number))
+    return [(trial.params, {PROMOTED_FROM_ATTR: trial.number}) for trial in _distinct(ranked)[:count]]
+
+
+def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.FrozenTrial]:
+    """The main study's best trials that are not baselines, at most ``test.top_k``: the best values for one
+    objective, the Pareto set for several (ordered by the first objective), distinct configurations only."""
+    signs = [1.0 if direction == "minimize" else -1.0 for direction in config.directions]
+    candidates = [trial for trial in study.get_trials(deepcopy=False, states=(COMPLETE,))
+                  if BASELINE_TAG not in trial.user_attrs]
+    costs = {trial.number: [sign * value for sign, value in zip(signs, trial.values)] for trial in candidates}
+    if len(signs) > 1:
+        candidates = [trial for trial in candidates
+                      if not any(_dominates(costs[other.number], costs[trial.number]) for other in candidates)]
+    ranked = sorted(candidates, key=lambda trial: (costs[trial.number], trial.number))
+    return _distinct(ranked)[:config.test.top_k]
+
+
+def test_presses(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
+    """The test stage, as ``(test_of, press)``: the best trials (``test_of`` their number), each baseline at
+    the sweep's budget (its name), and eviction-only at every ``test.eviction_ratios`` (``eviction_only@0.88``).
+
+    NOTE: a baseline is tested with the press its full trial ran, so both stages compare the same methods.
+    """
+    presses = [(str(trial.number), press_of(trial.params, config)) for trial in best_trials(study, config)]
+    trials = study.get_trials(deepcopy=False)
+    for name in config.baselines:
+        runs = sorted((t for t in trials if t.user_attrs.get(BASELINE_TAG) == name and t.params),
+                      key=lambda t: (t.state != COMPLETE, t.number))
+        if runs:
+            presses.append((name, press_of(runs[0].params, config)))
+    presses += [(f"{EVICTION_ONLY}@{ratio:g}", PressConfig(config.press.name, ratio))
+                for ratio in config.test.eviction_ratios]
+    return presses
+
+
+def _distinct(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    seen, kept = [], []
+    for trial in trials:
+        if trial.params not in seen:
+            seen.append(trial.params)
+            kept.append(trial)
+    return kept
+
+
+def _dominates(costs: list[float], other: list[float]) -> bool:
+    return all(a <= b for a, b in zip(costs, other)) and any(a < b for a, b in zip(costs, other))
