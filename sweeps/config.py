@@ -242,8 +242,8 @@ class SweepConfig(_Strict):
         if screening.trials and screening.promote + len(self.baselines) > self.trials:
             raise ValueError(f"screening.promote: {screening.promote} promoted plus {len(self.baselines)} baseline(s) "
                              f"exceed trials ({self.trials})")
-        if "test" in self.model_fields_set and not self.data.test.samples:
-            raise ValueError("test: a test stage needs held-out samples; set data.test.samples")
+        if self.test.eviction_ratios and not self.data.test.samples:
+            raise ValueError("test.eviction_ratios: a test stage needs held-out samples; set data.test.samples")
         larger = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
         if larger:
             raise ValueError(f"test.eviction_ratios: {larger} must be below press.compression_ratio "

@@ -38,8 +38,6 @@ from workers.protocol import FAILED, TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
 
-# The Optuna user attributes a trial's MLflow run carries as tags.
-RUN_TAG_ATTRS = (BASELINE_TAG, PROMOTED_FROM_ATTR)
 
 
 @dataclass
@@ -142,9 +140,19 @@ class SweepRecords:
         self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
         self.overhead.trials += 1
 
-    def recover(self, outcome: TrialOutcome, sampler_params: dict | None = None, tags: dict | None = None) -> None:
+    def start(self, item: TrialRequest | TrialOutcome, sampler_params: dict | None = None,
+              user_attrs: dict | None = None) -> str:
+        """Open the MLflow run of a request (or of a recovered outcome); the Optuna user attributes that name a
+        baseline or a promotion become tags."""
+        user_attrs = user_attrs or {}
+        tags = {PROMOTED_FROM_ATTR: str(user_attrs[PROMOTED_FROM_ATTR])} if PROMOTED_FROM_ATTR in user_attrs else {}
+        return self.tracker.start_trial(item.trial_number, sampler_params or {}, user_attrs.get(BASELINE_TAG),
+                                        stage=item.stage, test_of=item.test_of, tags=tags)
+
+    def recover(self, outcome: TrialOutcome, sampler_params: dict | None = None,
+                user_attrs: dict | None = None) -> None:
         """Log a finished outcome of the state directory whose run never closed (the driver died in between)."""
-        run_id = self.tracker.start_trial(outcome, outcome.resolved_press, sampler_params, tags)
+        run_id = self.start(outcome, sampler_params, user_attrs)
         self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
         self.tracker.finish_trial(run_id, outcome, outcome.worker_timing())
         log.info("%s: recovered its finished result", outcome)
@@ -158,7 +166,7 @@ class SweepRecords:
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """On a stop: close the trial's run as KILLED."""
-        self.tracker.fail_trial(open_trial.run_id, TrialOutcome.lost(open_trial.request, "sweep stopped"),
+        self.tracker.fail_trial(open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"),
                                 status="KILLED")
 
     def update_parent(self) -> None:
@@ -222,7 +230,7 @@ class TrialLedger:
             outcome = self.records.state.load(self.stage, str(frozen.number))
             if outcome is not None and outcome.ok:
                 if not finished:
-                    self.records.recover(outcome, frozen.params, run_tags(frozen.user_attrs))
+                    self.records.recover(outcome, frozen.params, frozen.user_attrs)
                 self.study.tell(frozen.number, self._objective_values(outcome))
             else:
                 self._requeue(frozen.number, frozen.params, frozen.user_attrs)
@@ -245,8 +253,7 @@ class TrialLedger:
             started = time.perf_counter()
             trial = self.study.ask()
             request = TrialRequest(trial.number, suggest_press(trial, self.records.config), self.stage)
-            run_id = self.records.tracker.start_trial(request, request.press.resolved(), trial.params,
-                                                      run_tags(trial.user_attrs))
+            run_id = self.records.start(request, trial.params, trial.user_attrs)
             opened.append(OpenTrial(request, run_id, time.perf_counter() - started, trial))
         return opened
 
@@ -334,7 +341,7 @@ class HeldOutLedger:
         opened = []
         for request in self.pending[:count]:
             started = time.perf_counter()
-            run_id = self.records.tracker.start_trial(request, request.press.resolved())
+            run_id = self.records.start(request)
             opened.append(OpenTrial(request, run_id, time.perf_counter() - started))
         del self.pending[:count]
         return opened
@@ -356,7 +363,3 @@ class HeldOutLedger:
     def progress(self) -> dict[str, float]:
         return {"finished_test_runs": self.finished}
 
-
-def run_tags(user_attrs: dict) -> dict[str, str]:
-    """The MLflow tags of a trial's run from its Optuna user attributes (baseline name, promoted-from)."""
-    return {name: str(user_attrs[name]) for name in RUN_TAG_ATTRS if name in user_attrs}

@@ -35,7 +35,7 @@ class Dispatch:
     submitted_at: float = 0.0
 
     def lost(self, error: str) -> list[TrialOutcome]:
-        return [TrialOutcome.lost(request, error) for request in self.requests]
+        return [TrialOutcome.unfinished(request, error) for request in self.requests]
 
 
 class WorkerPool:

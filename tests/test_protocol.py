@@ -41,7 +41,7 @@ def test_finished_and_lost_outcomes_round_trip_through_json():
     finished = TrialOutcome(5, "ok", started_at=10.0, finished_at=12.5, batch_trials=2, worker=WORKER,
                             resolved_press=press.resolved(), summary={"mean_score": 50.0, "tasks": {"a": 50.0}},
                             samples=[{"sample_id": "a-0", "predictions": ["x"], "scores": [0.5]}])
-    lost = TrialOutcome.lost(TrialRequest(6, press), "worker is gone")
+    lost = TrialOutcome.lost(6, "worker is gone")
     tested = TrialOutcome.of(TrialRequest(None, press, TEST_STAGE, "5"), "ok", started_at=1.0, finished_at=2.0,
                              worker=WORKER, resolved_press=press.resolved(), summary={"mean_score": 0.0})
     screened = TrialOutcome.of(TrialRequest(1, press, SCREEN_STAGE), "ok", started_at=1.0, finished_at=2.0,

@@ -28,7 +28,7 @@ from grkv_core.config import (
     TRIAL_TAG,
     WORKER_PID_TAG,
 )
-from workers.protocol import TrialOutcome, TrialRequest
+from workers.protocol import TrialOutcome
 
 
 class TrackingUnavailableError(RuntimeError):
@@ -116,29 +116,33 @@ class SweepTracker:
                 runs.setdefault(key, []).append(run)
         return runs
 
-    def start_trial(self, item: TrialRequest | TrialOutcome, resolved_press: dict, sampler_params: dict | None = None,
-                    tags: dict[str, str] | None = None) -> str:
-        """Open the child run of ``item`` (a request, or a recovered outcome): its stage and its trial number or
-        ``test_of`` as tags, besides ``tags``; the press it runs (``PressConfig.resolved()``) as params under
-        the options' names, and the sampler's raw proposals, if any, as ``optuna.<name>``."""
+    def start_trial(self, trial_number: int | None, params: dict, baseline: str | None = None, *,
+                    stage: str = FULL_STAGE, test_of: str | None = None, tags: dict[str, str] | None = None) -> str:
+        """Open a child run: a trial (its number) of the screening or full stage, or a test-stage evaluation
+        (what it tests, ``test_of``), with further ``tags``; the sampler's raw parameters as ``optuna.<name>``
+        params."""
         tags = {**(tags or {}), PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
-                STAGE_TAG: item.stage}
-        if item.stage == TEST_STAGE:
-            tags[TEST_OF_TAG] = item.test_of
+                STAGE_TAG: stage}
+        if stage == TEST_STAGE:
+            tags[TEST_OF_TAG] = test_of
+            name = f"test-{test_of}"
         else:
-            tags[TRIAL_TAG] = str(item.trial_number)
-        name = {FULL_STAGE: "trial"}.get(item.stage, item.stage)
-        run = self.client.create_run(self.experiment_id, run_name=f"{name}-{item.key}", tags=tags)
-        params = resolved_params(resolved_press)
-        params += [Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted((sampler_params or {}).items())]
-        self.client.log_batch(run.info.run_id, params=params)
+            tags[TRIAL_TAG] = str(trial_number)
+            name = f"{'trial' if stage == FULL_STAGE else stage}-{trial_number}"
+        if baseline:
+            tags[BASELINE_TAG] = baseline
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        self.client.log_batch(run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v))
+                                                       for k, v in sorted(params.items())])
         return run.info.run_id
 
     def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
-        """Log a finished trial's metrics, timings and predictions (when it generated any); close it as FINISHED."""
+        """Log a finished trial's press as it ran, its metrics, timings and predictions (when it generated any);
+        close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                              params=resolved_params(outcome.resolved_press),
                               tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid))])
         rows = [
             {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
@@ -151,7 +155,8 @@ class SweepTracker:
 
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
-        self.client.set_tag(run_id, STATUS_TAG, "failed")
+        self.client.log_batch(run_id, params=resolved_params(outcome.resolved_press),
+                              tags=[RunTag(STATUS_TAG, "failed")])
         self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
 
@@ -167,8 +172,8 @@ class SweepTracker:
         self.client.log_batch(self.parent_run_id, metrics=logged,
                               tags=[RunTag(BEST_TRIALS_TAG, json.dumps(best)[:4900])])
 
-    def close(self, status: str, artifacts: dict[str, str]) -> None:
+    def close(self, status: str, artifacts: dict[str, str] | None = None) -> None:
         """Log ``artifacts`` (file name -> text) on the parent run and close it with ``status``."""
-        for name, text in artifacts.items():
+        for name, text in (artifacts or {}).items():
             self.client.log_text(self.parent_run_id, text, name)
         self.client.set_terminated(self.parent_run_id, status)

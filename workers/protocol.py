@@ -84,7 +84,8 @@ class TrialOutcome:
     Attributes
     ----------
     trial_number, stage, test_of :
-        The request's identity (see ``TrialRequest``).
+        The request's identity (see ``TrialRequest``); outcomes written before stages existed read as full
+        trials.
     status : str
         ``"ok"`` or ``"failed"`` (then ``error``, and ``traceback`` when the worker caught it).
     started_at, finished_at : float or None
@@ -102,17 +103,17 @@ class TrialOutcome:
 
     trial_number: int | None
     status: str
-    stage: str = FULL_STAGE
-    test_of: str | None = None
     error: str | None = None
     traceback: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
-    batch_trials: int = 1
     worker: WorkerIdentity | None = None
     resolved_press: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
+    stage: str = FULL_STAGE
+    test_of: str | None = None
+    batch_trials: int = 1
 
     def __post_init__(self) -> None:
         check_identity(self.trial_number, self.stage, self.test_of)
@@ -136,12 +137,18 @@ class TrialOutcome:
     @classmethod
     def of(cls, request: TrialRequest, status: str, **fields) -> TrialOutcome:
         """An outcome of ``request`` (its identity copied)."""
-        return cls(request.trial_number, status, request.stage, request.test_of, **fields)
+        return cls(request.trial_number, status, stage=request.stage, test_of=request.test_of, **fields)
 
     @classmethod
-    def lost(cls, request: TrialRequest, error: str) -> TrialOutcome:
-        """A trial whose worker could not finish it (the driver's verdict, nothing measured)."""
-        return cls.of(request, FAILED, error=error)
+    def lost(cls, trial_number: int, error: str) -> TrialOutcome:
+        """A full trial whose worker could not finish it (the driver's verdict, nothing measured)."""
+        return cls(trial_number, FAILED, error=error)
+
+    @classmethod
+    def unfinished(cls, request: TrialRequest, error: str) -> TrialOutcome:
+        """``request`` no worker finished (the driver's verdict): nothing measured, the press it was to run
+        resolved (so its run names it too)."""
+        return cls.of(request, FAILED, error=error, resolved_press=request.press.resolved())
 
     def worker_timing(self) -> dict[str, float]:
         """What the worker itself measured of a finished trial; ``trial_eval_s`` is the trial's share of its

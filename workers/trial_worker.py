@@ -117,7 +117,7 @@ class TrialWorker:
             else:
                 details = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
             return TrialOutcome.of(request, FAILED, started_at=started, finished_at=time.time(),
-                                   worker=self.identity(), **details)
+                                   worker=self.identity(), resolved_press=request.press.resolved(), **details)
 
     def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         started = time.time()
