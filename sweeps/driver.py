@@ -21,7 +21,7 @@ from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE,
 from sweeps.config import SweepConfig
 from sweeps.ledger import HeldOutLedger, SweepRecords, TrialLedger
 from sweeps.space import baseline_params
-from sweeps.stages import promotions, test_presses
+from sweeps.stages import presses_to_test, promotions
 from sweeps.worker_pool import WorkerPool
 
 log = logging.getLogger("grkv.sweep")
@@ -71,7 +71,7 @@ class SweepDriver:
         if not self.stop_requested:
             self._run_stage(pool, full)
         if self.config.test_stage and not self.stop_requested:
-            tests = HeldOutLedger(self.records, test_presses(full.study, self.config))
+            tests = HeldOutLedger(self.records, presses_to_test(full.study, self.config))
             tests.open()
             self._run_stage(pool, tests)
         status = "KILLED" if self.stop_requested else "FINISHED"

@@ -305,8 +305,8 @@ class TrialLedger:
 
 
 class HeldOutLedger:
-    """The held-out test stage: one evaluation per ``(test_of, press)`` (``sweeps.stages.test_presses``), each
-    with one MLflow run (tag ``grkv.test_of``) and one state file ``test/<test_of>.json``.
+    """The held-out test stage: one evaluation per ``(test_of, press)`` of ``sweeps.stages.presses_to_test``,
+    each with one MLflow run (tag ``grkv.test_of``) and one state file ``test/<test_of>.json``.
 
     On ``open`` it resumes: an evaluation with a FINISHED run is done, a finished result in the state
     directory whose run never closed is logged, and any other is (re)done.

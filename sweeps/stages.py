@@ -46,7 +46,7 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
     return _distinct(ranked)[:config.test.top_k]
 
 
-def test_presses(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
+def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
     """The test stage, as ``(test_of, press)``: the best trials (``test_of`` their number), each baseline at
     the sweep's budget (its name), and eviction-only at every ``test.eviction_ratios`` (``eviction_only@0.88``).
 

@@ -1,0 +1,140 @@
+"""Sweep configuration and stage planning without services: one-line config errors for batches, screening and
+the test stage; the baselines at the sweep's budget; which trials are promoted and which are tested."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT
+from sweeps.config import ConfigError, SweepConfig, load_config
+from sweeps.space import baseline_params, press_of, suggest_press
+from sweeps.stages import PROMOTED_FROM_ATTR, best_trials, presses_to_test, promotions
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
+
+
+def smoke_with(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
+    """The smoke config with dotted fields changed (``"screening.promote": 5``) or dropped."""
+    config = yaml.safe_load(SMOKE.read_text())
+    for dotted, value in [*changes.items(), *((name, None) for name in drop)]:
+        node = config
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if dotted in drop:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("changes, drop, field", [
+    ({"screening.promote": 5}, (), "screening.promote"),
+    ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 2 baselines > 8 trials
+    ({"screening.metric": "mean_score"}, (), "screening.metric"),
+    ({"screening.trials": -1}, (), "screening.trials"),
+    ({"data.test.samples": -1}, (), "data.test.samples"),
+    ({"workers.batch_size": 0}, (), "workers.batch_size"),
+    ({"test.top_k": 0}, (), "test.top_k"),
+    ({"test.eviction_ratios": [0.8]}, (), "test.eviction_ratios"),  # not a larger budget than 0.75
+    ({"test.eviction_ratios": [1.5]}, (), "test.eviction_ratios"),
+    ({"test.eviction_ratios": [0.5, 0.5]}, (), "test.eviction_ratios"),
+    ({}, ("data.test",), "test.eviction_ratios"),  # eviction ratios but no held-out samples
+    ({"search_space.compression_ratio": {"type": "categorical", "choices": [0.5, 0.6]}}, (),
+     "press.compression_ratio"),
+])
+def test_a_bad_stage_or_batch_field_is_one_line_naming_it(tmp_path, changes, drop, field):
+    with pytest.raises(ConfigError) as raised:
+        load_config(smoke_with(tmp_path, drop, **changes))
+    message = str(raised.value)
+    assert "\n" not in message and f": {field}:" in message, message
+
+
+def test_the_command_line_reports_a_bad_screening_field_on_one_line(tmp_path):
+    path = smoke_with(tmp_path, **{"screening.promote": 5})
+    result = subprocess.run([sys.executable, "sweep.py", "--config", str(path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "screening.promote" in lines[0], result.stderr
+
+
+def test_defaults_screen_nothing_test_nothing_and_batch_eight(tmp_path):
+    config = load_config(smoke_with(tmp_path, drop=("screening", "test", "data.test", "workers.batch_size")))
+    assert config.screening.trials == 0 and config.screening.metric == "question_loss"
+    assert not config.test_stage and config.test.top_k == 3 and config.workers.batch_size == 8
+    assert "K compressed caches plus one full cache" in type(config.workers).model_fields["batch_size"].description
+
+
+def test_a_dumped_config_validates_again():
+    config = load_config(SMOKE)
+    assert SweepConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_path):
+    config = load_config(smoke_with(tmp_path, **{
+        "search_space.compression_ratio": {"type": "float", "low": 0.5, "high": 0.9}}))
+    baselines = dict(baseline_params(config))
+    assert baselines[EVICTION_ONLY] == {"compression_ratio": 0.75, "merge": "none"}
+    assert baselines[PAPER_DEFAULT]["compression_ratio"] == 0.75
+    eviction = press_of(baselines[EVICTION_ONLY], config)
+    assert (eviction.compression_ratio, eviction.merge) == (0.75, "none")
+    assert eviction.resolved()["compression_ratio"] == 0.75
+    # Proposed through Optuna, as the driver enqueues it.
+    study = optuna.create_study()
+    study.enqueue_trial(baselines[EVICTION_ONLY])
+    assert suggest_press(study.ask(), config).compression_ratio == 0.75
+
+
+def add(study: optuna.Study, params: dict, values, **user_attrs) -> None:
+    distributions = {name: optuna.distributions.CategoricalDistribution([value])
+                     for name, value in params.items()}
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, values=values,
+                                              user_attrs=user_attrs))
+
+
+def grkv(lambda_k: float) -> dict:
+    return {"merge": "grkv", "lambda_k_is_zero": False, "lambda_k": lambda_k, "lambda_v": 0.1, "beta": 0.1,
+            "window_size": 16, "steps": 1, "components": "kv"}
+
+
+def test_the_best_distinct_screened_configurations_are_promoted():
+    screen = optuna.create_study(direction="minimize")
+    for lambda_k, loss in [(0.1, 0.5), (0.2, 0.1), (0.3, 0.3), (0.2, 0.1)]:
+        add(screen, grkv(lambda_k), [loss])
+    promoted = promotions(screen, 2)
+    assert [params["lambda_k"] for params, _ in promoted] == [0.2, 0.3]
+    assert [attrs[PROMOTED_FROM_ATTR] for _, attrs in promoted] == [1, 2]
+
+
+def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(tmp_path):
+    config = load_config(SMOKE)  # one objective (mean_score, maximised), top_k 2, eviction ratio 0.5
+    study = optuna.create_study(direction="maximize")
+    add(study, grkv(0.01), [90.0], **{BASELINE_TAG: PAPER_DEFAULT})
+    add(study, {"merge": "none"}, [80.0], **{BASELINE_TAG: EVICTION_ONLY})
+    for lambda_k, score in [(0.1, 50.0), (0.2, 70.0), (0.3, 60.0), (0.2, 70.0)]:
+        add(study, grkv(lambda_k), [score])
+    assert [trial.number for trial in best_trials(study, config)] == [3, 4]  # baselines and duplicate left out
+    presses = dict(presses_to_test(study, config))
+    assert list(presses) == ["3", "4", PAPER_DEFAULT, EVICTION_ONLY, "eviction_only@0.5"]
+    assert presses["3"].merge_options["lambda_k"] == 0.2
+    assert presses[PAPER_DEFAULT].merge_options["lambda_k"] == 0.01
+    assert (presses[EVICTION_ONLY].merge, presses[EVICTION_ONLY].compression_ratio) == ("none", 0.75)
+    assert (presses["eviction_only@0.5"].merge, presses["eviction_only@0.5"].compression_ratio) == ("none", 0.5)
+
+
+def test_several_objectives_test_the_pareto_set(tmp_path):
+    config = load_config(smoke_with(tmp_path, **{"test.top_k": 5, "objectives": [
+        {"metric": "mean_score", "direction": "maximize"}, {"metric": "window_loss", "direction": "minimize"}]}))
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for lambda_k, values in [(0.1, [50.0, 0.01]), (0.2, [70.0, 0.3]), (0.3, [40.0, 0.2]), (0.4, [60.0, 0.05])]:
+        add(study, grkv(lambda_k), values)
+    assert [trial.number for trial in best_trials(study, config)] == [1, 3, 0]  # trial 2 is dominated by trial 0
