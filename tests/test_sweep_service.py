@@ -4,6 +4,7 @@ Started once per session through infra/local/start.sh (the script a user runs), 
 temporary state directory, and stopped through infra/local/stop.sh.
 """
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,14 +24,30 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import free_ports
-from grkv_core.config import RECOVERED_TAG, ROLE_TAG, SWEEP_TAG, TRIAL_TAG
+from grkv_core.config import (
+    BASELINE_TAG,
+    EVICTION_ONLY,
+    FULL_STAGE,
+    PAPER_DEFAULT,
+    RECOVERED_TAG,
+    ROLE_TAG,
+    SCREEN_STAGE,
+    STAGE_TAG,
+    SWEEP_TAG,
+    TEST_OF_TAG,
+    TEST_STAGE,
+    TRIAL_TAG,
+)
 from sweeps.config import ConfigError, load_config
+from sweeps.stages import PROMOTED_FROM_ATTR
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
 REQUIRED_METRICS = {"mean_score", "score.niah_single_1", "ttft_s", "decode_ms_per_token", "peak_memory_bytes",
-                    "kv_bytes", "window_loss", "trial_eval_s", "service_overhead_s"}
+                    "kv_bytes", "window_loss", "trial_eval_s", "batch_trials", "service_overhead_s"}
+# Screening generates nothing: losses and costs, no score.
+SCREEN_METRICS = {"window_loss", "kv_bytes", "trial_eval_s", "batch_trials", "service_overhead_s"}
 
 
 def child_env(**extra) -> dict:
@@ -66,14 +83,18 @@ def services(tmp_path_factory):
         subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=env, timeout=120)
 
 
-def write_config(tmp_path: Path, **changes) -> Path:
+def write_config(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
+    """The smoke config with dotted fields changed (``"data.samples": 4``) or dropped (``drop=("test",)``)."""
     config = yaml.safe_load(SMOKE.read_text())
-    for dotted, value in changes.items():
+    for dotted, value in [*changes.items(), *((name, None) for name in drop)]:
         node = config
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node[part]
-        node[leaf] = value
+        if dotted in drop:
+            del node[leaf]
+        else:
+            node[leaf] = value
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -89,24 +110,56 @@ def runs_of(tracking_uri: str, experiment: str, sweep_id: str):
     return parents, children
 
 
-def study_of(state_dir: Path, sweep_id: str) -> optuna.Study:
+def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE) -> optuna.Study:
+    """The sweep's main study, or its screening study (``<sweep_id>.screen``), from the journal."""
     storage = optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(state_dir / sweep_id / "optuna.journal")))
-    return optuna.load_study(study_name=sweep_id, storage=storage)
+    return optuna.load_study(study_name=sweep_id if stage == FULL_STAGE else f"{sweep_id}.{stage}", storage=storage)
 
 
 def complete_trials(study):
     return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
 
 
-def assert_one_finished_child_per_complete_trial(children, study):
-    finished = [r for r in children if r.info.status == "FINISHED"]
+def of_stage(runs, stage: str, status: str | None = None) -> list:
+    return [r for r in runs if r.data.tags.get(STAGE_TAG) == stage and status in (None, r.info.status)]
+
+
+def assert_one_finished_child_per_complete_trial(children, study, stage: str = FULL_STAGE):
+    finished = of_stage(children, stage, "FINISHED")
     numbers = sorted(int(r.data.tags[TRIAL_TAG]) for r in finished)
     assert numbers == sorted(t.number for t in complete_trials(study))
     for run in finished:
         # A trial recovered after a driver crash has no driver-side timing: nobody watched it finish.
-        required = REQUIRED_METRICS - ({"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else set())
+        required = (REQUIRED_METRICS if stage == FULL_STAGE else SCREEN_METRICS) - (
+            {"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else set())
         assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
+        assert "compression_ratio" in run.data.params
+
+
+def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
+    """What the test stage confirms, worked out here from the study: the best non-baseline trials (one
+    objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget."""
+    config = load_config(config_path)
+    ranked = sorted((t for t in complete_trials(study) if BASELINE_TAG not in t.user_attrs),
+                    key=lambda t: (-t.value, t.number))
+    best, seen = [], []
+    for trial in ranked:
+        if trial.params not in seen and len(best) < config.test.top_k:
+            seen.append(trial.params)
+            best.append(str(trial.number))
+    return {*best, *config.baselines, *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios)}
+
+
+def assert_one_finished_test_run_each(children, expected: set[str], state: Path):
+    finished = of_stage(children, TEST_STAGE, "FINISHED")
+    labels = [r.data.tags[TEST_OF_TAG] for r in finished]
+    assert sorted(labels) == sorted(expected), "exactly one FINISHED test-stage run per tested configuration"
+    for run in finished:
+        required = REQUIRED_METRICS - {"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else REQUIRED_METRICS
+        assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
+        assert "compression_ratio" in run.data.params and TRIAL_TAG not in run.data.tags
+        assert (state / "test" / f"{run.data.tags[TEST_OF_TAG]}.json").is_file()
 
 
 def test_invalid_config_gives_one_line_error_naming_the_field(tmp_path):
@@ -144,6 +197,7 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(tmp_path):
 
 
 def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
+    """Screening (4 trials, 2 promoted), 8 full trials in batches of 2 and a test stage, through the Jobs API."""
     sweep_id = "e2e"
     state = services["state"] / "sweeps"
     submit = subprocess.run(
@@ -155,25 +209,44 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert "FINISHED" in submit.stdout
     parents, children = runs_of(services["tracking_uri"], "grkv-smoke", sweep_id)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    finished = [r for r in children if r.info.status == "FINISHED"]
-    assert len(finished) == 8 and len(children) == 8
+    assert all(r.info.status == "FINISHED" for r in children)
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
-    study = study_of(state, sweep_id)
-    assert len(complete_trials(study)) == 8
+    study, screen = study_of(state, sweep_id), study_of(state, sweep_id, SCREEN_STAGE)
+    assert len(complete_trials(study)) == len(study.trials) == 8
+    assert len(complete_trials(screen)) == len(screen.trials) == 4
     assert_one_finished_child_per_complete_trial(children, study)
-    # Baselines first: the paper's defaults, then the eviction press alone.
-    first = sorted(complete_trials(study), key=lambda t: t.number)[:2]
+    assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
+    assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id)
+    assert len(children) == 8 + 4 + 5
+    # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
+    first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
     assert first[0].params["merge"] == "grkv" and first[0].params["lambda_k"] == 1e-2
     assert first[1].params == {"merge": "none"}
+    screened = sorted(complete_trials(screen), key=lambda t: (t.value, t.number))
+    assert [t.user_attrs[PROMOTED_FROM_ATTR] for t in first[2:]] == [t.number for t in screened[:2]]
+    assert [t.params for t in first[2:]] == [t.params for t in screened[:2]]
+    promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_ATTR in r.data.tags]
+    assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [2, 3]
+    # Screening generated nothing; full trials ran in batches of 2.
+    assert all("mean_score" not in r.data.metrics for r in of_stage(children, SCREEN_STAGE))
+    assert max(r.data.metrics["batch_trials"] for r in of_stage(children, FULL_STAGE)) == 2
+    # A test-stage run logs its predictions per held-out sample and question.
+    client = MlflowClient(services["tracking_uri"])
+    tested = of_stage(children, TEST_STAGE)[0]
+    rows = json.loads(Path(client.download_artifacts(tested.info.run_id, "predictions.json", str(tmp_path))).read_text())
+    assert rows and {"sample_id", "question", "prediction", "score"} <= set(rows[0])
     # Each worker loaded its model exactly once for the whole sweep.
-    assert {r.data.metrics["worker_model_loads"] for r in finished} == {1.0}
-    assert "study_trials.csv" in {a.path for a in MlflowClient(services["tracking_uri"]).list_artifacts(parents[0].info.run_id)}
+    assert {r.data.metrics["worker_model_loads"] for r in children} == {1.0}
+    artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+    assert {"study_trials.csv", "screen_trials.csv"} <= artifacts
 
 
-def slow_config(tmp_path, trials):
-    # Enough work per trial (about seconds) to interrupt one while it runs.
-    return write_config(tmp_path, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
-                                                   "tracking.experiment": "grkv-faults"})
+def slow_config(tmp_path, trials, stages=False):
+    """Enough work per trial (about seconds) to interrupt one while it runs; without ``stages``, full trials only
+    (the smoke config's screening and test stage left out)."""
+    drop = () if stages else ("screening", "test", "data.test")
+    return write_config(tmp_path, drop=drop, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
+                                                              "tracking.experiment": "grkv-faults"})
 
 
 def start_driver(services, config, sweep_id, state):
@@ -227,33 +300,56 @@ def test_killed_worker_mid_trial_is_retried_and_the_sweep_completes(services, tm
     assert max(r.data.metrics["worker_attempts"] for r in children if r.info.status == "FINISHED") == 2
 
 
-def test_sigkilled_driver_resumes_with_one_finished_run_per_trial(services, tmp_path):
-    sweep_id, state = "driver-kill", tmp_path / "state"
-    config = slow_config(tmp_path, trials=6)
-    driver = start_driver(services, config, sweep_id, state)
+def sigkill_when(driver, predicate, timeout, what):
     try:
-        def finished_children():
-            if not MlflowClient(services["tracking_uri"]).get_experiment_by_name("grkv-faults"):
-                return []
-            return [r for r in runs_of(services["tracking_uri"], "grkv-faults", sweep_id)[1]
-                    if r.info.status == "FINISHED"]
-
-        wait_for(lambda: len(finished_children()) >= 2, 600, "two finished trials")
+        wait_for(predicate, timeout, what)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=60)
     finally:
         if driver.poll() is None:
             driver.kill()
-    before = {int(r.data.tags[TRIAL_TAG]): r.info.run_id for r in finished_children()}
+
+
+def test_sigkilled_driver_resumes_every_stage_with_one_finished_run_each(services, tmp_path):
+    """SIGKILL the driver while a batch of full trials is in flight, resume; SIGKILL it again in the test stage,
+    resume: nothing finished is redone or logged twice and every stage ends with the right counts."""
+    sweep_id, state = "driver-kill", tmp_path / "state"
+    config = slow_config(tmp_path, trials=6, stages=True)
+
+    def children():
+        if not MlflowClient(services["tracking_uri"]).get_experiment_by_name("grkv-faults"):
+            return []
+        return runs_of(services["tracking_uri"], "grkv-faults", sweep_id)[1]
+
+    def finished_runs():
+        return {(r.data.tags[STAGE_TAG], r.data.tags.get(TRIAL_TAG) or r.data.tags[TEST_OF_TAG]): r.info.run_id
+                for r in children() if r.info.status == "FINISHED"}
+
+    def a_full_batch_in_flight():
+        runs = children()
+        return of_stage(runs, FULL_STAGE, "FINISHED") and of_stage(runs, FULL_STAGE, "RUNNING")
+
+    sigkill_when(start_driver(services, config, sweep_id, state), a_full_batch_in_flight, 600,
+                 "a batch of full trials in flight after one finished")
+    before_first_kill = finished_runs()
+    sigkill_when(start_driver(services, config, sweep_id, state),
+                 lambda: of_stage(children(), TEST_STAGE, "RUNNING"), 900, "a test-stage run in flight")
+    before_second_kill = finished_runs()
 
     resumed = start_driver(services, config, sweep_id, state)
     output, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, output[-3000:]
-    parents, children = runs_of(services["tracking_uri"], "grkv-faults", sweep_id)
-    study = study_of(state, sweep_id)
+    parents, runs = runs_of(services["tracking_uri"], "grkv-faults", sweep_id)
+    study, screen = study_of(state, sweep_id), study_of(state, sweep_id, SCREEN_STAGE)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert len(complete_trials(study)) == 6
-    assert_one_finished_child_per_complete_trial(children, study)
-    after = {int(r.data.tags[TRIAL_TAG]): r.info.run_id for r in children if r.info.status == "FINISHED"}
-    assert all(after[number] == run_id for number, run_id in before.items()), "finished trials must not be redone"
-    assert all(r.info.status in ("FINISHED", "KILLED") for r in children), "no run may be left RUNNING"
+    assert len(complete_trials(study)) == 6 and len(complete_trials(screen)) == 4
+    assert_one_finished_child_per_complete_trial(runs, study)
+    assert_one_finished_child_per_complete_trial(runs, screen, SCREEN_STAGE)
+    assert_one_finished_test_run_each(runs, expected_tests(config, study), state / sweep_id)
+    assert {PAPER_DEFAULT, EVICTION_ONLY} <= {r.data.tags[TEST_OF_TAG] for r in of_stage(runs, TEST_STAGE)}
+    after = finished_runs()
+    for before in (before_first_kill, before_second_kill):
+        assert all(after[item] == run_id for item, run_id in before.items()), "finished runs must not be redone"
+    # The runs in flight at each kill were closed as KILLED on resume, and redone (or recovered).
+    assert of_stage(runs, FULL_STAGE, "KILLED") and of_stage(runs, TEST_STAGE, "KILLED")
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs), "no run may be left RUNNING"
