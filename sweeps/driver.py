@@ -82,8 +82,8 @@ class SweepDriver:
         """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.
 
         NOTE: an Optuna stage spreads its trials over the workers (batches of at most ``workers.batch_size``);
-        the test stage sends its evaluations in as few batches as it can, so the methods it compares are
-        measured together, on one worker.
+        the test stage fills each batch up to ``workers.batch_size`` instead, so the methods it compares are
+        measured together, on one worker, as far as the batch size allows.
         """
         remaining = ledger.remaining()
         log.info("sweep %s: %s stage, %d to run", self.sweep_id, ledger.stage, remaining)

@@ -39,7 +39,6 @@ from workers.protocol import FAILED, TrialOutcome, TrialRequest
 log = logging.getLogger("grkv.sweep")
 
 
-
 @dataclass
 class OpenTrial:
     """A trial whose MLflow run is open; ``asked_s``: driver seconds spent opening it; ``trial``: its Optuna
