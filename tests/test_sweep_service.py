@@ -47,7 +47,7 @@ SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
 REQUIRED_METRICS = {"mean_score", "score.niah_single_1", "ttft_s", "decode_ms_per_token", "peak_memory_bytes",
                     "kv_bytes", "window_loss", "trial_eval_s", "batch_trials", "service_overhead_s"}
 # Screening generates nothing: losses and costs, no score.
-SCREEN_METRICS = {"window_loss", "kv_bytes", "trial_eval_s", "batch_trials", "service_overhead_s"}
+SCREEN_METRICS = {"question_loss", "window_loss", "kv_bytes", "trial_eval_s", "batch_trials", "service_overhead_s"}
 
 
 def child_env(**extra) -> dict:

@@ -42,17 +42,6 @@ def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, 
     return {SCREEN_STAGE: tuning, FULL_STAGE: tuning, TEST_STAGE: test}
 
 
-def summarize_stage(results: list[SampleResult]) -> dict:
-    """``grkv_core.evaluate.summarize``, also of screening results (no score: ``mean_score`` None, no tasks).
-
-    NOTE: a temporary guard: ``summarize`` averages every result's score and fails on None; once it skips
-    missing scores this is ``summarize`` itself.
-    """
-    if all(result.score is not None for result in results):
-        return summarize(results)
-    return {**summarize([replace(result, score=0.0) for result in results]), "tasks": {}, "mean_score": None}
-
-
 class TrialWorker:
     """Loads the model and the samples once in ``__init__``; ``evaluate_batch`` runs trials' presses on them.
 
@@ -133,7 +122,7 @@ class TrialWorker:
         self.trials_evaluated += len(requests)
         identity = self.identity()
         return [TrialOutcome.of(request, OK, started_at=started, finished_at=finished, batch_trials=len(requests),
-                                worker=identity, resolved_press=press, summary=summarize_stage(results),
+                                worker=identity, resolved_press=press, summary=summarize(results),
                                 samples=[asdict(result) for result in results])
                 for request, press, results in zip(requests, resolved, per_trial)]
 
