@@ -234,8 +234,8 @@ class SweepConfig(_Strict):
             raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
         ratio = self.search_space.get("compression_ratio")
         if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
-            raise ValueError(f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, which "
-                             "search_space.compression_ratio cannot be fixed at")
+            raise ValueError(f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, not "
+                             "among the choices of search_space.compression_ratio")
         screening = self.screening
         if screening.trials and screening.promote > screening.trials:
             raise ValueError(f"screening.promote: {screening.promote} exceeds screening.trials ({screening.trials})")
@@ -244,9 +244,9 @@ class SweepConfig(_Strict):
                              f"exceed trials ({self.trials})")
         if self.test.eviction_ratios and not self.data.test.samples:
             raise ValueError("test.eviction_ratios: a test stage needs held-out samples; set data.test.samples")
-        larger = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
-        if larger:
-            raise ValueError(f"test.eviction_ratios: {larger} must be below press.compression_ratio "
+        no_larger_budget = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
+        if no_larger_budget:
+            raise ValueError(f"test.eviction_ratios: {no_larger_budget} must be below press.compression_ratio "
                              f"({self.press.compression_ratio}): eviction-only is compared at a larger budget")
         return self
 

@@ -242,11 +242,13 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
 
 
 def slow_config(tmp_path, trials, stages=False):
-    """Enough work per trial (about seconds) to interrupt one while it runs; without ``stages``, full trials only
-    (the smoke config's screening and test stage left out)."""
-    drop = () if stages else ("screening", "test", "data.test")
-    return write_config(tmp_path, drop=drop, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
-                                                              "tracking.experiment": "grkv-faults"})
+    """Enough work per trial (about seconds) to interrupt one while it runs; with ``stages``, the smoke config's
+    screening and a test stage of 2 held-out samples, else full trials only."""
+    if stages:
+        return write_config(tmp_path, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
+                                                       "data.test.samples": 2, "tracking.experiment": "grkv-faults"})
+    return write_config(tmp_path, drop=("screening", "test", "data.test"), trials=trials, **{
+        "data.samples": 4, "data.context_length": 1536, "tracking.experiment": "grkv-faults"})
 
 
 def start_driver(services, config, sweep_id, state):
