@@ -321,16 +321,18 @@ class HeldOutLedger:
         records.ledgers[TEST_STAGE] = self
 
     def open(self) -> None:
-        children = self.records.tracker.child_runs(TEST_STAGE)
+        finished = {test_of: self.records.close_leftovers(runs)
+                    for test_of, runs in self.records.tracker.child_runs(TEST_STAGE).items()}
         for test_of, press in self.presses:
-            finished = self.records.close_leftovers(children.get(test_of, []))
-            outcome = self.records.state.load(TEST_STAGE, test_of)
-            if not finished and outcome is not None and outcome.ok:
-                self.records.recover(outcome)
-            elif not finished:
-                self.pending.append(TrialRequest(None, press, TEST_STAGE, test_of))
+            if finished.get(test_of):
+                self.finished += 1
                 continue
-            self.finished += 1
+            outcome = self.records.state.load(TEST_STAGE, test_of)
+            if outcome is not None and outcome.ok:
+                self.records.recover(outcome)
+                self.finished += 1
+            else:
+                self.pending.append(TrialRequest(None, press, TEST_STAGE, test_of))
 
     def remaining(self) -> int:
         return len(self.pending)
