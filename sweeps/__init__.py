@@ -1,3 +1,4 @@
 """The sweep service's driver side: the YAML config and its validation (``config``), the search space
-(``space``), and the driver (``driver``), a small loop over a pool of Ray workers (``worker_pool``) and the
-trial ledger that keeps the state directory, MLflow and Optuna in step (``ledger``)."""
+(``space``), what each stage runs besides the sampler's proposals (``stages``: promotions from screening, the
+test stage's presses), and the driver (``driver``), a small loop over a pool of Ray workers (``worker_pool``)
+and the ledgers that keep the state directory, MLflow and Optuna in step, one per stage (``ledger``)."""
