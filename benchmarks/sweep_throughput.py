@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/sweep_throughput.py --samples 4 --output benchmarks/results/sweep-throughput.json
 
-The same trials (SnapKV at two budgets alone, the paper's GRKV, and GRKV variants: 16 by default) are evaluated
+The same trials (SnapKV at two budgets alone, the paper's GRKV, and GRKV variants: 24 by default) are evaluated
 on the same samples (offline RULER needle tasks at 2K, SmolLM2 by default) two ways, sample by sample and in
 turn, so that the shared cores' noise falls on both alike:
 
@@ -43,11 +43,14 @@ NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multi
 
 
 def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConfig]:
-    """16 trials: the press alone at two budgets, the paper's GRKV, and 13 GRKV variants a sweep would propose."""
+    """24 trials (a worker's batch): the press alone at two budgets, the paper's GRKV, and 21 GRKV variants a
+    sweep would propose."""
     variants = [
         {}, {"safeguard": False}, {"lambda_k": 0.0}, {"lambda_k": 1.0, "lambda_v": 0.1}, {"lambda_k": 1e-3},
         {"beta": 0.0}, {"beta": 0.3}, {"window_size": 16}, {"window_size": 64}, {"steps": 2},
-        {"components": "v"}, {"components": "k"}, {"ridge_scale": "relative"},
+        {"components": "v"}, {"components": "k"}, {"ridge_scale": "relative"}, {"lambda_v": 1.0},
+        {"lambda_v": 1e-3}, {"n_sink": 0}, {"accept": "objective"}, {"cg_max_iter": 16},
+        {"query_policy": "stratified"}, {"lambda_k": 0.1, "beta": 0.2}, {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
     ]
     return [PressConfig(press, ratio), PressConfig(press, wider_ratio), PressConfig(press, ratio, "grkv", dict(PAPER_GRKV_OPTIONS), variant="paper"),
             *(PressConfig(press, ratio, "grkv", options) for options in variants)]
@@ -72,6 +75,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--context-length", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=4, help="samples in all (spread over the needle tasks)")
+    parser.add_argument("--trials", type=int, default=24, help="the first N of the fixed list of trials")
     parser.add_argument("--press", default="snapkv")
     parser.add_argument("--ratio", type=float, default=0.9, help="compression ratio of the trials (0.9: keep 10%%)")
     parser.add_argument("--wider-ratio", type=float, default=0.88, help="the press alone at a larger budget b' > b")
@@ -83,7 +87,7 @@ def main() -> int:
     samples = load_dataset_samples("ruler", tasks=NEEDLE_TASKS, context_length=args.context_length,
                                    samples_per_task=per_task, seed=0, tokenizer=loaded.tokenizer)
     samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][:args.samples]
-    trials = fixed_trials(args.press, args.ratio, args.wider_ratio)
+    trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[:args.trials]
     evaluator = Evaluator(loaded)
     seconds = {(mode, path): 0.0 for mode in ("full", "screening") for path in ("per_trial", "engine")}
     problems = []

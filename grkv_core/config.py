@@ -52,7 +52,6 @@ BEST_TRIALS_TAG = "grkv.best_trials"
 METHOD_ATTR = "grkv.method"
 RUN_ID_ATTR = "grkv.run_id"
 REQUEUE_OF_ATTR = "grkv.requeue_of"  # on a re-enqueued copy: the number of the trial it replaces
-BASELINES_ENQUEUED_ATTR = "grkv.baselines_enqueued"
 # Which stage of a sweep a child run belongs to: screening (losses only, no decoding), full scoring on the
 # tuning samples, or the held-out test stage; a test-stage run names what it confirms (a trial number or a
 # baseline name) in TEST_OF_TAG.
@@ -62,6 +61,8 @@ FULL_STAGE = "full"
 TEST_STAGE = "test"
 STAGES = (SCREEN_STAGE, FULL_STAGE, TEST_STAGE)
 TEST_OF_TAG = "grkv.test_of"
+# Optuna user attribute (and MLflow tag) of a full trial enqueued from screening: the screening trial's number.
+PROMOTED_FROM_TAG = "grkv.promoted_from"
 # NOTE: a trial's MLflow run logs the press that ran under the options' own names (``lambda_k``,
 # ``press.window_size``) and the sampler's raw proposals under this prefix (``optuna.lambda_k_is_zero``).
 SAMPLER_PREFIX = "optuna."

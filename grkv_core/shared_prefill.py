@@ -4,7 +4,8 @@ kvpress compresses a layer's cache in a forward hook that runs *after* the layer
 cache, and its hook changes the cache, never the layer's output. So the hidden states of a prefill do not
 depend on the press, and one forward can serve any number of presses: around each layer, the full keys and
 values are set aside, each press's own hook compresses them in turn, and its result is moved into that press's
-cache before the next press sees the full cache again. Each press runs through its own context manager
+cache before the next press sees the full cache again. Base presses configured alike score each layer once
+(``grkv_core.presses.selection.sharing_scores``). Each press runs through its own context manager
 (``press(model)``), exactly as when it is used alone, so the caches are identical to one prefill per press.
 
 A press that does more than that standard hook (it overrides ``forward_hook`` or, unless it is a
@@ -24,6 +25,7 @@ from kvpress import BasePress
 from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.selection import sharing_scores
 
 # NOTE: state a press leaves on an attention module for the decoding that follows its prefill: kvpress's
 # masking presses (AdaKV) mark evicted entries in ``masked_key_indices``, which kvpress's attention patch reads
@@ -163,6 +165,7 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
     handles = []
     with ExitStack() as stack, torch.inference_mode():
         stack.callback(lambda: [handle.remove() for handle in handles])
+        stack.enter_context(sharing_scores())
         attentions = [layer.self_attn for layer in model.model.layers]
         handles += [attention.register_forward_hook(fan_out.set_aside, with_kwargs=True) for attention in attentions]
         for index, press in enumerate(presses):

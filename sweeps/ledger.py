@@ -24,6 +24,7 @@ import optuna
 from grkv_core.config import (
     BASELINE_TAG,
     FULL_STAGE,
+    PROMOTED_FROM_TAG,
     RECOVERED_TAG,
     REQUEUE_OF_ATTR,
     SCREEN_STAGE,
@@ -32,7 +33,7 @@ from grkv_core.config import (
 )
 from sweeps.config import SweepConfig
 from sweeps.space import make_sampler, suggest_press
-from sweeps.stages import PROMOTED_FROM_ATTR, SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
+from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from workers.protocol import FAILED, TrialOutcome, TrialRequest
 
@@ -144,7 +145,7 @@ class SweepRecords:
         """Open the MLflow run of a request (or of a recovered outcome); the Optuna user attributes that name a
         baseline or a promotion become tags."""
         user_attrs = user_attrs or {}
-        tags = {PROMOTED_FROM_ATTR: str(user_attrs[PROMOTED_FROM_ATTR])} if PROMOTED_FROM_ATTR in user_attrs else {}
+        tags = {PROMOTED_FROM_TAG: str(user_attrs[PROMOTED_FROM_TAG])} if PROMOTED_FROM_TAG in user_attrs else {}
         return self.tracker.start_trial(item.trial_number, sampler_params or {}, user_attrs.get(BASELINE_TAG),
                                         stage=item.stage, test_of=item.test_of, tags=tags)
 

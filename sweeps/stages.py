@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import optuna
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PressConfig
+from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PROMOTED_FROM_TAG, PressConfig
 from sweeps.config import SweepConfig
 from sweeps.space import press_of
 
 SCREEN_STUDY_SUFFIX = ".screen"
-# Optuna user attribute (and MLflow tag) of a full trial enqueued from screening: the screening trial's number.
-PROMOTED_FROM_ATTR = "grkv.promoted_from"
 # NOTE: the screening study's sampler is seeded apart from the main study's, so the main study's random
 # start-up trials do not repeat the screened configurations it was not given.
 SCREEN_SEED_OFFSET = 1
@@ -29,7 +27,7 @@ def promotions(screen: optuna.Study, count: int) -> list[tuple[dict, dict]]:
     """The ``count`` best distinct screened configurations, best first, as ``(params, user_attrs)`` to enqueue
     in the main study."""
     ranked = sorted(screen.get_trials(deepcopy=False, states=(COMPLETE,)), key=lambda t: (t.value, t.number))
-    return [(trial.params, {PROMOTED_FROM_ATTR: trial.number}) for trial in _distinct(ranked)[:count]]
+    return [(trial.params, {PROMOTED_FROM_TAG: trial.number}) for trial in _distinct(ranked)[:count]]
 
 
 def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.FrozenTrial]:

@@ -11,10 +11,10 @@ import optuna
 import pytest
 import yaml
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT
+from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import baseline_params, press_of, suggest_press
-from sweeps.stages import PROMOTED_FROM_ATTR, best_trials, presses_to_test, promotions
+from sweeps.stages import best_trials, presses_to_test, promotions
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
@@ -112,7 +112,7 @@ def test_the_best_distinct_screened_configurations_are_promoted():
         add(screen, grkv(lambda_k), [loss])
     promoted = promotions(screen, 2)
     assert [params["lambda_k"] for params, _ in promoted] == [0.2, 0.3]
-    assert [attrs[PROMOTED_FROM_ATTR] for _, attrs in promoted] == [1, 2]
+    assert [attrs[PROMOTED_FROM_TAG] for _, attrs in promoted] == [1, 2]
 
 
 def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(tmp_path):

@@ -28,6 +28,7 @@ from grkv_core.config import (
     BASELINE_TAG,
     EVICTION_ONLY,
     FULL_STAGE,
+    PROMOTED_FROM_TAG,
     PAPER_DEFAULT,
     RECOVERED_TAG,
     ROLE_TAG,
@@ -39,7 +40,6 @@ from grkv_core.config import (
     TRIAL_TAG,
 )
 from sweeps.config import ConfigError, load_config
-from sweeps.stages import PROMOTED_FROM_ATTR
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -223,9 +223,9 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert first[0].params["merge"] == "grkv" and first[0].params["lambda_k"] == 1e-2
     assert first[1].params == {"merge": "none"}
     screened = sorted(complete_trials(screen), key=lambda t: (t.value, t.number))
-    assert [t.user_attrs[PROMOTED_FROM_ATTR] for t in first[2:]] == [t.number for t in screened[:2]]
+    assert [t.user_attrs[PROMOTED_FROM_TAG] for t in first[2:]] == [t.number for t in screened[:2]]
     assert [t.params for t in first[2:]] == [t.params for t in screened[:2]]
-    promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_ATTR in r.data.tags]
+    promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_TAG in r.data.tags]
     assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [2, 3]
     # Screening generated nothing; full trials ran in batches of 2.
     assert all("mean_score" not in r.data.metrics for r in of_stage(children, SCREEN_STAGE))

@@ -8,6 +8,9 @@ handled here: score-then-top-k with one budget per layer (every ``ScorerPress``)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,34 @@ from kvpress.utils import compute_n_kept
 from torch import nn
 
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
+
+# Scores already computed in the current shared prefill, by (layer, the base press's repr); None outside one.
+_SHARED_SCORES: ContextVar[dict | None] = ContextVar("grkv_shared_scores", default=None)
+
+
+@contextmanager
+def sharing_scores() -> Iterator[None]:
+    """Within one forward, base presses configured alike score each layer once.
+
+    NOTE: a base press's scores are a function of the layer's inputs and of the press's configuration (its
+    dataclass repr: every field, wrapped presses included), so merging presses that share a prefill and a base
+    press configuration get the very tensor each would compute alone. Nothing mutates scores in place.
+    """
+    token = _SHARED_SCORES.set({})
+    try:
+        yield
+    finally:
+        _SHARED_SCORES.reset(token)
+
+
+def _scores(press: ScorerPress, module: nn.Module, *inputs) -> torch.Tensor:
+    memo = _SHARED_SCORES.get()
+    if memo is None:
+        return press.score(module, *inputs)
+    key = (module.layer_idx, repr(press))
+    if key not in memo:
+        memo[key] = press.score(module, *inputs)
+    return memo[key]
 
 
 @dataclass(frozen=True)
@@ -121,7 +152,7 @@ def select_tokens(
             "(SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm, CriticalKV) "
             "or AdaKVPress / CriticalAdaKVPress"
         )
-    scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+    scores = _scores(press, module, hidden_states, keys, values, attentions, kwargs)
     if isinstance(press, PyramidKVPress):
         budget = press.get_layer_budget(module, length)
     else:

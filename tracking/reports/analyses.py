@@ -18,6 +18,7 @@ from grkv_core.config import (
     EVICTION_ONLY,
     FULL_STAGE,
     LOSS_METRICS,
+    PROMOTED_FROM_TAG,
     PAPER_DEFAULT,
     SAMPLER_PREFIX,
     SCREENING_METRICS,
@@ -28,9 +29,8 @@ from tracking.reports.stats import Correlation, PairedComparison, compare_config
 
 MIB = 2**20
 SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening run measured it
-# NOTE: the driver tags a full trial enqueued from screening with the screening trial's number
-# (``sweeps.stages.PROMOTED_FROM_ATTR``); the loader keeps every tag as a ``tag.<key>`` column.
-PROMOTED_FROM_COLUMN = "tag.grkv.promoted_from"
+# NOTE: the loader keeps every tag as a ``tag.<key>`` column.
+PROMOTED_FROM_COLUMN = f"tag.{PROMOTED_FROM_TAG}"
 
 
 def _score_columns(runs: SweepRuns) -> list[str]:
