@@ -79,6 +79,7 @@ def main() -> int:
     parser.add_argument("--press", default="snapkv")
     parser.add_argument("--ratio", type=float, default=0.9, help="compression ratio of the trials (0.9: keep 10%%)")
     parser.add_argument("--wider-ratio", type=float, default=0.88, help="the press alone at a larger budget b' > b")
+    parser.add_argument("--modes", nargs="+", choices=("full", "screening"), default=["full", "screening"])
     parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
 
@@ -89,10 +90,11 @@ def main() -> int:
     samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][:args.samples]
     trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[:args.trials]
     evaluator = Evaluator(loaded)
-    seconds = {(mode, path): 0.0 for mode in ("full", "screening") for path in ("per_trial", "engine")}
+    seconds = {(mode, path): 0.0 for mode in args.modes for path in ("per_trial", "engine")}
     problems = []
     for sample in tqdm(samples, desc="samples", unit="sample"):
-        for mode, decode in (("full", True), ("screening", False)):
+        for mode in args.modes:
+            decode = mode == "full"
             started = time.perf_counter()
             alone = [evaluator.evaluate_trials(sample, [trial], decode=decode)[0] for trial in trials]
             seconds[mode, "per_trial"] += time.perf_counter() - started
@@ -108,7 +110,7 @@ def main() -> int:
           f"{args.context_length} tokens, {torch.get_num_threads()} threads")
     print(f"{'mode':10s} {'per-trial s':>11s} {'engine s':>9s} {'trials/h per-trial':>19s} {'trials/h engine':>16s} "
           f"{'ratio':>6s}")
-    for mode in ("full", "screening"):
+    for mode in args.modes:
         per_trial, engine = seconds[mode, "per_trial"], seconds[mode, "engine"]
         rates = [3600 * len(trials) / value for value in (per_trial, engine)]
         figures["modes"][mode] = {"per_trial_s": per_trial, "engine_s": engine, "trials_per_hour_per_trial": rates[0],

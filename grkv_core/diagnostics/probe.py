@@ -50,6 +50,7 @@ class ReconstructionProbe:
         self.heldout: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._decode_rows: list[int] = []
         self._full_outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @contextmanager
     def _hooks(self, hook):
@@ -123,10 +124,12 @@ class ReconstructionProbe:
         return {"window_loss": window, "heldout_loss": heldout, "question_loss": question}
 
     def _window_queries(self, layer: int):
-        module, hidden, cos, sin, length = self.window_inputs[layer]
-        window = surrogate_queries(module, hidden, (cos, sin), n_queries=self.loss_window)
-        # surrogate_queries numbered the window from 0; shift to its true place at the prompt's end.
-        return window.queries, window.positions + (length - hidden.shape[1])
+        if layer not in self._window:
+            module, hidden, cos, sin, length = self.window_inputs[layer]
+            window = surrogate_queries(module, hidden, (cos, sin), n_queries=self.loss_window)
+            # surrogate_queries numbered the window from 0; shift to its true place at the prompt's end.
+            self._window[layer] = (window.queries, window.positions + (length - hidden.shape[1]))
+        return self._window[layer]
 
     def _loss(self, shared: str | None, full, views, queries_of, causal: bool = False) -> float:
         """Σ error / Σ reference over layers; Y_full of a query set every cache shares is computed once."""
