@@ -1,8 +1,8 @@
 """Greedy answers for several compressed caches of one context at once: one batch row per cache.
 
-Caches of equal per-layer lengths (the same budget, and masked or not alike) are stacked along the batch axis and decoded together: the
-question is appended to every row at the same positions (continuing from the original context length), and
-each row stops on its own (its later tokens are computed and ignored). Each row's answer is what
+Caches of equal per-layer lengths (the same budget, and masked or not alike) are stacked along the batch axis
+and decoded together: the question is appended to every row at the same positions (continuing from the
+original context length), and each row stops on its own (its later tokens are computed and ignored). Each row's answer is what
 ``grkv_core.generation.answer_question`` gives for its cache alone (the tests check it token for token).
 """
 
@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.generation import Answer, append_question
-from grkv_core.shared_prefill import PER_CACHE_MODULE_STATE, PressedCache
+from grkv_core.shared_prefill import PER_CACHE_MODULE_STATE, PressedCache, attention_modules
 
 
 def answer_batch(
@@ -71,7 +71,7 @@ def answer_batch(
 @contextmanager
 def _module_state_of(model: PreTrainedModel, caches: list[PressedCache]):
     """Put the rows' module state on the attention modules (masked entries offset to each row), then clear it."""
-    attentions = [layer.self_attn for layer in model.model.layers]
+    attentions = attention_modules(model)
     try:
         for layer, attention in enumerate(attentions):
             parts = [cache.module_state[layer].get("masked_key_indices") for cache in caches]

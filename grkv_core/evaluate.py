@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from grkv_core.batched_decoding import answer_batch
 from grkv_core.config import COST_METRICS, PAPER_WINDOW, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
-from grkv_core.batched_decoding import answer_batch
 from grkv_core.diagnostics.probe import ReconstructionProbe
 from grkv_core.generation import stop_token_ids, tokenize_sample
 from grkv_core.models import LoadedModel, load_model
@@ -137,7 +137,7 @@ class Evaluator:
                     predictions[trial].append(prediction)
                     scores[trial].append(score_prediction(sample, index, prediction))
         peak = torch.cuda.max_memory_allocated(model.device) if on_cuda else _process_peak_rss()
-        full_kv_bytes = _full_cache_bytes(shared.pressed[0].cache, context_length)
+        full_kv_bytes = sum(keys.nbytes + values.nbytes for keys, values in shared.full)
         wall_s = (time.perf_counter() - started) / len(presses)
         results = []
         for trial, (press, cache) in enumerate(zip(presses, shared.pressed)):
@@ -150,8 +150,8 @@ class Evaluator:
             results.append(SampleResult(
                 sample_id=sample.sample_id, task=sample.task, predictions=predictions[trial], scores=scores[trial],
                 score=statistics.fmean(scores[trial]) if decode else None, context_tokens=int(context_length),
-                ttft_s=ttft[trial], prefill_s=cache.prefill_s, decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1),
-                generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
+                ttft_s=ttft[trial], prefill_s=cache.prefill_s,
+                decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1), generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
                 peak_memory_bytes=int(peak), wall_s=wall_s, batch_trials=len(presses), **losses,
             ))
         return results
@@ -175,12 +175,6 @@ class Evaluator:
         separator = "" if sample.answer_prefix.endswith((" ", "\n")) or not sample.answer_prefix else " "
         ids = self.loaded.tokenizer.encode(separator + reference, add_special_tokens=False)[:sample.max_new_tokens]
         return torch.tensor([ids or [self.loaded.tokenizer.eos_token_id or 0]])
-
-
-def _full_cache_bytes(cache, context_tokens: int) -> int:
-    layer = cache.layers[0]
-    per_token = 2 * layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
-    return per_token * context_tokens * len(cache.layers)
 
 
 def _process_peak_rss() -> int:

@@ -94,6 +94,11 @@ class SharedPrefill:
     forwards: int
 
 
+def attention_modules(model: PreTrainedModel) -> list:
+    """The model's attention modules, one per layer: where kvpress's hooks and the engine's go."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -104,7 +109,7 @@ class _FanOut:
 
     def __init__(self, model: PreTrainedModel, count: int):
         self.device = model.device
-        layers = len(model.model.layers)
+        layers = len(attention_modules(model))
         self.full: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self.results: list[list[tuple | None]] = [[None] * layers for _ in range(count)]
         self.states: list[list[dict | None]] = [[None] * layers for _ in range(count)]
@@ -166,7 +171,7 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
     with ExitStack() as stack, torch.inference_mode():
         stack.callback(lambda: [handle.remove() for handle in handles])
         stack.enter_context(sharing_scores())
-        attentions = [layer.self_attn for layer in model.model.layers]
+        attentions = attention_modules(model)
         handles += [attention.register_forward_hook(fan_out.set_aside, with_kwargs=True) for attention in attentions]
         for index, press in enumerate(presses):
             if press is not None:

@@ -15,17 +15,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 
 from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.queries import surrogate_queries
-from grkv_core.shared_prefill import PressedCache
+from grkv_core.shared_prefill import PressedCache, attention_modules
 from grkv_core.solver.attention import full_cache_outputs
-
-
-def _attention_modules(model) -> list[nn.Module]:
-    return [layer.self_attn for layer in model.model.layers]
 
 
 class ReconstructionProbe:
@@ -48,13 +43,13 @@ class ReconstructionProbe:
         self.question_queries: dict[int, list[torch.Tensor]] = {}
         # NOTE: held-out queries are kept per cache (its index in the evaluation) and per layer.
         self.heldout: dict[int, dict[int, list[torch.Tensor]]] = {}
-        self._decode_rows: list[int] = []
+        self._decode_rows: list[int | None] = []
         self._full_outputs: dict[tuple[str, int], torch.Tensor] = {}
         self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @contextmanager
     def _hooks(self, hook):
-        handles = [attention.register_forward_hook(hook, with_kwargs=True) for attention in _attention_modules(self.model)]
+        handles = [attention.register_forward_hook(hook, with_kwargs=True) for attention in attention_modules(self.model)]
         try:
             yield
         finally:
@@ -134,7 +129,7 @@ class ReconstructionProbe:
     def _loss(self, shared: str | None, full, views, queries_of, causal: bool = False) -> float:
         """Σ error / Σ reference over layers; Y_full of a query set every cache shares is computed once."""
         error = reference = 0.0
-        attentions = _attention_modules(self.model)
+        attentions = attention_modules(self.model)
         for layer, view in enumerate(views):
             module = attentions[layer]
             found = queries_of(layer)
