@@ -43,14 +43,19 @@ NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multi
 
 
 def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConfig]:
-    """24 trials (a worker's batch): the press alone at two budgets, the paper's GRKV, and 21 GRKV variants a
-    sweep would propose."""
+    """48 trials: the press alone at two budgets, the paper's GRKV, 21 GRKV variants a sweep would propose
+    (one option moved at a time: the first 24 are the default batch), then 24 combinations of several moved
+    together."""
     variants = [
         {}, {"safeguard": False}, {"lambda_k": 0.0}, {"lambda_k": 1.0, "lambda_v": 0.1}, {"lambda_k": 1e-3},
         {"beta": 0.0}, {"beta": 0.3}, {"window_size": 16}, {"window_size": 64}, {"steps": 2},
         {"components": "v"}, {"components": "k"}, {"ridge_scale": "relative"}, {"lambda_v": 1.0},
         {"lambda_v": 1e-3}, {"n_sink": 0}, {"accept": "objective"}, {"cg_max_iter": 16},
         {"query_policy": "stratified"}, {"lambda_k": 0.1, "beta": 0.2}, {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
+        *({"lambda_k": lambda_k, "beta": beta, "window_size": window}
+          for lambda_k in (1e-3, 0.1, 1.0) for beta in (0.1, 0.2) for window in (16, 32, 64)),
+        *({"steps": 2, "lambda_v": lambda_v, "components": components}
+          for lambda_v in (1e-3, 1e-2, 0.1) for components in ("kv", "v")),
     ]
     return [PressConfig(press, ratio), PressConfig(press, wider_ratio), PressConfig(press, ratio, "grkv", dict(PAPER_GRKV_OPTIONS), variant="paper"),
             *(PressConfig(press, ratio, "grkv", options) for options in variants)]

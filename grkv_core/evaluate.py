@@ -282,6 +282,11 @@ class EvaluationSetup:
         evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens)
         return cls(loaded, samples, evaluator)
 
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model loaded in (``"float32"``), as result files record it."""
+        return str(self.loaded.dtype).removeprefix("torch.")
+
 
 def run_evaluation(
     config: EvalConfig,
@@ -314,25 +319,44 @@ def run_evaluations(
     if len(configs) != len(outputs):
         raise ValueError(f"{len(configs)} configurations but {len(outputs)} outputs")
     setup = setup or EvaluationSetup.load(configs[0])
-    samples = setup.samples
-    model_dtype = str(setup.loaded.dtype).removeprefix("torch.")
-    stores = [ResultStore(Path(output), config, model_dtype) if output is not None else None
+    stores = [ResultStore(Path(output), config, setup.model_dtype) if output is not None else None
               for config, output in zip(configs, outputs)]
-    results = [list(store.results) if store is not None else [] for store in stores]
-    done = [{result.sample_id for result in rows} for rows in results]
-    pending = [sample for sample in samples if any(sample.sample_id not in ids for ids in done)]
     label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
-    for sample in tqdm(pending, desc=label, disable=not progress, unit="sample"):
+    results = evaluate_samples(setup.evaluator, setup.samples, [config.press for config in configs], stores,
+                               progress=label if progress else None)
+    return [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
+             **summarize(rows)} for config, rows in zip(configs, results)]
+
+
+def evaluate_samples(
+    evaluator: Evaluator,
+    samples: list[EvalSample],
+    presses: list[PressConfig],
+    stores: list[ResultStore | None],
+    *,
+    decode: bool = True,
+    progress: str | None = None,
+) -> list[list[SampleResult]]:
+    """Every press's results on ``samples`` (in their order), sample by sample with one shared prefill each.
+
+    Each press resumes from its store (or None): a sample is evaluated, in one ``Evaluator.evaluate_trials``,
+    for the presses whose stores lack it, and each new result is added to its store at once, so an interrupted
+    call loses at most the sample in progress. Results a store holds for other samples are left out.
+    ``progress``: a progress bar's label (None: no bar).
+    """
+    order = {sample.sample_id: index for index, sample in enumerate(samples)}
+    results = [[row for row in (store.results if store is not None else []) if row.sample_id in order]
+               for store in stores]
+    done = [{row.sample_id for row in rows} for rows in results]
+    pending = [sample for sample in samples if any(sample.sample_id not in ids for ids in done)]
+    for sample in tqdm(pending, desc=progress, disable=progress is None, unit="sample"):
         todo = [index for index, ids in enumerate(done) if sample.sample_id not in ids]
-        evaluated = setup.evaluator.evaluate_trials(sample, [configs[index].press for index in todo])
-        for index, result in zip(todo, evaluated):
+        evaluated = evaluator.evaluate_trials(sample, [presses[index] for index in todo], decode=decode)
+        for index, result in zip(todo, evaluated, strict=True):
             results[index].append(result)
             if stores[index] is not None:
                 stores[index].add(result)
-    wanted = {sample.sample_id for sample in samples}
-    return [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
-             **summarize([result for result in rows if result.sample_id in wanted])}
-            for config, rows in zip(configs, results)]
+    return [sorted(rows, key=lambda row: order[row.sample_id]) for rows in results]
 
 
 def format_table(summaries: list[dict]) -> str:

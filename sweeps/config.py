@@ -14,7 +14,6 @@ from grkv_core.config import (
     COMPRESSION_RATIO_SPEC,
     DATASETS,
     DTYPES,
-    EVICTION_ONLY,
     EVICTION_PRESS_NAMES,
     MERGER_NAMES,
     OBJECTIVE_METRICS,
@@ -204,9 +203,9 @@ class SweepConfig(_Strict):
     trials: int = Field(ge=1)
     screening: ScreeningSection = ScreeningSection()
     test: TestSection = TestSection()
-    # NOTE: left out, the baselines are every one the merge choices allow (eviction-only needs "none").
-    baselines: list[Literal[BASELINES]] = Field(default_factory=lambda data: [
-        name for name in BASELINES if name != EVICTION_ONLY or "none" in data.get("merge", ())])
+    # NOTE: eviction-only is a fixed reference run, whatever the merge choices; "none" among them makes it a
+    # searched choice too, and the ledger evaluates it once however often it is proposed.
+    baselines: list[Literal[BASELINES]] = Field(default_factory=lambda: list(BASELINES))
     workers: WorkerSection = WorkerSection()
     tracking: TrackingSection = TrackingSection()
     storage: StorageSection = StorageSection()
@@ -228,8 +227,6 @@ class SweepConfig(_Strict):
             problem = _range_problem(param, SEARCHABLE_SPECS[name])
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
-        if EVICTION_ONLY in self.baselines and "none" not in self.merge:
-            raise ValueError(f"baselines: '{EVICTION_ONLY}' needs 'none' among merge choices")
         if self.sampler.type == "grid" and any(not isinstance(p, CategoricalParam) for p in self.search_space.values()):
             raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
         ratio = self.search_space.get("compression_ratio")

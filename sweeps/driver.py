@@ -92,8 +92,10 @@ class SweepDriver:
             while pool.idle and remaining and not self.stop_requested:
                 size = min(batch_size, remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size))
                 opened = ledger.open_trials(size)
-                remaining -= len(opened)
-                pool.submit([open_trial.request for open_trial in opened], opened)
+                # NOTE: fewer than asked only when the sampler has exhausted the space (see TrialLedger)
+                remaining = remaining - len(opened) if len(opened) == size else 0
+                if opened:
+                    pool.submit([open_trial.request for open_trial in opened], opened)
             for dispatch, outcomes in pool.wait(timeout_s=1.0):
                 received = time.time()
                 for open_trial, outcome in zip(dispatch.context, outcomes, strict=True):

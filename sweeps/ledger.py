@@ -27,17 +27,21 @@ from grkv_core.config import (
     PROMOTED_FROM_TAG,
     RECOVERED_TAG,
     REQUEUE_OF_ATTR,
+    REUSES_ATTR,
     SCREEN_STAGE,
     TEST_STAGE,
     PressConfig,
 )
 from sweeps.config import SweepConfig
-from sweeps.space import make_sampler, suggest_press
+from sweeps.space import make_sampler, press_of, suggest_press
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from workers.protocol import FAILED, TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
+# NOTE: a duplicate proposal costs an ask and a tell, no evaluation; this many in a row means the sampler finds
+# nothing new (a small categorical space, or a grid) rather than an unlucky streak.
+EXHAUSTED_AFTER_DUPLICATES = 100
 
 
 @dataclass
@@ -92,6 +96,11 @@ class StateDir:
     @property
     def journal(self) -> Path:
         return self.root / "optuna.journal"
+
+    @property
+    def checkpoints(self) -> str:
+        """Where workers keep the per-sample results of the trials they are evaluating (``TrialRequest``)."""
+        return str(self.root / "checkpoints")
 
 
 class SweepRecords:
@@ -183,12 +192,31 @@ class SweepRecords:
                                     for ledger in self.ledgers.values() if isinstance(ledger, TrialLedger)})
 
 
+def discard_checkpoint(outcome: TrialOutcome, request: TrialRequest) -> None:
+    """Remove a finished trial's per-sample checkpoint, its results now in the state directory; a failed trial's
+    stays for the next attempt at the same press.
+
+    NOTE: workers write checkpoints on their own machines; on a single-machine cluster that is the state
+    directory, elsewhere there is nothing here to remove.
+    """
+    if outcome.ok and request.checkpoint is not None:
+        request.checkpoint.unlink(missing_ok=True)
+
+
 class TrialLedger:
     """One Optuna stage of a sweep, screening or full trials: its study, its runs and its results in step.
 
     The full stage is the sweep's main study (named as the sweep, its configured objectives, ``trials``); the
     screening stage a study ``<sweep_id>.screen`` that minimises ``screening.metric`` over
     ``screening.trials``. Both propose from the same search space.
+
+    A configuration is evaluated once per study: a proposal whose press (``PressConfig.resolved``) equals a
+    finished trial's is told that trial's values at once, and one equal to a trial being evaluated is told its
+    values when they arrive (both marked ``REUSES_ATTR``, no MLflow run, not counted against the budget). So
+    eviction-only (``merge: none``, no parameters) costs one evaluation however often the sampler proposes it.
+    NOTE: proposals keep being asked until ``count`` new configurations are open; after
+    ``EXHAUSTED_AFTER_DUPLICATES`` proposals in a row that were all duplicates, the sampler is taken to have
+    exhausted the space and the stage ends.
     """
 
     def __init__(self, records: SweepRecords, stage: str):
@@ -204,6 +232,10 @@ class TrialLedger:
             self.metrics = [objective.metric for objective in config.objectives]
             self.directions = config.directions
             self.budget, self.seed = config.trials, config.sampler.seed
+        self.evaluated: dict[str, tuple[int, list[float]]] = {}  # configuration key -> (its trial, its values)
+        self.in_flight: dict[str, OpenTrial] = {}  # configuration key -> its open trial
+        self.waiting: dict[int, list[optuna.Trial]] = {}  # an open trial's number -> proposals equal to it
+        self.duplicates_in_a_row = 0
         records.ledgers[stage] = self
 
     def open(self) -> None:
@@ -211,6 +243,9 @@ class TrialLedger:
                                          load_if_exists=True, directions=self.directions,
                                          sampler=make_sampler(self.records.config, self.seed))
         self.reconcile()
+        for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if REUSES_ATTR not in frozen.user_attrs:
+                self.evaluated.setdefault(self._key(frozen.params, frozen.user_attrs), (frozen.number, frozen.values))
 
     def enqueue_once(self, trials: list[tuple[dict, dict]]) -> None:
         """Enqueue each ``(params, user_attrs)`` whose user attributes no trial of the study carries yet, so a
@@ -227,6 +262,10 @@ class TrialLedger:
             finished = self.records.close_leftovers(children.get(str(frozen.number), []))
             if frozen.state != optuna.trial.TrialState.RUNNING:
                 continue
+            if REUSES_ATTR in frozen.user_attrs:
+                # NOTE: a proposal that waited for an interrupted trial: that trial is re-enqueued on its own.
+                self.study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
+                continue
             outcome = self.records.state.load(self.stage, str(frozen.number))
             if outcome is not None and outcome.ok:
                 if not finished:
@@ -238,23 +277,50 @@ class TrialLedger:
 
     def remaining(self) -> int:
         """Trials still to run: the budget less those that count against it, complete or failed on their own
-        (not re-enqueued)."""
+        (not re-enqueued, not reused); none once the sampler has exhausted the space."""
+        if self.exhausted:
+            return 0
         trials = self.study.get_trials(deepcopy=False)
         requeued = {trial.user_attrs[REQUEUE_OF_ATTR] for trial in trials if REQUEUE_OF_ATTR in trial.user_attrs}
-        done = sum(trial.state == optuna.trial.TrialState.COMPLETE
-                   or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued)
+        done = sum(REUSES_ATTR not in trial.user_attrs
+                   and (trial.state == optuna.trial.TrialState.COMPLETE
+                        or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued))
                    for trial in trials)
         return max(self.budget - done, 0)
 
+    @property
+    def reused(self) -> int:
+        return sum(REUSES_ATTR in trial.user_attrs for trial in self.study.get_trials(deepcopy=False))
+
+    @property
+    def exhausted(self) -> bool:
+        return self.duplicates_in_a_row >= EXHAUSTED_AFTER_DUPLICATES
+
     def open_trials(self, count: int) -> list[OpenTrial]:
-        """The next ``count`` trials: asked of Optuna, turned into press configurations, their MLflow runs opened."""
+        """The next ``count`` new configurations: asked of Optuna, turned into press configurations, their MLflow
+        runs opened. Fewer only when the space is exhausted; proposals of configurations already evaluated or
+        being evaluated are reused on the way."""
         opened = []
-        for _ in range(count):
+        while len(opened) < count and not self.exhausted:
             started = time.perf_counter()
             trial = self.study.ask()
-            request = TrialRequest(trial.number, suggest_press(trial, self.records.config), self.stage)
-            run_id = self.records.start(request, trial.params, trial.user_attrs)
-            opened.append(OpenTrial(request, run_id, time.perf_counter() - started, trial))
+            press = suggest_press(trial, self.records.config)
+            key = self._key(trial.params, trial.user_attrs)
+            self.duplicates_in_a_row += 1
+            if key in self.evaluated:
+                self._tell_reused(trial, *self.evaluated[key])
+            elif key in self.in_flight:
+                self.waiting.setdefault(self.in_flight[key].trial.number, []).append(trial)
+                trial.set_user_attr(REUSES_ATTR, self.in_flight[key].trial.number)
+            else:
+                self.duplicates_in_a_row = 0
+                request = TrialRequest(trial.number, press, self.stage, checkpoint_dir=self.records.state.checkpoints)
+                run_id = self.records.start(request, trial.params, trial.user_attrs)
+                self.in_flight[key] = OpenTrial(request, run_id, time.perf_counter() - started, trial)
+                opened.append(self.in_flight[key])
+        if self.exhausted:
+            log.warning("%s stage: the sampler proposed %d configurations in a row that were already evaluated; "
+                        "the search space looks exhausted, so the stage ends", self.stage, self.duplicates_in_a_row)
         return opened
 
     def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
@@ -268,25 +334,39 @@ class TrialLedger:
             missing = [name for name in self.metrics if name not in trial_metrics(outcome.summary)]
             outcome = replace(outcome, status=FAILED, error=f"objective(s) {missing} not measured")
         timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        discard_checkpoint(outcome, open_trial.request)
+        key = self._key(open_trial.trial.params, open_trial.trial.user_attrs)
+        del self.in_flight[key]
         if outcome.ok:
             self.study.tell(open_trial.trial, values)
+            self.evaluated[key] = (open_trial.trial.number, values)
             self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s -> %s", outcome, open_trial.trial.params, dict(zip(self.metrics, values)))
         else:
             self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
+        for waiting in self.waiting.pop(open_trial.trial.number, []):
+            self._tell_reused(waiting, open_trial.trial.number, values)
         self.records.update_parent()
 
     def abandon(self, open_trial: OpenTrial) -> None:
-        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
+        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep (the
+        proposals waiting for it end as failed reuses: the re-enqueued copy stands for them)."""
         self.records.abandon(open_trial)
+        del self.in_flight[self._key(open_trial.trial.params, open_trial.trial.user_attrs)]
+        for waiting in self.waiting.pop(open_trial.trial.number, []):
+            self._tell_reused(waiting, open_trial.trial.number, None)
         self._requeue(open_trial.trial.number, open_trial.trial.params, open_trial.trial.user_attrs)
 
     def completed(self) -> int:
-        return sum(t.state == optuna.trial.TrialState.COMPLETE for t in self.study.get_trials(deepcopy=False))
+        """Trials evaluated to the end (reused proposals left out)."""
+        return sum(t.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in t.user_attrs
+                   for t in self.study.get_trials(deepcopy=False))
 
     def progress(self) -> dict[str, float]:
-        """The parent run's count of this stage: ``completed_trials`` (full) or ``completed_screen_trials``."""
-        return {"completed_trials" if self.stage == FULL_STAGE else f"completed_{self.stage}_trials": self.completed()}
+        """The parent run's counts of this stage: ``completed_trials`` and ``reused_proposals`` (full), or
+        ``completed_screen_trials`` and ``reused_screen_proposals``."""
+        infix = "" if self.stage == FULL_STAGE else f"{self.stage}_"
+        return {f"completed_{infix}trials": self.completed(), f"reused_{infix}proposals": self.reused}
 
     def best(self) -> list[dict]:
         if not self.completed():
@@ -297,6 +377,21 @@ class TrialLedger:
         metrics = trial_metrics(outcome.summary)
         values = [metrics.get(name) for name in self.metrics]
         return None if None in values else values
+
+    def _key(self, params: dict, user_attrs: dict) -> str:
+        """What identifies a configuration: the press it builds, every setting resolved (so two proposals that
+        encode one press differently are one configuration)."""
+        return json.dumps(press_of(params, self.records.config, user_attrs).resolved(), sort_keys=True)
+
+    def _tell_reused(self, trial: optuna.Trial, original: int, values: list[float] | None) -> None:
+        """Tell a proposal the values of the trial that evaluated its configuration (failed if that failed)."""
+        trial.set_user_attr(REUSES_ATTR, original)
+        if values is None:
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            self.study.tell(trial, values)
+            log.info("%s trial %d: same configuration as trial %d, its result reused", self.stage, trial.number,
+                     original)
 
     def _requeue(self, number: int, params: dict, user_attrs: dict) -> None:
         """Fail trial ``number`` and enqueue its parameters again; the copy names it, so it no longer counts."""
@@ -333,7 +428,7 @@ class HeldOutLedger:
                 self.records.recover(outcome)
                 self.finished += 1
             else:
-                self.pending.append(TrialRequest(None, press, TEST_STAGE, test_of))
+                self.pending.append(TrialRequest(None, press, TEST_STAGE, test_of, self.records.state.checkpoints))
 
     def remaining(self) -> int:
         return len(self.pending)
@@ -352,6 +447,7 @@ class HeldOutLedger:
         """Write a test evaluation's outcome: state directory, then MLflow, then the parent run's summary."""
         started = time.perf_counter()
         timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        discard_checkpoint(outcome, open_trial.request)
         if timing is not None:
             self.finished += 1
             self.records.count(open_trial, timing, dispatch_s, started)

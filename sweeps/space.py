@@ -6,7 +6,7 @@ import warnings
 
 import optuna
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig
+from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
@@ -14,10 +14,16 @@ from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
 
 
 def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
-    """Ask ``trial`` for every searched value and return the press configuration it describes."""
+    """Ask ``trial`` for every searched value and return the press configuration it describes.
+
+    NOTE: the eviction-only baseline (user attribute ``BASELINE_TAG``) is a fixed reference, not a point of the
+    search space: it is the eviction press alone at the sweep's budget whatever the merge choices.
+    """
     space = dict(config.search_space)
     ratio_param = space.pop("compression_ratio", None)
     ratio = _suggest(trial, "compression_ratio", ratio_param) if ratio_param else config.press.compression_ratio
+    if trial.user_attrs.get(BASELINE_TAG) == EVICTION_ONLY:
+        return PressConfig(press=config.press.name, compression_ratio=ratio)
     merge = trial.suggest_categorical("merge", config.merge)
     options = {}
     if merge == "grkv":
@@ -25,9 +31,13 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 
-def press_of(params: dict, config: SweepConfig) -> PressConfig:
-    """The press configuration a finished trial ran, from its parameters (``FrozenTrial.params``)."""
-    return suggest_press(optuna.trial.FixedTrial(params), config)
+def press_of(params: dict, config: SweepConfig, user_attrs: dict | None = None) -> PressConfig:
+    """The press configuration a trial ran, from its parameters and user attributes (``FrozenTrial.params``,
+    ``.user_attrs``)."""
+    trial = optuna.trial.FixedTrial(params)
+    for name, value in (user_attrs or {}).items():
+        trial.set_user_attr(name, value)
+    return suggest_press(trial, config)
 
 
 def _suggest(trial: optuna.Trial, name: str, param):
@@ -41,8 +51,9 @@ def _suggest(trial: optuna.Trial, name: str, param):
 
 
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
-    """The trials enqueued first: the paper's Alg. 1 behind the press (its options among the searched ones; a
-    sweep that does not search an option runs GRKVPress's default), and the press alone; both at the sweep's
+    """The trials enqueued first, as ``(name, params)`` (the driver tags each with its name): the paper's Alg. 1
+    behind the press (its options among the searched ones; a sweep that does not search an option runs
+    GRKVPress's default), and the press alone (named, not proposed: see ``suggest_press``); both at the sweep's
     ``press.compression_ratio``, also when the ratio is searched."""
     budget = {}
     if "compression_ratio" in config.search_space:
@@ -61,7 +72,7 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
             params.update(_fixed(name, param, value))
         baselines.append((PAPER_DEFAULT, params))
     if EVICTION_ONLY in config.baselines:
-        baselines.append((EVICTION_ONLY, {**budget, "merge": "none"}))
+        baselines.append((EVICTION_ONLY, budget))
     return baselines
 
 

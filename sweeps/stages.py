@@ -53,10 +53,11 @@ def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str,
     presses = [(str(trial.number), press_of(trial.params, config)) for trial in best_trials(study, config)]
     trials = study.get_trials(deepcopy=False)
     for name in config.baselines:
-        runs = sorted((t for t in trials if t.user_attrs.get(BASELINE_TAG) == name and t.params),
+        runs = sorted((t for t in trials
+                       if t.user_attrs.get(BASELINE_TAG) == name and t.state != optuna.trial.TrialState.WAITING),
                       key=lambda t: (t.state != COMPLETE, t.number))
         if runs:
-            presses.append((name, press_of(runs[0].params, config)))
+            presses.append((name, press_of(runs[0].params, config, runs[0].user_attrs)))
     presses += [(f"{EVICTION_ONLY}@{ratio:g}", PressConfig(config.press.name, ratio))
                 for ratio in config.test.eviction_ratios]
     return presses

@@ -11,6 +11,7 @@ import optuna
 import pytest
 
 from grkv_core.config import (
+    BASELINE_TAG,
     EVICTION_PRESS_NAMES,
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
@@ -159,9 +160,15 @@ def test_eval_config_round_trips_and_reads_the_loss_window_of_older_result_files
         EvalConfig.from_dict({**legacy, "windowsize": 24})
 
 
-def test_default_baselines_are_those_the_merge_choices_allow():
-    assert SweepConfig(name="only-grkv", trials=1, search_space={}).baselines == ["paper_default"]
-    both = SweepConfig(name="both", trials=1, merge=["grkv", "none"], search_space={})
-    assert both.baselines == ["paper_default", "eviction_only"]
-    with pytest.raises(ValueError, match="'eviction_only' needs 'none'"):
-        SweepConfig(name="asked", trials=1, baselines=["eviction_only"], search_space={})
+def test_eviction_only_is_a_fixed_baseline_whatever_the_merge_choices():
+    from sweeps.space import baseline_params, suggest_press
+
+    for merge in (["grkv"], ["grkv", "none"]):
+        config = SweepConfig(name="baselines", trials=2, merge=merge, search_space={})
+        assert config.baselines == ["paper_default", "eviction_only"]
+        study = optuna.create_study()
+        for name, params in baseline_params(config):
+            study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
+        paper, eviction = (suggest_press(study.ask(), config) for _ in range(2))
+        assert (paper.merge, eviction.merge) == ("grkv", "none")
+        assert eviction == PressConfig(config.press.name, config.press.compression_ratio)

@@ -83,15 +83,16 @@ def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_p
     config = load_config(smoke_with(tmp_path, **{
         "search_space.compression_ratio": {"type": "float", "low": 0.5, "high": 0.9}}))
     baselines = dict(baseline_params(config))
-    assert baselines[EVICTION_ONLY] == {"compression_ratio": 0.75, "merge": "none"}
+    assert baselines[EVICTION_ONLY] == {"compression_ratio": 0.75}
     assert baselines[PAPER_DEFAULT]["compression_ratio"] == 0.75
-    eviction = press_of(baselines[EVICTION_ONLY], config)
+    eviction = press_of(baselines[EVICTION_ONLY], config, {BASELINE_TAG: EVICTION_ONLY})
     assert (eviction.compression_ratio, eviction.merge) == (0.75, "none")
     assert eviction.resolved()["compression_ratio"] == 0.75
     # Proposed through Optuna, as the driver enqueues it.
     study = optuna.create_study()
-    study.enqueue_trial(baselines[EVICTION_ONLY])
-    assert suggest_press(study.ask(), config).compression_ratio == 0.75
+    study.enqueue_trial(baselines[EVICTION_ONLY], user_attrs={BASELINE_TAG: EVICTION_ONLY})
+    proposed = suggest_press(study.ask(), config)
+    assert (proposed.compression_ratio, proposed.merge) == (0.75, "none")
 
 
 def add(study: optuna.Study, params: dict, values, **user_attrs) -> None:

@@ -31,6 +31,7 @@ from grkv_core.config import (
     PAPER_DEFAULT,
     PROMOTED_FROM_TAG,
     RECOVERED_TAG,
+    REUSES_ATTR,
     ROLE_TAG,
     SCREEN_STAGE,
     STAGE_TAG,
@@ -40,6 +41,8 @@ from grkv_core.config import (
     TRIAL_TAG,
 )
 from sweeps.config import ConfigError, load_config
+from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
+from sweeps.space import press_of
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -118,7 +121,26 @@ def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE) -> optuna.
 
 
 def complete_trials(study):
-    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    """The trials evaluated to the end (proposals that reused an evaluated configuration's result left out)."""
+    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE
+            and REUSES_ATTR not in t.user_attrs]
+
+
+def assert_each_configuration_evaluated_once(children, study, config_path: Path, stage: str = FULL_STAGE):
+    """No two finished runs of a stage ran the same press; every reused proposal proposed its original's press
+    and carries its values."""
+    config = load_config(config_path)
+    configurations = [frozenset((k, v) for k, v in r.data.params.items() if not k.startswith("optuna."))
+                      for r in of_stage(children, stage, "FINISHED")]
+    assert len(set(configurations)) == len(configurations)
+    trials = {t.number: t for t in study.get_trials()}
+    for trial in trials.values():
+        if REUSES_ATTR in trial.user_attrs:
+            original = trials[trial.user_attrs[REUSES_ATTR]]
+            assert REUSES_ATTR not in original.user_attrs
+            assert (press_of(trial.params, config, trial.user_attrs)
+                    == press_of(original.params, config, original.user_attrs))
+            assert trial.values == original.values
 
 
 def of_stage(runs, stage: str, status: str | None = None) -> list:
@@ -212,8 +234,10 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert all(r.info.status == "FINISHED" for r in children)
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
     study, screen = study_of(state, sweep_id), study_of(state, sweep_id, SCREEN_STAGE)
-    assert len(complete_trials(study)) == len(study.trials) == 8
-    assert len(complete_trials(screen)) == len(screen.trials) == 4
+    assert len(complete_trials(study)) == 8 and len(complete_trials(screen)) == 4
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials + screen.trials)
+    assert_each_configuration_evaluated_once(children, study, SMOKE)
+    assert_each_configuration_evaluated_once(children, screen, SMOKE, SCREEN_STAGE)
     assert_one_finished_child_per_complete_trial(children, study)
     assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
     assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id)
@@ -221,7 +245,7 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
     first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
     assert first[0].params["merge"] == "grkv" and first[0].params["lambda_k"] == 1e-2
-    assert first[1].params == {"merge": "none"}
+    assert first[1].params == {} and first[1].user_attrs[BASELINE_TAG] == EVICTION_ONLY
     screened = sorted(complete_trials(screen), key=lambda t: (t.value, t.number))
     assert [t.user_attrs[PROMOTED_FROM_TAG] for t in first[2:]] == [t.number for t in screened[:2]]
     assert [t.params for t in first[2:]] == [t.params for t in screened[:2]]
@@ -239,6 +263,35 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert {r.data.metrics["worker_model_loads"] for r in children} == {1.0}
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert {"study_trials.csv", "screen_trials.csv"} <= artifacts
+    # The workers' per-sample checkpoints went with their trials' results into the state directory.
+    assert (state / sweep_id / "checkpoints").is_dir()
+    assert not list((state / sweep_id / "checkpoints").rglob("*.json"))
+
+
+def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage(services, tmp_path):
+    """Eviction-only and CaM: two configurations in all. The first is the eviction-only baseline; every other
+    proposal of either reuses its result (told at once, or when the in-flight one finishes) until the sampler
+    has proposed nothing new ``EXHAUSTED_AFTER_DUPLICATES`` times in a row, and the stage ends."""
+    sweep_id, state = "reuse", tmp_path / "state"
+    config = write_config(tmp_path, drop=("screening", "test", "data.test"), merge=["none", "cam"], trials=4,
+                          **{"tracking.experiment": "grkv-reuse"})
+    driver = start_driver(services, config, sweep_id, state)
+    output, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0, output[-3000:]
+    assert "search space looks exhausted" in output
+    parents, children = runs_of(services["tracking_uri"], "grkv-reuse", sweep_id)
+    assert parents[0].info.status == "FINISHED" and all(r.info.status == "FINISHED" for r in children)
+    study = study_of(state, sweep_id)
+    evaluated = complete_trials(study)
+    assert evaluated[0].number == 0 and evaluated[0].user_attrs[BASELINE_TAG] == EVICTION_ONLY
+    assert len(evaluated) == 2 and evaluated[1].params == {"merge": "cam"}
+    reused = sum(REUSES_ATTR in t.user_attrs for t in study.trials)
+    assert reused >= EXHAUSTED_AFTER_DUPLICATES and len(study.trials) == reused + 2
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert_one_finished_child_per_complete_trial(children, study)
+    assert_each_configuration_evaluated_once(children, study, config)
+    assert any(t.params == {"merge": "none"} for t in study.trials)  # proposed, and reused eviction-only's result
+    assert parents[0].data.metrics["reused_proposals"] == reused and parents[0].data.metrics["completed_trials"] == 2
 
 
 def slow_config(tmp_path, trials, stages=False):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
@@ -71,3 +73,38 @@ def test_the_tuning_samples_are_those_of_a_sweep_without_a_test_stage(worker):
                                  samples_per_task=CONFIG.samples, seed=CONFIG.seed,
                                  tokenizer=worker.setup.loaded.tokenizer)
     assert alone == worker.samples[FULL_STAGE]
+
+
+def test_a_trial_asked_again_resumes_from_its_checkpoint_at_the_sample_it_had_reached(worker, tmp_path):
+    """An interrupted batch leaves each trial's finished samples in the checkpoint directory; the same press,
+    asked again under another number, evaluates only the samples missing there."""
+    checkpoints = str(tmp_path / "checkpoints")
+    first = worker.evaluate_batch([TrialRequest(5, GRKV, checkpoint_dir=checkpoints),
+                                   TrialRequest(6, EVICTION, checkpoint_dir=checkpoints)])
+    stored = sorted((tmp_path / "checkpoints" / FULL_STAGE).glob("*.json"))
+    assert len(stored) == 2
+    # The interruption: GRKV's file keeps only its first sample, marked so that a recomputation would show.
+    grkv_file = next(path for path in stored if json.loads(path.read_text())["resolved_press"]["merge"] == "grkv")
+    payload = json.loads(grkv_file.read_text())
+    payload["samples"] = payload["samples"][:1]
+    payload["samples"][0]["predictions"] = ["from the checkpoint"]
+    grkv_file.write_text(json.dumps(payload))
+    (again,) = worker.evaluate_batch([TrialRequest(7, GRKV, checkpoint_dir=checkpoints)])
+    assert again.ok and again.trial_number == 7
+    assert [row["sample_id"] for row in again.samples] == [row["sample_id"] for row in first[0].samples]
+    assert again.samples[0]["predictions"] == ["from the checkpoint"]
+    assert_same_measurements(again.samples[1], first[0].samples[1])
+    # Without a checkpoint directory nothing is kept or read.
+    (plain,) = worker.evaluate_batch([TrialRequest(8, GRKV)])
+    for row, expected in zip(plain.samples, first[0].samples, strict=True):
+        assert_same_measurements(row, expected)
+
+
+def assert_same_measurements(row: dict, expected: dict) -> None:
+    """Two results of one press on one sample agree but for timings (which differ between two evaluations), and
+    losses to float32 round-off (a batch's full-cache reference is computed for the batch's caches together)."""
+    losses = ("window_loss", "heldout_loss", "question_loss")
+    timings = ("ttft_s", "prefill_s", "decode_ms_per_token", "wall_s", "peak_memory_bytes", "batch_trials")
+    assert {name: row[name] for name in losses} == pytest.approx({name: expected[name] for name in losses}, rel=1e-5)
+    kept = [name for name in row if name not in (*losses, *timings)]
+    assert {name: row[name] for name in kept} == {name: expected[name] for name in kept}

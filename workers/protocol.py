@@ -12,7 +12,10 @@ NOTE: imports nothing heavy, so the driver's bookkeeping and the tracker can rea
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from grkv_core.config import FULL_STAGE, STAGES, TEST_STAGE, PressConfig
@@ -38,12 +41,18 @@ def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
 
 @dataclass(frozen=True)
 class TrialRequest:
-    """One trial for a worker: its identity (number or ``test_of``, and stage) and the press to evaluate."""
+    """One trial for a worker: its identity (number or ``test_of``, and stage) and the press to evaluate.
+
+    ``checkpoint_dir``: where the worker keeps the trial's per-sample results while it runs (on the worker's
+    machine), so a trial evaluated again with the same press, after an interruption, resumes at the sample it
+    had reached; None keeps nothing.
+    """
 
     trial_number: int | None
     press: PressConfig
     stage: str = FULL_STAGE
     test_of: str | None = None
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_identity(self.trial_number, self.stage, self.test_of)
@@ -56,13 +65,22 @@ class TrialRequest:
         """The item's name within its stage: its trial number, or what a test-stage item tests."""
         return self.test_of if self.stage == TEST_STAGE else str(self.trial_number)
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The file of the trial's per-sample results: one per stage and press (every setting resolved), so the
+        same press asked again under another number finds it."""
+        if self.checkpoint_dir is None:
+            return None
+        resolved = json.dumps(self.press.resolved(), sort_keys=True).encode()
+        return Path(self.checkpoint_dir) / self.stage / f"{hashlib.sha1(resolved).hexdigest()[:20]}.json"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialRequest:
         return cls(data["trial_number"], PressConfig(**data["press"]), data.get("stage", FULL_STAGE),
-                   data.get("test_of"))
+                   data.get("test_of"), data.get("checkpoint_dir"))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig
 from grkv_core.datasets import EvalSample
-from grkv_core.evaluate import EvaluationSetup, SampleResult, summarize
+from grkv_core.evaluate import EvaluationSetup, ResultStore, evaluate_samples, summarize
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
@@ -61,7 +61,8 @@ class TrialWorker:
 
         transformers.utils.logging.disable_progress_bar()  # a worker's log is no terminal
         config = EvalConfig.from_dict(eval_config)
-        self.setup = EvaluationSetup.load(replace(config, samples=config.samples + test_samples))
+        self.config = replace(config, samples=config.samples + test_samples)
+        self.setup = EvaluationSetup.load(self.config)
         self.samples = split_samples(self.setup.samples, config.samples)
         self.model_loads = 1
         self.trials_evaluated = 0
@@ -113,11 +114,9 @@ class TrialWorker:
         stage = requests[0].stage
         presses = [request.press for request in requests]
         resolved = [press.resolved() for press in presses]
-        per_trial: list[list[SampleResult]] = [[] for _ in requests]
-        for sample in self.samples[stage]:
-            results = self.setup.evaluator.evaluate_trials(sample, presses, decode=stage != SCREEN_STAGE)
-            for trial_results, result in zip(per_trial, results, strict=True):
-                trial_results.append(result)
+        per_trial = evaluate_samples(self.setup.evaluator, self.samples[stage], presses,
+                                     [self._checkpoint(request) for request in requests],
+                                     decode=stage != SCREEN_STAGE)
         finished = time.time()
         self.trials_evaluated += len(requests)
         identity = self.identity()
@@ -125,6 +124,13 @@ class TrialWorker:
                                 worker=identity, resolved_press=press, summary=summarize(results),
                                 samples=[asdict(result) for result in results])
                 for request, press, results in zip(requests, resolved, per_trial)]
+
+    def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
+        """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""
+        if request.checkpoint is None:
+            return None
+        request.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        return ResultStore(request.checkpoint, replace(self.config, press=request.press), self.setup.model_dtype)
 
     @staticmethod
     def _release(error: Exception) -> None:
