@@ -52,8 +52,9 @@ BEST_TRIALS_TAG = "grkv.best_trials"
 METHOD_ATTR = "grkv.method"
 RUN_ID_ATTR = "grkv.run_id"
 REQUEUE_OF_ATTR = "grkv.requeue_of"  # on a re-enqueued copy: the number of the trial it replaces
-# On a proposal whose press equals one already evaluated (or being evaluated) in its study: the number of the trial
-# whose result it was told. Such a trial is not evaluated, has no MLflow run and does not count against the budget.
+# On a proposal whose press equals one already evaluated (or being evaluated) in its study: that trial's number. Such
+# a proposal is not evaluated: told as failed (so a sampler never counts one configuration twice), no MLflow run,
+# not counted against the budget.
 REUSES_ATTR = "grkv.reuses"
 # Which stage of a sweep a child run belongs to: screening (losses only, no decoding), full scoring on the
 # tuning samples, or the held-out test stage; a test-stage run names what it confirms (a trial number or a

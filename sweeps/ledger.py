@@ -211,9 +211,12 @@ class TrialLedger:
     ``screening.trials``. Both propose from the same search space.
 
     A configuration is evaluated once per study: a proposal whose press (``PressConfig.resolved``) equals a
-    finished trial's is told that trial's values at once, and one equal to a trial being evaluated is told its
-    values when they arrive (both marked ``REUSES_ATTR``, no MLflow run, not counted against the budget). So
-    eviction-only (``merge: none``, no parameters) costs one evaluation however often the sampler proposes it.
+    finished trial's, or a trial's being evaluated, is not evaluated; it is marked ``REUSES_ATTR`` (that trial's
+    number), has no MLflow run and does not count against the budget. So eviction-only (``merge: none``, no
+    parameters) costs one evaluation however often the sampler proposes it.
+    NOTE: such a proposal is told as failed, not with its original's values: samplers leave failed trials out,
+    so one configuration never weighs as several in the sampler's model (told as complete, every duplicate of a
+    good configuration made the sampler propose it again, and the duplicates fed on themselves).
     NOTE: proposals keep being asked until ``count`` new configurations are open; after
     ``EXHAUSTED_AFTER_DUPLICATES`` proposals in a row that were all duplicates, the sampler is taken to have
     exhausted the space and the stage ends.
@@ -232,9 +235,8 @@ class TrialLedger:
             self.metrics = [objective.metric for objective in config.objectives]
             self.directions = config.directions
             self.budget, self.seed = config.trials, config.sampler.seed
-        self.evaluated: dict[str, tuple[int, list[float]]] = {}  # configuration key -> (its trial, its values)
+        self.evaluated: dict[str, int] = {}  # configuration key -> the trial that evaluated it
         self.in_flight: dict[str, OpenTrial] = {}  # configuration key -> its open trial
-        self.waiting: dict[int, list[optuna.Trial]] = {}  # an open trial's number -> proposals equal to it
         self.duplicates_in_a_row = 0
         records.ledgers[stage] = self
 
@@ -245,7 +247,7 @@ class TrialLedger:
         self.reconcile()
         for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if REUSES_ATTR not in frozen.user_attrs:
-                self.evaluated.setdefault(self._key(frozen.params, frozen.user_attrs), (frozen.number, frozen.values))
+                self.evaluated.setdefault(self._key(frozen.params, frozen.user_attrs), frozen.number)
 
     def enqueue_once(self, trials: list[tuple[dict, dict]]) -> None:
         """Enqueue each ``(params, user_attrs)`` whose user attributes no trial of the study carries yet, so a
@@ -261,10 +263,6 @@ class TrialLedger:
         for frozen in self.study.get_trials(deepcopy=False):
             finished = self.records.close_leftovers(children.get(str(frozen.number), []))
             if frozen.state != optuna.trial.TrialState.RUNNING:
-                continue
-            if REUSES_ATTR in frozen.user_attrs:
-                # NOTE: a proposal that waited for an interrupted trial: that trial is re-enqueued on its own.
-                self.study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
                 continue
             outcome = self.records.state.load(self.stage, str(frozen.number))
             if outcome is not None and outcome.ok:
@@ -290,6 +288,7 @@ class TrialLedger:
 
     @property
     def reused(self) -> int:
+        """Proposals not evaluated because their configuration was."""
         return sum(REUSES_ATTR in trial.user_attrs for trial in self.study.get_trials(deepcopy=False))
 
     @property
@@ -299,7 +298,7 @@ class TrialLedger:
     def open_trials(self, count: int) -> list[OpenTrial]:
         """The next ``count`` new configurations: asked of Optuna, turned into press configurations, their MLflow
         runs opened. Fewer only when the space is exhausted; proposals of configurations already evaluated or
-        being evaluated are reused on the way."""
+        being evaluated are told as reused on the way."""
         opened = []
         while len(opened) < count and not self.exhausted:
             started = time.perf_counter()
@@ -307,11 +306,12 @@ class TrialLedger:
             press = suggest_press(trial, self.records.config)
             key = self._key(trial.params, trial.user_attrs)
             self.duplicates_in_a_row += 1
-            if key in self.evaluated:
-                self._tell_reused(trial, *self.evaluated[key])
-            elif key in self.in_flight:
-                self.waiting.setdefault(self.in_flight[key].trial.number, []).append(trial)
-                trial.set_user_attr(REUSES_ATTR, self.in_flight[key].trial.number)
+            original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
+            if original is not None:
+                trial.set_user_attr(REUSES_ATTR, original)
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                log.info("%s trial %d: the configuration of trial %d, not evaluated again", self.stage, trial.number,
+                         original)
             else:
                 self.duplicates_in_a_row = 0
                 request = TrialRequest(trial.number, press, self.stage, checkpoint_dir=self.records.state.checkpoints)
@@ -339,22 +339,17 @@ class TrialLedger:
         del self.in_flight[key]
         if outcome.ok:
             self.study.tell(open_trial.trial, values)
-            self.evaluated[key] = (open_trial.trial.number, values)
+            self.evaluated[key] = open_trial.trial.number
             self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s -> %s", outcome, open_trial.trial.params, dict(zip(self.metrics, values)))
         else:
             self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
-        for waiting in self.waiting.pop(open_trial.trial.number, []):
-            self._tell_reused(waiting, open_trial.trial.number, values)
         self.records.update_parent()
 
     def abandon(self, open_trial: OpenTrial) -> None:
-        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep (the
-        proposals waiting for it end as failed reuses: the re-enqueued copy stands for them)."""
+        """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
         self.records.abandon(open_trial)
         del self.in_flight[self._key(open_trial.trial.params, open_trial.trial.user_attrs)]
-        for waiting in self.waiting.pop(open_trial.trial.number, []):
-            self._tell_reused(waiting, open_trial.trial.number, None)
         self._requeue(open_trial.trial.number, open_trial.trial.params, open_trial.trial.user_attrs)
 
     def completed(self) -> int:
@@ -382,16 +377,6 @@ class TrialLedger:
         """What identifies a configuration: the press it builds, every setting resolved (so two proposals that
         encode one press differently are one configuration)."""
         return json.dumps(press_of(params, self.records.config, user_attrs).resolved(), sort_keys=True)
-
-    def _tell_reused(self, trial: optuna.Trial, original: int, values: list[float] | None) -> None:
-        """Tell a proposal the values of the trial that evaluated its configuration (failed if that failed)."""
-        trial.set_user_attr(REUSES_ATTR, original)
-        if values is None:
-            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        else:
-            self.study.tell(trial, values)
-            log.info("%s trial %d: same configuration as trial %d, its result reused", self.stage, trial.number,
-                     original)
 
     def _requeue(self, number: int, params: dict, user_attrs: dict) -> None:
         """Fail trial ``number`` and enqueue its parameters again; the copy names it, so it no longer counts."""

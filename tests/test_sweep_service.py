@@ -121,26 +121,30 @@ def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE) -> optuna.
 
 
 def complete_trials(study):
-    """The trials evaluated to the end (proposals that reused an evaluated configuration's result left out)."""
-    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE
-            and REUSES_ATTR not in t.user_attrs]
+    return [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def reused_trials(study):
+    """Proposals not evaluated because their configuration was: told as failed, naming the trial."""
+    reused = [t for t in study.get_trials() if REUSES_ATTR in t.user_attrs]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in reused)
+    return reused
 
 
 def assert_each_configuration_evaluated_once(children, study, config_path: Path, stage: str = FULL_STAGE):
-    """No two finished runs of a stage ran the same press; every reused proposal proposed its original's press
-    and carries its values."""
+    """No two finished runs of a stage ran the same press; every reused proposal proposed the press of the
+    evaluated trial it names; every other trial was evaluated to the end."""
     config = load_config(config_path)
     configurations = [frozenset((k, v) for k, v in r.data.params.items() if not k.startswith("optuna."))
                       for r in of_stage(children, stage, "FINISHED")]
     assert len(set(configurations)) == len(configurations)
     trials = {t.number: t for t in study.get_trials()}
-    for trial in trials.values():
-        if REUSES_ATTR in trial.user_attrs:
-            original = trials[trial.user_attrs[REUSES_ATTR]]
-            assert REUSES_ATTR not in original.user_attrs
-            assert (press_of(trial.params, config, trial.user_attrs)
-                    == press_of(original.params, config, original.user_attrs))
-            assert trial.values == original.values
+    reused = reused_trials(study)
+    for trial in reused:
+        original = trials[trial.user_attrs[REUSES_ATTR]]
+        assert original.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in original.user_attrs
+        assert press_of(trial.params, config, trial.user_attrs) == press_of(original.params, config, original.user_attrs)
+    assert {t.number for t in complete_trials(study)} == set(trials) - {t.number for t in reused}
 
 
 def of_stage(runs, stage: str, status: str | None = None) -> list:
@@ -235,7 +239,6 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
     study, screen = study_of(state, sweep_id), study_of(state, sweep_id, SCREEN_STAGE)
     assert len(complete_trials(study)) == 8 and len(complete_trials(screen)) == 4
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials + screen.trials)
     assert_each_configuration_evaluated_once(children, study, SMOKE)
     assert_each_configuration_evaluated_once(children, screen, SMOKE, SCREEN_STAGE)
     assert_one_finished_child_per_complete_trial(children, study)
@@ -285,9 +288,8 @@ def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage
     evaluated = complete_trials(study)
     assert evaluated[0].number == 0 and evaluated[0].user_attrs[BASELINE_TAG] == EVICTION_ONLY
     assert len(evaluated) == 2 and evaluated[1].params == {"merge": "cam"}
-    reused = sum(REUSES_ATTR in t.user_attrs for t in study.trials)
+    reused = len(reused_trials(study))
     assert reused >= EXHAUSTED_AFTER_DUPLICATES and len(study.trials) == reused + 2
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     assert_one_finished_child_per_complete_trial(children, study)
     assert_each_configuration_evaluated_once(children, study, config)
     assert any(t.params == {"merge": "none"} for t in study.trials)  # proposed, and reused eviction-only's result
