@@ -1,17 +1,25 @@
 """MLflow logging of a sweep: one parent run per sweep, one child run per trial (screening and full trials) and
-per test-stage evaluation, found again by tags (``grkv.stage`` tells the stages apart)."""
+per test-stage evaluation, found again by tags (``grkv.stage`` tells the stages apart).
+
+What a person sees in the MLflow UI is set here too: the experiment opens on its runs (not MLflow 3's GenAI
+overview), runs carry readable names, and ``runs_page_url`` opens a view with the objectives as columns.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import (
     BASELINE_TAG,
@@ -27,8 +35,29 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
     WORKER_PID_TAG,
+    PressConfig,
 )
 from workers.protocol import TrialOutcome
+
+log = logging.getLogger("grkv.tracking")
+
+# NOTE: MLflow prints two links for every run it closes, and they open MLflow 3's GenAI overview; the tracker
+# logs the sweep's runs page once instead (``runs_page_url``).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+# NOTE: MLflow 3's UI opens an experiment as a GenAI app (a traces overview) unless told it is model training:
+# releases before 3.17 read this experiment tag, 3.17 the sidebar's workflow switch, which a link sets with
+# the ``workflowType`` URL parameter (``runs_page_url``). Both are set, so every MLflow 3 opens on the runs.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+WORKFLOW_TYPE_PARAM = "workflowType=machine_learning"
+# The runs table of MLflow's "share view" links: the view is an experiment tag with this prefix, named in the
+# URL by its key. Each sweep has one, keyed by the sweep id.
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+RUN_NAME_COLUMN = "attributes.`Run Name`"
+RUN_NAME_WIDTH_PX = 520
+# The paper's symbols for GRKV's options in run names (README: ``GRKVPress`` options); others keep their name.
+OPTION_SYMBOLS = {"lambda_k": "λk", "lambda_v": "λv", "beta": "β", "window_size": "m", "steps": "S"}
 
 
 class TrackingUnavailableError(RuntimeError):
@@ -74,33 +103,101 @@ def trial_metrics(summary: dict) -> dict[str, float]:
             if isinstance(value, (int, float)) and math.isfinite(value)}
 
 
+def item_name(trial_number: int | None, stage: str, test_of: str | None, baseline: str | None) -> str:
+    """What a child run is, first in its name: ``t12``, ``screen t3``, ``t0 baseline paper_default``,
+    ``test t12`` (a test of trial 12), ``test eviction_only@0.5``."""
+    if stage == TEST_STAGE:
+        return f"test {'t' + test_of if test_of.isdigit() else test_of}"
+    name = f"t{trial_number}" if stage == FULL_STAGE else f"{stage} t{trial_number}"
+    return f"{name} baseline {baseline}" if baseline else name
+
+
+def press_label(resolved_press: dict, searched: tuple[str, ...]) -> str:
+    """The press as it ran, for a run's name: ``snapkv 25% + grkv λk=0.01 λv=0.1 β=0.1`` (the merger's searched
+    options only, in the search space's order)."""
+    label = PressConfig(resolved_press["press"], resolved_press["compression_ratio"], resolved_press["merge"]).label
+    values = [f"{OPTION_SYMBOLS.get(name, name)}={_short(resolved_press[name])}" for name in searched
+              if name != "compression_ratio" and resolved_press["merge"] != "none" and name in resolved_press]
+    return " ".join([label, *values])
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2g}".replace("e-0", "e-").replace("e+0", "e+")
+    return str(value)
+
+
+def objective_metrics(config: dict) -> list[str]:
+    """The metrics the sweep optimises: the full stage's objectives, then the screening metric if it screens."""
+    metrics = [objective["metric"] for objective in config["objectives"]]
+    if config["screening"]["trials"]:
+        metrics.append(config["screening"]["metric"])
+    return list(dict.fromkeys(metrics))
+
+
+def runs_view(sweep_id: str, config: dict) -> dict:
+    """The runs table a sweep's link opens: its runs only, best first on the first objective, the objective
+    metrics as columns and the run names wide enough to read.
+
+    NOTE: sorted by a metric, MLflow lists child runs as rows of their own instead of folded under the parent
+    (folding is per browser and cannot be preset); sorted by start time they fold again.
+    """
+    first = config["objectives"][0]
+    return {
+        "searchFilter": f"tags.`{SWEEP_TAG}` = '{sweep_id}'",
+        "orderByKey": f"metrics.`{first['metric']}`",
+        "orderByAsc": first["direction"] == "minimize",
+        "selectedColumns": [f"metrics.`{metric}`" for metric in objective_metrics(config)],
+        "columnOrder": [RUN_NAME_COLUMN],
+        "columnWidths": {RUN_NAME_COLUMN: RUN_NAME_WIDTH_PX},
+    }
+
+
+def runs_page_url(tracking_uri: str, experiment_id: str, sweep_id: str) -> str:
+    """The MLflow UI page of a sweep's runs (``runs_view``), as model training; for an HTTP tracking server."""
+    query = f"{WORKFLOW_TYPE_PARAM}&viewStateShareKey={urllib.parse.quote(sweep_id)}"
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
+
+
 @dataclass
 class SweepTracker:
-    """Creates or finds the sweep's parent run and writes its trials' child runs."""
+    """Creates or finds the sweep's parent run and writes its trials' child runs.
+
+    ``searched`` names the search space's parameters, which the child runs' names show.
+    """
 
     client: MlflowClient
     experiment_id: str
     sweep_id: str
     parent_run_id: str
+    searched: tuple[str, ...]
 
     @classmethod
     def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict) -> "SweepTracker":
+        """Find or create the experiment and the sweep's parent run (named ``sweep <id>``; the resolved
+        configuration as its parameters), and store the sweep's runs view (``runs_page_url``)."""
         client = MlflowClient(tracking_uri)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+        client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + sweep_id,
+                                  json.dumps(runs_view(sweep_id, config)))
         parents = client.search_runs(
             [experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'sweep'", max_results=2
         )
+        name = f"sweep {sweep_id}"
         if parents:
             parent_id = parents[0].info.run_id
-            client.update_run(parent_id, status="RUNNING")
+            client.update_run(parent_id, status="RUNNING", name=name)
         else:
-            run = client.create_run(experiment_id, run_name=sweep_id, tags={SWEEP_TAG: sweep_id, ROLE_TAG: "sweep"})
+            run = client.create_run(experiment_id, run_name=name, tags={SWEEP_TAG: sweep_id, ROLE_TAG: "sweep"})
             parent_id = run.info.run_id
             params = flatten("", config)
             client.log_batch(parent_id, params=[Param(key, value[:6000]) for key, value in params.items()])
             client.log_text(parent_id, json.dumps(config, indent=1), "sweep_config.json")
-        return cls(client, experiment_id, sweep_id, parent_id)
+        if tracking_uri.startswith(("http://", "https://")):
+            log.info("MLflow: the sweep's runs at %s", runs_page_url(tracking_uri, experiment_id, sweep_id))
+        return cls(client, experiment_id, sweep_id, parent_id, tuple(config["search_space"]))
 
     def child_runs(self, stage: str) -> dict[str, list]:
         """The child runs of ``stage``, by item (``TrialRequest.key``: trial number, or what a test run tests).
@@ -120,30 +217,37 @@ class SweepTracker:
                     stage: str = FULL_STAGE, test_of: str | None = None, tags: dict[str, str] | None = None) -> str:
         """Open a child run: a trial (its number) of the screening or full stage, or a test-stage evaluation
         (what it tests, ``test_of``), with further ``tags``; the sampler's raw parameters as ``optuna.<name>``
-        params."""
+        params. Its name says what it is (``item_name``); the press is added once it ran (``finish_trial``)."""
         tags = {**(tags or {}), PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
                 STAGE_TAG: stage}
         if stage == TEST_STAGE:
             tags[TEST_OF_TAG] = test_of
-            name = f"test-{test_of}"
         else:
             tags[TRIAL_TAG] = str(trial_number)
-            name = f"{'trial' if stage == FULL_STAGE else stage}-{trial_number}"
         if baseline:
             tags[BASELINE_TAG] = baseline
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        run = self.client.create_run(self.experiment_id, run_name=item_name(trial_number, stage, test_of, baseline),
+                                     tags=tags)
         self.client.log_batch(run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v))
                                                        for k, v in sorted(params.items())])
         return run.info.run_id
 
+    def _named_with_press(self, run_id: str, resolved_press: dict) -> list[RunTag]:
+        """The tag that renames a run to its name at start followed by the press it ran (none if unknown)."""
+        if not resolved_press:
+            return []
+        name = self.client.get_run(run_id).info.run_name
+        return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
+
     def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
-        """Log a finished trial's press as it ran, its metrics, timings and predictions (when it generated any);
-        close it as FINISHED."""
+        """Log a finished trial's press as it ran (also in its name), its metrics, timings and predictions (when
+        it generated any); close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
                               params=resolved_params(outcome.resolved_press),
-                              tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid))])
+                              tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
+                                    *self._named_with_press(run_id, outcome.resolved_press)])
         rows = [
             {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
              "score": row["scores"][index]}
@@ -156,7 +260,8 @@ class SweepTracker:
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
         self.client.log_batch(run_id, params=resolved_params(outcome.resolved_press),
-                              tags=[RunTag(STATUS_TAG, "failed")])
+                              tags=[RunTag(STATUS_TAG, "failed"),
+                                    *self._named_with_press(run_id, outcome.resolved_press)])
         self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
 

@@ -39,6 +39,7 @@ from tracking.reports.render import (
 from tracking.reports.stats import MAX_EXACT_SIGN_FLIP_UNITS, PairedComparison
 
 ARTIFACT_DIR = "report"
+REPORT_PAGE = "report.html"
 SCORE_FORMAT = "{:.2f}"
 PERCENT = "{:.0%}"
 P_VALUE = "{:.3g}"
@@ -130,7 +131,7 @@ def build_report(client: MlflowClient, sweep_id: str, output_dir: str | Path, *,
     summary = text_summary(runs, sections, options.score)
     writer.text("summary.txt", summary)
     title = f"GRKV sweep report: {runs.sweep_id}"
-    writer.path("report.html").write_text(html_page(title, headline(runs, options.score), sections))
+    writer.path(REPORT_PAGE).write_text(html_page(title, headline(runs, options.score), sections))
     artifact_uri = None
     if log_artifacts:
         for path in writer.files:
