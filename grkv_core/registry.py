@@ -116,7 +116,7 @@ PRESS_FILE_FIELDS = tuple(item.name for item in fields(PressConfig) if item.name
 def load_press_config(path: str | Path) -> PressConfig:
     """The press configuration of a press file (YAML: ``press``, ``compression_ratio``, ``merge``,
     ``merge_options``), validated; a ValueError (FileNotFoundError if absent) names the file and the problem."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"press file not found: {path}")
     try:

@@ -156,8 +156,9 @@ def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
     from ray.job_submission import JobSubmissionClient
 
     # NOTE: the job uploads the repository (what git ignores stays out, the stack's state dir included); Ray
-    # logs every file it leaves out, noise here.
-    logging.getLogger("ray").setLevel(logging.WARNING)
+    # logs every file it leaves out and warns that it leaves out .git, noise here.
+    for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # NOTE: the latter sets its own level
+        logging.getLogger(name).setLevel(logging.ERROR)
     jobs = JobSubmissionClient(stack.dashboard_url)
     for job in jobs.list_jobs():
         if (job.metadata or {}).get(SWEEP_ID_METADATA) == sweep_id and str(job.status.value) in ACTIVE_JOB:
@@ -175,7 +176,8 @@ def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
 
 
 class ProgressPrinter:
-    """One line per trial or test run that ended since the last look, read from the sweep's MLflow runs."""
+    """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
+    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
 
     def __init__(self, client, config, sweep_id: str):
         self.client, self.config, self.sweep_id = client, config, sweep_id
@@ -195,13 +197,6 @@ class ProgressPrinter:
         """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
         a resumed sweep's)."""
         runs = self.runs()
-        started = [run for run in runs if run.info.status == "RUNNING" and run.info.run_id not in self.running]
-        if started and not quiet:
-            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                  + ", ".join(self._name(run) for run in sorted(started, key=lambda run: run.info.start_time)),
-                  flush=True)
-        self.running.update(run.info.run_id for run in started)
         ended = [run for run in runs
                  if run.info.status in ("FINISHED", "FAILED") and run.info.run_id not in self.stage_of]
         for run in sorted(ended, key=lambda run: run.info.end_time or 0):
@@ -216,6 +211,13 @@ class ProgressPrinter:
             value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else run.info.status.lower()
             print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(run):<24} {value:<26} "
                   f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
+        started = [run for run in runs if run.info.status == "RUNNING" and run.info.run_id not in self.running]
+        if started and not quiet:
+            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
+            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
+                  + ", ".join(self._name(run) for run in sorted(started, key=lambda run: run.info.start_time)),
+                  flush=True)
+        self.running.update(run.info.run_id for run in started)
 
     def _minutes(self) -> float:
         return (time.monotonic() - self.started) / 60

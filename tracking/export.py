@@ -54,7 +54,9 @@ def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
 def _ranked(frame: pd.DataFrame, metric: str, maximize: bool, tie_break: pd.Series | None = None) -> pd.DataFrame:
     """``frame``'s rows with ``metric``, best first; ties broken by ``tie_break`` (same direction), then in
     frame order."""
-    frame = frame[frame[metric].notna()] if metric in frame else frame.iloc[:0]
+    if metric not in frame:
+        return frame.iloc[:0]
+    frame = frame[frame[metric].notna()]
     sign = -1.0 if maximize else 1.0
     keys = pd.DataFrame({"value": sign * frame[metric].astype(float),
                          "tie": sign * (tie_break.astype(float) if tie_break is not None else 0.0),
