@@ -63,7 +63,7 @@ def test_the_library_command_line_stands_alone():
 
 def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
-    config.write_text(DEMO_CONFIG.read_text().replace("trials: 6\n", "trials: 0\n"))
+    config.write_text(yaml.safe_dump({**yaml.safe_load(DEMO_CONFIG.read_text()), "trials": 0}))
     state = tmp_path / "state"
     assert main(["demo", "--config", str(config), "--state-dir", str(state)]) == 2
     error = capsys.readouterr().err
