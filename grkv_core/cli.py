@@ -1,4 +1,8 @@
-"""The ``grkv`` command line: ``grkv eval`` (one configuration) and ``grkv compare`` (several, one table)."""
+"""The library's ``grkv`` commands: ``eval`` (one configuration), ``compare`` (several, one table) and ``analyze``.
+
+The full ``grkv`` command line (``sweeps.cli``) adds the sweep service's commands to this parser
+(``build_parser(extension)``); ``main`` here serves library-only installs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
@@ -17,16 +22,27 @@ from grkv_core.config import (
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
     MERGER_NAMES,
+    PressConfig,
 )
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
+
+
+PRESS_DEFAULTS = PressConfig()
+EXIT_USER_ERROR = 2
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
     """Argument errors end in one line naming the command, like every other ``grkv`` error."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def add_command(commands, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """A ``grkv`` command whose ``--help`` ends with an example of its use."""
+    return commands.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                               epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +74,12 @@ def _add_grkv_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=name, type=spec.kind, metavar=spec.kind.__name__.upper(), help=text)
 
 
+def _quiet_model_loading() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+
 def _merge_options(args) -> dict:
     return {name: getattr(args, name) for name in GRKV_OPTION_SPECS if getattr(args, name) is not None}
 
@@ -81,7 +103,7 @@ def parse_merge_variant(text: str) -> tuple[str, str, dict]:
 
 
 def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None):
-    from grkv_core.config import EvalConfig, PressConfig
+    from grkv_core.config import EvalConfig
 
     return EvalConfig(
         model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
@@ -92,11 +114,29 @@ def _config(args, press: str, ratio: float, merge: str, merge_options: dict, var
     )
 
 
+def _eval_press(args) -> PressConfig:
+    """The press ``grkv eval`` evaluates: the press file's, or the one its flags describe (defaults filled in)."""
+    flags = {"--press": args.press, "--compression-ratio": args.compression_ratio, "--merge": args.merge,
+             **{"--" + name.replace("_", "-"): value for name, value in _merge_options(args).items()}}
+    if args.press_config:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise ValueError(f"--press-config sets the whole press; drop {' '.join(given)}")
+        from grkv_core.registry import load_press_config
+
+        return load_press_config(args.press_config)
+    merge = args.merge or PRESS_DEFAULTS.merge
+    return PressConfig(args.press or PRESS_DEFAULTS.press,
+                       PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
+                       merge, _merge_options(args) if merge != "none" else {})
+
+
 def cmd_eval(args) -> int:
+    _quiet_model_loading()
     from grkv_core.evaluate import format_table, run_evaluation
 
-    merge_options = _merge_options(args) if args.merge != "none" else {}
-    config = _config(args, args.press, args.compression_ratio, args.merge, merge_options)
+    press = _eval_press(args)
+    config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options)
     summary = run_evaluation(config, args.output, progress=not args.no_progress)
     print(format_table([summary]))
     if args.output:
@@ -105,6 +145,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    _quiet_model_loading()
     from grkv_core.evaluate import EvaluationSetup, format_table, run_evaluations
 
     output_dir = Path(args.output_dir)
@@ -126,6 +167,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_analyze(args) -> int:
+    _quiet_model_loading()
     from grkv_core.carrier_report import carrier_report, format_carrier_table, plot_window_consistency
     from grkv_core.evaluate import EvaluationSetup
 
@@ -151,20 +193,26 @@ def cmd_analyze(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog="grkv", description="GRKV: KV-cache merging evaluation")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    evaluate = commands.add_parser("eval", help="evaluate one press configuration")
+def _add_library_commands(commands) -> None:
+    evaluate = add_command(commands, "eval", "evaluate one press configuration",
+                           "grkv eval --press snapkv --compression-ratio 0.9 --merge grkv --samples 3 "
+                           "--output results.json\n  grkv eval --press-config press.yaml   # a file grkv export wrote")
     _add_common(evaluate)
-    evaluate.add_argument("--press", default="snapkv", choices=(*EVICTION_PRESS_NAMES, FULL_CACHE))
-    evaluate.add_argument("--compression-ratio", type=float, default=0.9)
-    evaluate.add_argument("--merge", default="none", choices=MERGER_NAMES)
+    evaluate.add_argument("--press", default=None, choices=(*EVICTION_PRESS_NAMES, FULL_CACHE),
+                          help=f"eviction press (default: {PRESS_DEFAULTS.press})")
+    evaluate.add_argument("--compression-ratio", type=float, default=None,
+                          help=f"fraction of the KV pairs removed (default: {PRESS_DEFAULTS.compression_ratio})")
+    evaluate.add_argument("--merge", default=None, choices=MERGER_NAMES,
+                          help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})")
+    evaluate.add_argument("--press-config", default=None, metavar="FILE",
+                          help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the "
+                               "GRKV options")
     _add_grkv_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     evaluate.set_defaults(handler=cmd_eval)
 
-    compare = commands.add_parser("compare", help="full cache vs an eviction press vs the press + GRKV")
+    compare = add_command(commands, "compare", "full cache vs an eviction press vs the press + GRKV",
+                          "grkv compare --samples 3 --compression-ratios 0.9 0.8")
     _add_common(compare)
     compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
     compare.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
@@ -173,8 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
     compare.add_argument("--output-dir", default="outputs/compare")
     compare.set_defaults(handler=cmd_compare)
-    analyze = commands.add_parser("analyze", help="carrier concentration of eviction presses, merge maps, "
-                                                  "cross-window consistency")
+
+    analyze = add_command(commands, "analyze", "carrier concentration of eviction presses, merge maps, "
+                                               "cross-window consistency",
+                          "grkv analyze --press snapkv --compare h2o --output-dir outputs/analyze")
     _add_common(analyze)
     analyze.set_defaults(tasks=["niah_single_2", "qa_2"], samples=2)
     analyze.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
@@ -185,23 +235,40 @@ def build_parser() -> argparse.ArgumentParser:
                          help="local matching rule: carriers at most this many positions away")
     analyze.add_argument("--output-dir", default="outputs/analyze")
     analyze.set_defaults(handler=cmd_analyze)
+
+
+def build_parser(*extensions: Callable[[argparse._SubParsersAction], None],
+                 description: str = "GRKV: KV-cache merging evaluation",
+                 start_with: str = "grkv compare --samples 3") -> argparse.ArgumentParser:
+    """The ``grkv`` parser with the library's commands; each of ``extensions`` adds more (``add_command``)."""
+    parser = _OneLineErrorParser(prog="grkv", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"start with:\n  {start_with}\nthen `grkv COMMAND --help`: each ends with an example")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_library_commands(commands)
+    for extend in extensions:
+        extend(commands)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None,
+        user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Parse ``argv`` and run its command; a user error (bad names, missing data or packages, or any of
+    ``user_errors``) ends in one line, not a traceback."""
+    args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        # NOTE: user errors (bad names, missing data or packages) end with one line, not a traceback.
-        print(f"grkv: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError, ImportError, *user_errors) as error:
+        print(f"grkv {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("grkv: interrupted; finished samples are saved, re-run the same command to resume", file=sys.stderr)
+        print(f"grkv {args.command}: interrupted; what finished is saved, re-run the same command to resume",
+              file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

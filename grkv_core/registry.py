@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from kvpress import (
     AdaKVPress,
@@ -18,7 +21,7 @@ from kvpress import (
     StreamingLLMPress,
 )
 
-from grkv_core.config import PAPER_WINDOW
+from grkv_core.config import PAPER_WINDOW, PressConfig
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
@@ -103,3 +106,41 @@ def build_press(
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {merge!r}; valid: {sorted(allowed)}")
     return merger(press=base, **merge_options)
+
+
+# NOTE: a press file holds a ``PressConfig``'s fields but its display label, so the file means exactly what
+# the configuration that wrote it means; ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
+PRESS_FILE_FIELDS = tuple(item.name for item in fields(PressConfig) if item.name != "variant")
+
+
+def load_press_config(path: str | Path) -> PressConfig:
+    """The press configuration of a press file (YAML: ``press``, ``compression_ratio``, ``merge``,
+    ``merge_options``), validated; a ValueError (FileNotFoundError if absent) names the file and the problem."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"press file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raise ValueError(f"{path}: not valid YAML") from None
+    if not isinstance(data, dict) or "press" not in data:
+        raise ValueError(f"{path}: expected a mapping with at least 'press' (fields: {list(PRESS_FILE_FIELDS)})")
+    unknown = sorted(set(data) - set(PRESS_FILE_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {unknown}; a press file has {list(PRESS_FILE_FIELDS)}")
+    if not isinstance(data.get("merge_options", {}), dict):
+        raise ValueError(f"{path}: merge_options must be a mapping of option: value")
+    try:
+        return PressConfig(**data)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def press_from_file(path: str | Path) -> BasePress | None:
+    """The ready press a press file describes (None for the full cache), e.g. one ``grkv export`` wrote::
+
+        press = press_from_file("press.yaml")
+        with press(model):
+            model.model(input_ids=context_ids, past_key_values=cache)
+    """
+    return load_press_config(path).build()

@@ -1,0 +1,461 @@
+"""The ``grkv`` command line: the library's commands (``grkv_core.cli``: eval, compare, analyze) and the sweep
+service's: ``sweep`` (a sweep on the local Ray + MLflow stack), ``report``, ``export`` and ``demo`` (the whole
+path for a newcomer: services, a small SmolLM2 sweep, its report and the recommended press).
+
+NOTE: this module sits on top of every package (grkv_core, sweeps, tracking); the libraries below it import
+nothing from here, except ``tracking.cli``, the ``grkv-report`` alias of ``grkv report``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# NOTE: MLflow's client retries an unreachable server for minutes by default; a command should fail fast.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+from grkv_core.cli import add_command, build_parser, run  # noqa: E402
+from grkv_core.config import (  # noqa: E402
+    FULL_STAGE,
+    ROLE_TAG,
+    SCREEN_STAGE,
+    STAGE_TAG,
+    SWEEP_TAG,
+    TEST_OF_TAG,
+    TRIAL_TAG,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCAL_INFRA = REPO_ROOT / "infra" / "local"
+SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
+DEMO_CONFIG = REPO_ROOT / "sweeps" / "configs" / "demo.yaml"
+GRKV_HOME = Path("~/.grkv")
+DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+EXIT_TRACKING_UNAVAILABLE = 3
+EXIT_SWEEP_NOT_FOUND = 4
+EXIT_SWEEP_FAILED = 5
+POLL_S = 3.0
+
+
+class ServiceError(RuntimeError):
+    """The local stack or the sweep job failed; the message says where its log is."""
+
+
+# ---- flags shared by several commands, defined once ------------------------------------------------------------
+
+def _add_sweep_id(parser, required: bool, help: str) -> None:
+    parser.add_argument("--sweep-id", required=required, default=None, help=help)
+
+
+def _add_tracking(parser) -> None:
+    parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI,
+                        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or http://127.0.0.1:5000)")
+    parser.add_argument("--experiment", default=None, help="look for the sweep only in this experiment")
+    parser.add_argument("--no-log-artifacts", action="store_true", help="do not log the output on the parent run")
+
+
+def _add_config(parser, default: Path | None) -> None:
+    parser.add_argument("--config", required=default is None, default=default,
+                        help="sweep YAML" + (f" (default: {default.relative_to(REPO_ROOT)})" if default else
+                                             ", e.g. sweeps/configs/smoke.yaml"))
+
+
+def _add_state_dir(parser, default: Path) -> None:
+    parser.add_argument("--state-dir", type=Path, default=default, help=(
+        f"the local stack's folder: Ray and MLflow (pids, logs, MLflow store) and each sweep's state under "
+        f"sweeps/<id>; a healthy stack already running from it is reused (default: {default}; ports: the "
+        f"GRKV_*_PORT variables of infra/local/common.sh)"))
+
+
+def _add_stop(parser) -> None:
+    parser.add_argument("--stop", action="store_true", help="stop Ray and MLflow at the end (default: leave them "
+                                                            "running, e.g. for the MLflow UI)")
+
+
+def _add_output_dir(parser, default_text: str) -> None:
+    parser.add_argument("--output-dir", type=Path, default=None, help=f"where to write the report ({default_text})")
+
+
+# ---- the local stack (infra/local/start.sh, stop.sh) -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class LocalStack:
+    """Ray head and MLflow server on 127.0.0.1, started by ``infra/local/start.sh`` from ``state_dir``."""
+
+    state_dir: Path
+
+    def _script(self, name: str) -> None:
+        """Run ``infra/local/<name>``, echoing its progress lines as they come."""
+        env = {**os.environ, "GRKV_STATE_DIR": str(self.state_dir)}
+        with subprocess.Popen(["bash", str(LOCAL_INFRA / name)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as script:
+            for line in script.stdout:
+                if line.startswith("grkv-local:"):
+                    print(line, end="", flush=True)
+            errors = script.stderr.read()
+        if script.returncode:
+            first = next((line for line in errors.splitlines() if "error:" in line),
+                         f"{name} exited {script.returncode}")
+            raise ServiceError(f"{first.removeprefix('grkv-local: error: ')} (logs: {self.state_dir}/ray.log, "
+                               "mlflow.log)")
+
+    def start(self) -> None:
+        """Start what is not running; a healthy stack already running from ``state_dir`` is reused as it is."""
+        self._script("start.sh")
+
+    def stop(self) -> None:
+        self._script("stop.sh")
+
+    @property
+    def stop_command(self) -> str:
+        return f"GRKV_STATE_DIR={shlex.quote(str(self.state_dir))} bash {LOCAL_INFRA / 'stop.sh'}"
+
+    def _endpoint(self, name: str) -> str:
+        for line in (self.state_dir / "endpoints.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key == name:
+                return value
+        raise ServiceError(f"{self.state_dir / 'endpoints.env'} has no {name}; restart the stack")
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://127.0.0.1:{self._endpoint('MLFLOW_PORT')}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self._endpoint('RAY_DASHBOARD_PORT')}"
+
+    @property
+    def sweeps_dir(self) -> Path:
+        return self.state_dir / "sweeps"
+
+
+# ---- one sweep as a Ray job, followed from MLflow --------------------------------------------------------------
+
+SWEEP_ID_METADATA = "grkv.sweep_id"
+ACTIVE_JOB = ("PENDING", "RUNNING")
+
+
+def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
+    """Submit the sweep as a Ray job (``ray job submit`` through the Jobs API), or find the job already running it.
+
+    Returns the job client and the job's submission id.
+    """
+    import logging
+
+    from ray.job_submission import JobSubmissionClient
+
+    # NOTE: the job uploads the repository (what git ignores stays out, the stack's state dir included); Ray
+    # logs every file it leaves out and warns that it leaves out .git, noise here.
+    for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # NOTE: the latter sets its own level
+        logging.getLogger(name).setLevel(logging.ERROR)
+    jobs = JobSubmissionClient(stack.dashboard_url)
+    for job in jobs.list_jobs():
+        if (job.metadata or {}).get(SWEEP_ID_METADATA) == sweep_id and str(job.status.value) in ACTIVE_JOB:
+            print(f"sweep {sweep_id}: following its running Ray job {job.submission_id}")
+            return jobs, job.submission_id
+    entrypoint = shlex.join([sys.executable, SWEEP_ENTRYPOINT.name, "--config", str(config_path.resolve()),
+                             "--sweep-id", sweep_id, "--tracking-uri", stack.mlflow_url,
+                             "--state-dir", str(stack.sweeps_dir)])
+    job_id = jobs.submit_job(entrypoint=entrypoint, metadata={SWEEP_ID_METADATA: sweep_id},
+                             submission_id=f"grkv-{sweep_id}-{time.strftime('%Y%m%d-%H%M%S')}",
+                             runtime_env={"working_dir": str(REPO_ROOT)})
+    print(f"sweep {sweep_id}: submitted as Ray job {job_id} (logs: ray job logs --address {stack.dashboard_url} "
+          f"{job_id})")
+    return jobs, job_id
+
+
+class ProgressPrinter:
+    """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
+    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
+
+    def __init__(self, client, config, sweep_id: str):
+        self.client, self.config, self.sweep_id = client, config, sweep_id
+        self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
+        self.running: set[str] = set()  # run ids already announced as running
+        self.started = time.monotonic()
+        self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
+
+    def runs(self, role: str = "trial") -> list:
+        experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
+        if experiment is None:
+            return []
+        return self.client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and "
+                                       f"tags.`{ROLE_TAG}` = '{role}'", max_results=5000)
+
+    def update(self, quiet: bool = False) -> None:
+        """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
+        a resumed sweep's)."""
+        runs = self.runs()
+        ended = [run for run in runs
+                 if run.info.status in ("FINISHED", "FAILED") and run.info.run_id not in self.stage_of]
+        for run in sorted(ended, key=lambda run: run.info.end_time or 0):
+            stage = run.data.tags.get(STAGE_TAG, FULL_STAGE)
+            self.stage_of[run.info.run_id] = stage
+            if quiet:
+                continue
+            done = sum(seen == stage for seen in self.stage_of.values())
+            count = f"{done}/{self.totals[stage]}" if stage in self.totals else str(done)
+            metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
+            metrics = run.data.metrics
+            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else run.info.status.lower()
+            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(run):<24} {value:<26} "
+                  f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
+        started = [run for run in runs if run.info.status == "RUNNING" and run.info.run_id not in self.running]
+        if started and not quiet:
+            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
+            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
+                  + ", ".join(self._name(run) for run in sorted(started, key=lambda run: run.info.start_time)),
+                  flush=True)
+        self.running.update(run.info.run_id for run in started)
+
+    def _minutes(self) -> float:
+        return (time.monotonic() - self.started) / 60
+
+    @staticmethod
+    def _name(run) -> str:
+        """``trial N`` for a trial or a test run confirming one, else what the test run tests (a baseline)."""
+        tags = run.data.tags
+        tested = tags.get(TRIAL_TAG, tags.get(TEST_OF_TAG, "?"))
+        return f"trial {tested}" if tested.isdigit() else tested
+
+    def parent_status(self) -> str:
+        parents = self.runs(role="sweep")
+        return parents[0].info.status if parents else "missing"
+
+
+def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
+    """Run (or resume, or follow) one sweep on the local stack to its end, showing a line per finished run;
+    returns the parent run's status. A Ctrl-C stops the job cleanly (its in-flight trials are re-queued)."""
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.config import load_config
+
+    config = load_config(config_path)
+    jobs, job_id = _submit(stack, config_path, sweep_id)
+    progress = ProgressPrinter(MlflowClient(stack.mlflow_url), config, sweep_id)
+    progress.update(quiet=True)
+    if progress.stage_of:
+        print(f"sweep {sweep_id}: resuming, {len(progress.stage_of)} run(s) already finished")
+    try:
+        while (status := str(jobs.get_job_status(job_id).value)) in ACTIVE_JOB:
+            time.sleep(POLL_S)
+            progress.update()
+    except KeyboardInterrupt:
+        print(f"\nstopping Ray job {job_id} (in-flight trials are closed and re-queued) ...", file=sys.stderr)
+        jobs.stop_job(job_id)
+        for _ in range(60):
+            if str(jobs.get_job_status(job_id).value) not in ACTIVE_JOB:
+                break
+            time.sleep(1)
+        raise
+    progress.update()
+    if status != "SUCCEEDED":
+        tail = "\n".join(jobs.get_job_logs(job_id).splitlines()[-15:])
+        print(tail, file=sys.stderr)
+        raise ServiceError(f"Ray job {job_id} of sweep {sweep_id} ended {status} (its last log lines are above)")
+    return progress.parent_status()
+
+
+def _leave_or_stop(stack: LocalStack, stop: bool) -> None:
+    if stop:
+        stack.stop()
+    elif (stack.state_dir / "endpoints.env").is_file():
+        print(f"Ray and MLflow keep running (re-used by the next run); stop them with: {stack.stop_command}")
+
+
+def _sweep_words(config) -> str:
+    """What a sweep config runs, in one sentence."""
+    data = config.data
+    tasks = f"{len(data.tasks)} task(s)" if data.tasks else "every task"
+    stages = [f"{config.screening.trials} screening trials" if config.screening.trials else None,
+              f"{config.trials} full trials", f"a test stage on {data.test.samples} held-out sample(s) per task"
+              if config.test_stage else None]
+    return (f"{config.model.name} on {data.dataset} ({tasks}, {data.samples} sample(s) each"
+            f"{f', {data.context_length} tokens' if data.context_length else ''}), {config.press.name} at "
+            f"{1 - config.press.compression_ratio:.0%} + {'/'.join(config.merge)}: "
+            + ", ".join(stage for stage in stages if stage))
+
+
+# ---- commands ------------------------------------------------------------------------------------------------
+
+def cmd_sweep(args) -> int:
+    from sweeps.config import load_config
+
+    config = load_config(args.config)  # NOTE: checked before any service starts
+    sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stack = LocalStack(args.state_dir.expanduser())
+    print(f"sweep {sweep_id}: {_sweep_words(config)}")
+    try:
+        stack.start()
+        status = run_sweep(stack, Path(args.config), sweep_id)
+        print(f"sweep {sweep_id}: {status}; MLflow UI {stack.mlflow_url} (experiment {config.tracking.experiment})"
+              + ("" if status == "FINISHED" else f"; resume with --sweep-id {sweep_id}"))
+    finally:
+        _leave_or_stop(stack, args.stop)
+    return 0 if status == "FINISHED" else EXIT_SWEEP_FAILED
+
+
+def _reads_a_sweep(handler):
+    """A command reading a sweep from MLflow: an unreachable server or an unknown sweep ends in one line, with
+    its own exit status."""
+
+    def checked(args) -> int:
+        from tracking.mlflow_tracker import TrackingUnavailableError, check_tracking_server
+        from tracking.reports import SweepNotFoundError
+
+        try:
+            check_tracking_server(args.tracking_uri)
+            return handler(args)
+        except TrackingUnavailableError as error:
+            print(f"grkv {args.command}: {error}", file=sys.stderr)
+            return EXIT_TRACKING_UNAVAILABLE
+        except SweepNotFoundError as error:
+            print(f"grkv {args.command}: {error} at {args.tracking_uri}", file=sys.stderr)
+            return EXIT_SWEEP_NOT_FOUND
+
+    return checked
+
+
+def _write_report(tracking_uri: str, sweep_id: str, output_dir: Path, experiment: str | None, log: bool,
+                  **options):
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    from tracking.reports import ReportOptions, build_report
+
+    # The rebuilt study is an implementation detail; its "study created" log line is noise here.
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return build_report(MlflowClient(tracking_uri), sweep_id, output_dir, experiment=experiment,
+                        options=ReportOptions(**options), log_artifacts=log)
+
+
+@_reads_a_sweep
+def cmd_report(args) -> int:
+    report = _write_report(args.tracking_uri, args.sweep_id, args.output_dir or Path(f"grkv-report-{args.sweep_id}"),
+                           args.experiment, not args.no_log_artifacts, ttft_tolerance=args.ttft_tolerance,
+                           bootstrap_resamples=args.bootstrap_resamples)
+    print(report.summary)
+    print(f"report: {report.output_dir / 'report.html'}"
+          + (f"; logged to {report.artifact_uri}" if report.artifact_uri else ""))
+    return 0
+
+
+def _export(tracking_uri: str, sweep_id: str, output: Path | None, trial: int | None, experiment: str | None,
+            log: bool):
+    from mlflow.tracking import MlflowClient
+
+    from tracking.export import export_press
+
+    return export_press(MlflowClient(tracking_uri), sweep_id, output, trial=trial, experiment=experiment,
+                        log_artifact=log)
+
+
+@_reads_a_sweep
+def cmd_export(args) -> int:
+    exported = _export(args.tracking_uri, args.sweep_id, args.output, args.trial, args.experiment,
+                       not args.no_log_artifacts)
+    print(exported.text, end="")
+    print(f"press file: {exported.path}" + (f"; logged to {exported.artifact_uri}" if exported.artifact_uri else ""))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from sweeps.config import load_config
+
+    began = time.monotonic()
+    config = load_config(args.config)
+    sweep_id = args.sweep_id or config.name
+    stack = LocalStack(args.state_dir.expanduser())
+    output_dir = args.output_dir or stack.state_dir / "outputs" / sweep_id
+    print(f"grkv demo: sweep {sweep_id}, {_sweep_words(config)}.\n"
+          f"Everything stays in {stack.state_dir}; re-running `grkv demo` resumes the same sweep.")
+    try:
+        stack.start()
+        print(f"MLflow UI: {stack.mlflow_url}   Ray dashboard: {stack.dashboard_url}")
+        status = run_sweep(stack, Path(args.config), sweep_id)
+        if status != "FINISHED":
+            raise ServiceError(f"sweep {sweep_id} ended {status}; re-run `grkv demo` to resume it")
+        print("writing the report ...", flush=True)
+        report = _write_report(stack.mlflow_url, sweep_id, output_dir, config.tracking.experiment, True)
+        exported = _export(stack.mlflow_url, sweep_id, output_dir / "press.yaml", None, config.tracking.experiment,
+                           True)
+        runs = report.runs
+        print(f"\n{report.summary.split(chr(10) + chr(10))[0]}\n")
+        print(f"MLflow UI (the sweep's parent run): "
+              f"{stack.mlflow_url}/#/experiments/{runs.experiment_id}/runs/{runs.parent_run_id}")
+        print(f"report: {report.output_dir / 'report.html'} (also on the parent run, under report/)")
+        print(f"recommended press configuration: {exported.path} (also on the parent run, press.yaml)")
+        print("".join(f"  {line}\n" for line in exported.text.splitlines()), end="")
+        print(f"use it:\n  from grkv_core.registry import press_from_file\n"
+              f"  with press_from_file(\"{exported.path}\")(model): ...\n"
+              f"  or: grkv eval --press-config {exported.path}")
+        print(f"grkv demo: done in {(time.monotonic() - began) / 60:.1f} min")
+    finally:
+        _leave_or_stop(stack, args.stop)
+    return 0
+
+
+def _add_service_commands(commands) -> None:
+    sweep = add_command(commands, "sweep", "run a sweep on the local Ray + MLflow stack (started if needed), "
+                                           "showing each finished trial",
+                        "grkv sweep --config sweeps/configs/smoke.yaml --sweep-id smoke-1   # again: resumes it")
+    _add_config(sweep, None)
+    _add_sweep_id(sweep, False, "resume this sweep (default: a new one, <name>-<timestamp>)")
+    _add_state_dir(sweep, GRKV_HOME / "local")
+    _add_stop(sweep)
+    sweep.set_defaults(handler=cmd_sweep)
+
+    report = add_command(commands, "report", "the report of one sweep, read from MLflow, written to a folder and "
+                                             "to its parent run",
+                         "grkv report --sweep-id demo --tracking-uri http://127.0.0.1:5000 --output-dir report/")
+    _add_sweep_id(report, True, "the sweep's id (tag grkv.sweep_id), finished or running")
+    _add_tracking(report)
+    _add_output_dir(report, "default: ./grkv-report-<id>")
+    report.add_argument("--ttft-tolerance", type=float, default=0.10,
+                        help="relative TTFT gap counted as equal prefill in the iso-prefill comparison")
+    report.add_argument("--bootstrap-resamples", type=int, default=100_000)
+    report.set_defaults(handler=cmd_report)
+
+    export = add_command(commands, "export", "write one trial's press configuration as a press file "
+                                             "(grkv_core.registry.press_from_file, grkv eval --press-config)",
+                         "grkv export --sweep-id demo --output press.yaml   # --trial 7 for another trial")
+    _add_sweep_id(export, True, "the sweep's id (tag grkv.sweep_id)")
+    _add_tracking(export)
+    export.add_argument("--trial", type=int, default=None, help="export this full-stage trial (default: the best "
+                        "configuration of the test stage if the sweep has one, else the main study's best trial)")
+    export.add_argument("--output", type=Path, default=None, help="the press file (default: ./grkv-press-<id>.yaml)")
+    export.set_defaults(handler=cmd_export)
+
+    demo = add_command(commands, "demo", "the main job: start Ray and MLflow on 127.0.0.1, run a small SmolLM2 "
+                                         "sweep, write its report and the recommended press configuration",
+                       "grkv demo            # again: resumes; --stop stops Ray and MLflow at the end")
+    _add_config(demo, DEMO_CONFIG)
+    _add_sweep_id(demo, False, "the sweep's id (default: the config's name, so a re-run resumes it)")
+    _add_state_dir(demo, GRKV_HOME / "demo")
+    _add_output_dir(demo, "default: <state-dir>/outputs/<sweep-id>; the press file goes there too")
+    _add_stop(demo)
+    demo.set_defaults(handler=cmd_demo)
+
+
+def build_service_parser():
+    return build_parser(_add_service_commands, description="GRKV: KV-cache merging, its evaluation and the sweep "
+                                                           "service (Ray + Optuna + MLflow)", start_with="grkv demo")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_service_parser(), argv, user_errors=(ServiceError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

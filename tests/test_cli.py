@@ -1,0 +1,146 @@
+"""The ``grkv`` command line (``sweeps.cli``): every command's help, the shared flags, the library-only parser, and
+``grkv demo`` end to end on a tiny model with the real local stack (Ray head + MLflow server on free ports)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_ports
+from grkv_core.config import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
+from sweeps.cli import DEMO_CONFIG, build_service_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = ("eval", "compare", "analyze", "sweep", "report", "export", "demo")
+SHARED_FLAGS = {"sweep_id": "--sweep-id", "tracking_uri": "--tracking-uri", "config": "--config",
+                "state_dir": "--state-dir"}
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_commands_help_ends_with_an_example_of_it(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    assert exit.value.code == 0
+    assert re.search(rf"\nexample:\n  grkv {command} ", capsys.readouterr().out)
+
+
+def test_shared_flags_are_spelled_the_same_in_every_command():
+    used = {}
+    for name, parser in subcommands(build_service_parser()).items():
+        for action in parser._actions:
+            if action.dest in SHARED_FLAGS:
+                assert action.option_strings == [SHARED_FLAGS[action.dest]], (name, action.option_strings)
+                used.setdefault(action.dest, set()).add(name)
+    assert used == {"sweep_id": {"sweep", "report", "export", "demo"}, "tracking_uri": {"report", "export"},
+                    "config": {"sweep", "demo"}, "state_dir": {"sweep", "demo"}}
+    assert set(subcommands(build_service_parser())) == set(COMMANDS)
+
+
+def test_the_library_command_line_stands_alone():
+    """``grkv_core.cli`` has the library's commands and imports none of the service's packages."""
+    code = ("import sys, grkv_core.cli as cli; parser = cli.build_parser(); "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('sweeps', 'tracking', 'workers')]; "
+            "print(sorted(parser._subparsers._group_actions[0].choices))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['analyze', 'compare', 'eval']"
+
+
+def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load(DEMO_CONFIG.read_text()), "trials": 0}))
+    state = tmp_path / "state"
+    assert main(["demo", "--config", str(config), "--state-dir", str(state)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "grkv demo: error:" in error and "trials" in error
+    assert not state.exists(), "nothing may start for a config that cannot run"
+
+
+def test_the_demo_config_is_the_product_default():
+    from sweeps.config import load_config
+
+    config = load_config(DEMO_CONFIG)
+    assert config.model.name == "smollm2-135m" and config.screening.trials and config.test_stage
+
+
+def tiny_demo_config(tmp_path: Path) -> Path:
+    """The demo on the tiny model: 2 screening trials (1 promoted), the 2 baselines and the promoted one as full
+    trials, a test stage on 1 held-out sample."""
+    config = yaml.safe_load(DEMO_CONFIG.read_text())
+    config.update(name="tiny-demo", model={"name": "tiny-llama", "dtype": "float32"}, trials=3,
+                  screening={"trials": 2, "promote": 1, "metric": "question_loss"},
+                  test={"top_k": 1, "eviction_ratios": [0.7]},
+                  tracking={"tracking_uri": "http://127.0.0.1:5000", "experiment": "grkv-tiny-demo"})
+    config["data"].update(tasks=["niah_single_1"], context_length=512, samples=1, test={"samples": 1})
+    path = tmp_path / "tiny-demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from grkv_core.registry import press_from_file
+
+    state = tmp_path / "state"
+    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
+             "GRKV_MLFLOW_PORT")
+    ports = dict(zip(names, map(str, free_ports(len(names)))))
+    env = {**os.environ, **ports, "GRKV_RAY_CPUS": "2", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "sweeps.cli", "demo", "--config", str(tiny_demo_config(tmp_path)),
+               "--state-dir", str(state)]
+    tracking_uri = f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}"
+    try:
+        first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        out = first.stdout
+        assert re.search(r"screen +2/2 +trial \d", out) and re.search(r"full +3/3 +trial \d", out)
+        assert re.search(rf"MLflow UI \(the sweep's parent run\): {tracking_uri}/#/experiments/\d+/runs/\w+", out)
+        press_file = Path(re.search(r"recommended press configuration: (\S+)", out).group(1))
+        assert press_file == state / "outputs" / "tiny-demo" / "press.yaml"
+        assert f"report: {state / 'outputs' / 'tiny-demo' / 'report.html'}" in out
+        assert (state / "outputs" / "tiny-demo" / "report.html").is_file()
+        assert press_from_file(press_file) is not None
+        assert "stop them with: GRKV_STATE_DIR=" in out
+
+        client = MlflowClient(tracking_uri)
+        experiment = client.get_experiment_by_name("grkv-tiny-demo")
+        runs = client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'tiny-demo'", max_results=100)
+        (parent,) = [run for run in runs if run.data.tags[ROLE_TAG] == "sweep"]
+        assert parent.info.status == "FINISHED"
+        artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+        assert {"press.yaml", "report"} <= artifacts
+        assert "report/report.html" in {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+        logged = Path(client.download_artifacts(parent.info.run_id, "press.yaml", str(tmp_path)))
+        assert logged.read_text() == press_file.read_text()
+        # The chosen press is one the test stage confirmed (the test stage ran: 1 best + 2 baselines + 1 ratio).
+        assert sum(run.data.tags.get(STAGE_TAG) == TEST_STAGE for run in runs) == 4
+
+        second = subprocess.run([*command, "--stop"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert "already running" in second.stdout and "resuming, 9 run(s) already finished" in second.stdout
+        assert "local stack stopped" in second.stdout
+        assert len(client_runs := MlflowClient(f"sqlite:///{state}/mlflow.db").search_runs(
+            [experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'tiny-demo'", max_results=100)) == len(runs), \
+            "a resumed finished sweep redoes nothing"
+        assert all(run.info.status == "FINISHED" for run in client_runs)
+    finally:
+        subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)},
+                       capture_output=True, timeout=120)

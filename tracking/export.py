@@ -1,0 +1,140 @@
+"""``grkv export``: one trial's press configuration, as a press file that ``grkv_core.registry.press_from_file``
+builds back into the press and ``grkv eval --press-config`` evaluates.
+
+Read from MLflow alone, like the reports: the chosen run's params hold the press exactly as it ran
+(``PressConfig.resolved()``), so the file carries every option of its merger, defaults included.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from mlflow.tracking import MlflowClient
+
+from grkv_core.config import FULL_STAGE, TEST_STAGE, PressConfig
+from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS
+from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
+
+# The press file on the sweep's parent run.
+PRESS_ARTIFACT = "press.yaml"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The run whose press is exported and why: ``how`` says in words which stage and ranking chose it."""
+
+    run_id: str
+    configuration: str
+    how: str
+
+
+@dataclass(frozen=True)
+class Export:
+    path: Path
+    press: PressConfig
+    text: str
+    choice: Choice
+    artifact_uri: str | None
+
+
+def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
+    """The press configuration a finished trial or test run ran, from its params (every field of its merger)."""
+    params = {name: parse_param(text) for name, text in client.get_run(run_id).data.params.items()}
+    merge = params["merge"]
+    option_names = [item.name for item in fields(MERGERS[merge]) if item.name != "press"] if MERGERS[merge] else []
+    return PressConfig(params["press"], params["compression_ratio"], merge,
+                       {name: params[name] for name in option_names})
+
+
+def _ranked(frame: pd.DataFrame, metric: str, maximize: bool, tie_break: pd.Series | None = None) -> pd.DataFrame:
+    """``frame``'s rows with ``metric``, best first; ties broken by ``tie_break`` (same direction), then in
+    frame order."""
+    if metric not in frame:
+        return frame.iloc[:0]
+    frame = frame[frame[metric].notna()]
+    sign = -1.0 if maximize else 1.0
+    keys = pd.DataFrame({"value": sign * frame[metric].astype(float),
+                         "tie": sign * (tie_break.astype(float) if tie_break is not None else 0.0),
+                         "order": range(len(frame))}, index=frame.index).fillna(math.inf)
+    return frame.loc[keys.sort_values(["value", "tie", "order"]).index]
+
+
+def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
+    """The run to export: full-stage trial ``trial`` if given; else the best configuration of the test stage
+    (held-out samples) if the sweep has one, else the main study's best trial, ranked by the first objective.
+
+    NOTE: eviction-only at a larger budget (``eviction_only@0.7``) is a reference point of the test stage, not a
+    candidate: the recommendation stays at the sweep's own budget. Test-stage ties go to the configuration with
+    the better tuning score.
+    """
+    objective = runs.objectives[0]
+    trials = runs.trials
+    if trial is not None:
+        rows = trials[trials["trial_number"] == trial]
+        if rows.empty:
+            finished = sorted(int(number) for number in trials["trial_number"])
+            raise ValueError(f"sweep {runs.sweep_id!r} has no finished trial {trial} (finished: {finished})")
+        row = rows.iloc[0]
+        return Choice(row["run_id"], row["configuration"], f"trial {trial}, chosen with --trial")
+    if runs.has_test_stage:
+        tests = runs.test_trials[~runs.test_trials["test_of"].astype(str).str.contains(BUDGET_SEPARATOR)]
+        tuning = trials.set_index("trial_number")[objective.metric] if objective.metric in trials else None
+        tie = tests["trial_number"].map(tuning) if tuning is not None else None
+        ranked = _ranked(tests, objective.metric, objective.maximize, tie)
+        if not ranked.empty:
+            row = ranked.iloc[0]
+            return Choice(row["run_id"], row["configuration"],
+                          f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
+                          f"{runs.test_sample_count} held-out sample(s)")
+    ranked = _ranked(trials, objective.metric, objective.maximize)
+    if ranked.empty:
+        raise ValueError(f"sweep {runs.sweep_id!r} has no finished trial with {objective.metric} yet")
+    row = ranked.iloc[0]
+    return Choice(row["run_id"], row["configuration"],
+                  f"best trial of the main study: {objective.metric} {row[objective.metric]:.4g} on the tuning samples")
+
+
+def press_file_text(press: PressConfig, comments: list[str]) -> str:
+    """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``)."""
+    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS}
+    return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(body, sort_keys=False)
+
+
+def export_press(client: MlflowClient, sweep_id: str, output: str | Path | None = None, *, trial: int | None = None,
+                 experiment: str | None = None, log_artifact: bool = True) -> Export:
+    """Write the chosen run's press file (``choose``) to ``output`` (default ``./grkv-press-<sweep_id>.yaml``) and,
+    with ``log_artifact``, to the sweep's parent run as ``press.yaml``.
+
+    Raises
+    ------
+    tracking.reports.data.SweepNotFoundError
+        No parent run carries ``sweep_id``.
+    ValueError
+        No such trial, or nothing finished yet.
+    """
+    runs = load_sweep(client, sweep_id, experiment)
+    choice = choose(runs, trial)
+    press = press_of_run(client, choice.run_id)
+    stage = TEST_STAGE if choice.run_id in set(runs.test_trials["run_id"]) else FULL_STAGE
+    path = Path(output or f"grkv-press-{sweep_id}.yaml")
+    text = press_file_text(press, [
+        f"GRKV press configuration: {press.label}, exported by `grkv export` from sweep {sweep_id}",
+        f"chosen: {choice.configuration} ({choice.how})",
+        f"from: {stage}-stage run {choice.run_id} of parent run {runs.parent_run_id} "
+        f"(experiment id {runs.experiment_id}, {client.tracking_uri})",
+        f"exported: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        f"use: press = grkv_core.registry.press_from_file(\"{path.name}\"); with press(model): ...",
+        f"or:  grkv eval --press-config {path.name}",
+    ])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    artifact_uri = None
+    if log_artifact:
+        client.log_text(runs.parent_run_id, text, PRESS_ARTIFACT)
+        artifact_uri = f"{client.get_run(runs.parent_run_id).info.artifact_uri}/{PRESS_ARTIFACT}"
+    return Export(path, press, text, choice, artifact_uri)
