@@ -39,7 +39,7 @@ def sweep_config(test_samples: int) -> dict:
     return SweepConfig.model_validate({
         "name": "export", "model": {"name": "tiny-llama", "dtype": "float32"},
         "data": {"tasks": [TASK], "context_length": 512, "samples": 2, "test": {"samples": test_samples}},
-        "press": {"name": "snapkv", "compression_ratio": 0.8}, "merge": ["grkv", "none"],
+        "press": {"name": "snapkv", "compression_ratio": 0.8}, "merge": ["grkv"],
         "search_space": {"lambda_k": {"type": "float", "low": 1e-4, "high": 10.0, "log": True}},
         "trials": 4, "test": {"top_k": 2, "eviction_ratios": [0.7] if test_samples else []},
     }).model_dump(mode="json")
