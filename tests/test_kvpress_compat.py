@@ -136,7 +136,8 @@ def test_per_layer_ratios_are_honoured_by_the_merger(name):
 def test_a_layer_whose_ratio_is_zero_keeps_its_full_cache():
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=1)
-    press = merger_over("grkv", PerLayerCompressionPress(press=build_press("snapkv", 0.0), compression_ratios=[0.0, 0.75]))
+    per_layer = PerLayerCompressionPress(press=build_press("snapkv", 0.0), compression_ratios=[0.0, 0.75])
+    press = merger_over("grkv", per_layer)
     full, merged = prefill(model, ids), prefill(model, ids, press)
     assert torch.equal(merged.layers[0].keys, full.layers[0].keys)
     assert torch.equal(merged.layers[0].values, full.layers[0].values)
@@ -287,7 +288,8 @@ def heldout_question_set(model, ids, context_length):
         captured[module.layer_idx] = surrogate_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"],
                                                        n_queries=ids.shape[1] - context_length).queries
 
-    handles = [attention.register_forward_hook(keep_queries, with_kwargs=True) for attention in attention_modules(model)]
+    handles = [attention.register_forward_hook(keep_queries, with_kwargs=True)
+               for attention in attention_modules(model)]
     try:
         cache = prefill(model, ids)
     finally:
@@ -298,7 +300,7 @@ def heldout_question_set(model, ids, context_length):
 
 
 def heldout_discrepancy(model, context_ids, press, heldout):
-    """Σ‖Y_full − Y_comp‖² / Σ‖Y_full‖² of the held-out queries over all layers and heads (masked entries unseen)."""
+    """Σ‖Y_full − Y_comp‖² / Σ‖Y_full‖² of the held-out queries, over all layers and heads (masked rows unseen)."""
     cache, masks = prefill_and_module_state(model, context_ids, press, "masked_key_indices")
     error = reference = 0.0
     for module, (queries, keys, values), layer, masked in zip(attention_modules(model), heldout, cache.layers, masks):

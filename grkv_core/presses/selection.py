@@ -25,9 +25,9 @@ from torch import nn
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 # NOTE: wrappers whose token selection is reproduced here around their inner ScorerPress (kvpress asserts it is one).
 SELECTION_WRAPPERS = (PerLayerCompressionPress, ChunkPress)
-SUPPORTED_BASE_PRESSES = ("a kvpress ScorerPress (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, "
-                          "Knorm, CriticalKV), AdaKVPress, CriticalAdaKVPress, or PerLayerCompressionPress or ChunkPress "
-                          "around a ScorerPress")
+SUPPORTED_BASE_PRESSES = ("a kvpress ScorerPress (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, "
+                          "ExpectedAttention, Knorm, CriticalKV), AdaKVPress, CriticalAdaKVPress, or "
+                          "PerLayerCompressionPress or ChunkPress around a ScorerPress")
 # Why the kvpress wrappers that do not merely select tokens cannot be a merger's base press (first match wins).
 _REFUSED_BASE_PRESSES: tuple[tuple[type, str], ...] = (
     (PrefillDecodingPress, "it switches presses between prefill and decoding; compose the other way round: "
