@@ -6,6 +6,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import dataclasses
 import importlib.util
 import json
+import re
 import time
 
 import huggingface_hub.constants
@@ -196,3 +197,62 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
         f"\nsmollm2-135m: first load (GGUF conversion) {conversion_seconds:.1f} s, "
         f"cached load {cached_load_seconds:.1f} s, greedy answer {answer!r} in {generation_seconds:.1f} s"
     )
+
+
+# ------------------------------------------------------------------------------------- what loading prints
+
+
+@pytest.fixture
+def progress_bars_on():
+    """transformers' progress bars on, as in a fresh interpreter (the CLI and workers turn them off for good)."""
+    import transformers
+
+    was_on = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.enable_progress_bar()
+    yield
+    if not was_on:
+        transformers.utils.logging.disable_progress_bar()
+
+
+def saved_tiny_checkpoint(directory, drop_weight=None):
+    """tiny-llama saved as a local checkpoint directory (optionally without one weight): ``from_pretrained`` loads it
+    like a hub model, with transformers' per-tensor progress bar."""
+    from safetensors.torch import load_file, save_file
+
+    loaded = tiny_model("tiny-llama")
+    loaded.model.save_pretrained(directory)
+    loaded.tokenizer.save_pretrained(directory)
+    if drop_weight is not None:
+        weights = load_file(directory / "model.safetensors")
+        del weights[drop_weight]
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.usefixtures("progress_bars_on")
+def test_a_load_prints_one_line_and_no_progress_bar(tmp_path, capfd):
+    import transformers
+
+    checkpoint = saved_tiny_checkpoint(tmp_path / "tiny")
+    capfd.readouterr()
+    load_model(str(checkpoint))
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert re.fullmatch(rf"grkv: loading {re.escape(str(checkpoint))} … done in \d+\.\d s\n", err), err
+    assert transformers.utils.logging.is_progress_bar_enabled(), "the bars are off for the load only"
+
+
+@pytest.mark.usefixtures("progress_bars_on")
+def test_loading_still_shows_warnings_and_errors(tmp_path, capfd, caplog):
+    checkpoint = saved_tiny_checkpoint(tmp_path / "tiny", drop_weight="model.norm.weight")
+    capfd.readouterr()
+    with caplog.at_level("WARNING", logger="transformers"):
+        load_model(str(checkpoint))
+    _, err = capfd.readouterr()
+    # NOTE: pytest takes transformers' log records (caplog); a user sees them on stderr through transformers' handler
+    assert "model.norm.weight" in caplog.text, "transformers' warning about the missing weight is still emitted"
+    assert "Loading weights" not in err
+    with pytest.raises(ModelNotAvailableError):
+        load_model("no-such-org/no-such-model")
+    _, err = capfd.readouterr()
+    assert err.endswith("grkv: loading no-such-org/no-such-model … failed\n")

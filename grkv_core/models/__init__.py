@@ -16,6 +16,7 @@ Modules
 - ``tiny``: the tiny random test models and their offline byte-level tokenizer.
 - ``smollm2``: the embedded SmolLM2-135M-Instruct: GGUF conversion and the tokenizer rebuilt from its metadata.
 - ``placement``: the device, dtype and attention kernel a model is loaded with.
+- ``progress``: one line on stderr per long loading step, instead of transformers' progress bars.
 """
 
 from grkv_core.models.loading import (

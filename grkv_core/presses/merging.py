@@ -6,6 +6,12 @@ for the whole layer with a uniform budget (the cache is physically compacted), e
 with per-head budgets (kvpress masks the evicted entries; the merged kept rows are written back in place).
 A press supplies only ``merge_selected`` and, when its merge reads more than the cache (surrogate queries,
 attention weights), ``layer_context`` and ``head_context``.
+
+Composition with kvpress's wrappers: a merger wraps its base press, never the other way round (kvpress's
+wrappers accept only a ``ScorerPress`` and refuse a merger when they are built). As the base,
+``PerLayerCompressionPress`` (per-layer ratios) and ``ChunkPress`` work; around a merger,
+``ComposedPress([merger, ...])`` (the merger first) and ``PrefillDecodingPress(prefilling_press=merger, ...)``
+work. The other wrappers are refused with the reason (``selection.unsupported_base_press_reason``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from kvpress import BasePress
 from torch import nn
 
 from grkv_core.config import is_number
-from grkv_core.presses.selection import TokenSelection, compression_ratio_of, is_supported_base_press, select_tokens
+from grkv_core.presses.selection import (SUPPORTED_BASE_PRESSES, TokenSelection, compression_ratio_of, select_tokens,
+                                         unsupported_base_press_reason)
 
 
 @dataclass
@@ -33,6 +40,11 @@ class MergingPress(BasePress):
     NOTE: a merged cache no longer reveals which positions its rows came from; with a uniform budget a
     merging press records them as ``module.kept_positions`` (B, H_kv, c) for diagnostics.
 
+    NOTE: with a uniform budget the merged rows come in increasing position order (``module.kept_positions``),
+    while kvpress's ``ScorerPress`` leaves the rows it keeps in its top-k (score) order. Both caches hold the same
+    kept tokens; attention does not depend on the order of the cached rows (the keys carry their positions), so
+    align rows by position, not by index, to compare a merged cache with kvpress's eviction.
+
     NOTE: a merging press changes the cache, never the forward: hooks a subclass adds in ``__call__`` only observe,
     and keep what they observe on the press, not on the shared modules. The trial engine relies on it to let
     several presses share one prefill (``grkv_core.shared_prefill``).
@@ -41,15 +53,19 @@ class MergingPress(BasePress):
     ----------
     press : BasePress
         The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV). Its ``compression_ratio`` sets the budget.
+        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
+        first seven. Its ``compression_ratio`` sets the budget.
     """
 
     press: BasePress = None
 
     def __post_init__(self) -> None:
-        if self.press is None or not is_supported_base_press(self.press):
-            raise ValueError("press must be a kvpress ScorerPress, AdaKVPress or CriticalAdaKVPress, "
-                             f"got {type(self.press).__name__}")
+        if isinstance(self.press, MergingPress):
+            reason = "a merger keeps the tokens an eviction press selects, and a merger selects none"
+        else:
+            reason = unsupported_base_press_reason(self.press)
+        if reason is not None:
+            raise ValueError(f"press must be {SUPPORTED_BASE_PRESSES}; got {type(self.press).__name__}: {reason}")
 
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
@@ -127,15 +143,24 @@ class MergingPress(BasePress):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Select with the base press, merge, and return the new cache of one layer.
 
-        Returns (B, H_kv, c, d) tensors for a uniform budget, else (B, H_kv, n, d) with the kept rows merged
-        (evicted rows stay in place, masked by kvpress's attention patch).
+        Returns (B, H_kv, c, d) tensors for a uniform budget, rows in increasing position order, else
+        (B, H_kv, n, d) with the kept rows merged (evicted rows stay in place, masked by kvpress's attention patch).
         """
         if self.compression_ratio == 0:
             return keys, values
+        if keys.shape[2] != hidden_states.shape[1]:
+            raise ValueError(
+                f"{type(self).__name__} merges the whole prompt's cache, but layer {module.layer_idx} caches "
+                f"{keys.shape[2]} entries for {hidden_states.shape[1]} prompt tokens: a press before it already "
+                "compressed the cache (put the merger first in a ComposedPress) or it was called while decoding"
+            )
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
-        context = self.layer_context(module, hidden_states, keys, kwargs)
         if selection.uniform_budget is not None:
             module.kept_positions = selection.kept_positions()
+        if bool(selection.kept_mask.all()):  # nothing evicted at this layer (e.g. its per-layer ratio is 0)
+            return keys, values
+        context = self.layer_context(module, hidden_states, keys, kwargs)
+        if selection.uniform_budget is not None:
             merged_keys, merged_values = self.merge_selected(keys, values, selection, context)
             return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
         return self._merge_per_head(keys, values, selection, context)

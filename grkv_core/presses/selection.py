@@ -1,9 +1,11 @@
 """Which cached tokens a kvpress eviction press keeps, and how it scores them, without evicting anything.
 
 Merging presses (GRKV and the baselines) need the base press's decision as data: the kept positions and
-the scores (to pick the top-beta fixed tokens). kvpress exposes that decision in three shapes, all
-handled here: score-then-top-k with one budget per layer (every ``ScorerPress``), a per-layer budget
-(``PyramidKVPress``), and per-head budgets realised by masking (``AdaKVPress``, ``CriticalAdaKVPress``).
+the scores (to pick the top-beta fixed tokens). kvpress exposes that decision in these shapes, all handled
+here: score-then-top-k with one budget per layer (every ``ScorerPress``), a per-layer budget
+(``PyramidKVPress``, ``PerLayerCompressionPress``), a top-k per chunk of the prompt (``ChunkPress``), and
+per-head budgets realised by masking (``AdaKVPress``, ``CriticalAdaKVPress``). Other kvpress presses are
+refused with the reason (``unsupported_base_press_reason``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,31 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from kvpress import (AdaKVPress, BasePress, CriticalAdaKVPress, ExpectedAttentionPress, PyramidKVPress, ScorerPress,
-                     SnapKVPress)
+from kvpress import (AdaKVPress, BasePress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress,
+                     ExpectedAttentionPress, KeyRerotationPress, PerLayerCompressionPress, PrefillDecodingPress,
+                     PyramidKVPress, ScorerPress, SnapKVPress)
 from kvpress.utils import compute_n_kept
 from torch import nn
 
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
+# NOTE: wrappers whose token selection is reproduced here around their inner ScorerPress (kvpress asserts it is one).
+SELECTION_WRAPPERS = (PerLayerCompressionPress, ChunkPress)
+SUPPORTED_BASE_PRESSES = ("a kvpress ScorerPress (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, "
+                          "ExpectedAttention, Knorm, CriticalKV), AdaKVPress, CriticalAdaKVPress, or "
+                          "PerLayerCompressionPress or ChunkPress around a ScorerPress")
+# Why the kvpress wrappers that do not merely select tokens cannot be a merger's base press (first match wins).
+_REFUSED_BASE_PRESSES: tuple[tuple[type, str], ...] = (
+    (PrefillDecodingPress, "it switches presses between prefill and decoding; compose the other way round: "
+                           "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=...)"),
+    (DecodingPress, "it compresses while decoding, a merger compresses the prefill; for both, use "
+                    "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=DecodingPress(...))"),
+    (KeyRerotationPress, "it moves the kept keys to new positions while a merge fits them at their own, and kvpress's "
+                         "pipeline re-positions the question only when KeyRerotationPress is the outermost press"),
+    (ComposedPress, "a chain of presses has no single selection over the full cache to merge into; put the merger "
+                    "first inside it instead: ComposedPress([<merger>, ...])"),
+    (ChunkKVPress, "it chooses its chunks inside its compress, so the choice cannot be read as data; ChunkPress is "
+                   "supported"),
+)
 
 # Scores already computed in the current shared prefill, by (layer, the base press's repr); None outside one.
 _SHARED_SCORES: ContextVar[dict | None] = ContextVar("grkv_shared_scores", default=None)
@@ -40,11 +61,11 @@ def sharing_scores() -> Iterator[None]:
         _SHARED_SCORES.reset(token)
 
 
-def _scores(press: ScorerPress, module: nn.Module, *inputs) -> torch.Tensor:
+def _scores(press: ScorerPress, module: nn.Module, *inputs, chunk_start: int | None = None) -> torch.Tensor:
     memo = _SHARED_SCORES.get()
     if memo is None:
         return press.score(module, *inputs)
-    key = (module.layer_idx, repr(press))
+    key = (module.layer_idx, repr(press), chunk_start)
     if key not in memo:
         memo[key] = press.score(module, *inputs)
     return memo[key]
@@ -103,8 +124,14 @@ def forced_score_span(press: BasePress) -> tuple[int, int]:
     return head, tail
 
 
-def is_supported_base_press(press: BasePress) -> bool:
-    return isinstance(press, (ScorerPress, *MASKING_PRESSES))
+def unsupported_base_press_reason(press: BasePress | None) -> str | None:
+    """Why ``press`` cannot be the base press of a merger, or None when it can (see ``SUPPORTED_BASE_PRESSES``)."""
+    if isinstance(press, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
+        return None
+    for kind, reason in _REFUSED_BASE_PRESSES:
+        if isinstance(press, kind):
+            return reason
+    return "a merger reads its base press's token selection as data, which only these presses expose"
 
 
 def compression_ratio_of(press: BasePress) -> float:
@@ -126,7 +153,8 @@ def select_tokens(
     ----------
     press : BasePress
         A ``ScorerPress`` (SnapKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm, CriticalKV,
-        PyramidKV, ...) or a masking press (AdaKV, CriticalAdaKV).
+        PyramidKV, ...), a masking press (AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or
+        ``ChunkPress`` around a ``ScorerPress``.
     module, hidden_states, keys, values, attentions, kwargs
         As passed to ``BasePress.compress``; keys and values are (B, H_kv, n, d).
 
@@ -135,6 +163,16 @@ def select_tokens(
     TokenSelection
     """
     batch, heads, length, _ = keys.shape
+    if isinstance(press, PerLayerCompressionPress):
+        # NOTE: kvpress's own PerLayerCompressionPress sets its inner press's ratio for the layer the same way.
+        inner_ratio = press.press.compression_ratio
+        press.press.compression_ratio = press.compression_ratios[module.layer_idx]
+        try:
+            return select_tokens(press.press, module, hidden_states, keys, values, attentions, kwargs)
+        finally:
+            press.press.compression_ratio = inner_ratio
+    if isinstance(press, ChunkPress):
+        return _select_per_chunk(press, module, hidden_states, keys, values, attentions, kwargs)
     if isinstance(press, MASKING_PRESSES):
         # NOTE: the masking press computes its per-head budgets and records the evicted (batch, head,
         # position) triples on the module; kvpress's attention patch reads them at decoding time.
@@ -146,12 +184,10 @@ def select_tokens(
             batch_index, head_index, position_index = (index.to(keys.device) for index in masked)
             kept_mask[batch_index, head_index, position_index] = False
         return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=None)
-    if not isinstance(press, ScorerPress):
-        raise ValueError(
-            f"{type(press).__name__} is not supported as a base press: use a kvpress ScorerPress "
-            "(SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm, CriticalKV) "
-            "or AdaKVPress / CriticalAdaKVPress"
-        )
+    reason = unsupported_base_press_reason(press)
+    if reason is not None:
+        raise ValueError(f"{type(press).__name__} is not supported as a base press ({reason}): use "
+                         f"{SUPPORTED_BASE_PRESSES}")
     scores = _scores(press, module, hidden_states, keys, values, attentions, kwargs)
     if isinstance(press, PyramidKVPress):
         budget = press.get_layer_budget(module, length)
@@ -161,3 +197,34 @@ def select_tokens(
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
     kept_mask.scatter_(-1, scores.topk(budget, dim=-1).indices, True)
     return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=budget)
+
+
+def _select_per_chunk(
+    press: ChunkPress,
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attentions: torch.Tensor | None,
+    kwargs: dict,
+) -> TokenSelection:
+    """``ChunkPress``'s decision: its inner press scores each chunk of the prompt alone and keeps its top share.
+
+    The rule is kvpress's ``ChunkPress.compress`` (a chunk of length l keeps max(1, int(l·(1 − ratio))) tokens);
+    the scores are the per-chunk ones it ranks by. Arguments and result as in ``select_tokens``.
+    """
+    if attentions is not None:
+        raise ValueError("ChunkPress scores chunks without attention weights: run the model with sdpa or flash "
+                         "attention, not eager")
+    batch, heads, length, _ = keys.shape
+    scorer = press.press
+    scores = torch.empty(batch, heads, length, dtype=torch.float32, device=keys.device)
+    kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
+    for start in range(0, length, press.chunk_length):
+        chunk = slice(start, start + press.chunk_length)
+        chunk_scores = _scores(scorer, module, hidden_states[:, chunk], keys[:, :, chunk], values[:, :, chunk],
+                               attentions, kwargs, chunk_start=start)
+        n_kept = max(1, int(chunk_scores.shape[-1] * (1 - scorer.compression_ratio)))
+        scores[..., chunk] = chunk_scores.float()
+        kept_mask[..., chunk].scatter_(-1, chunk_scores.topk(n_kept, dim=-1).indices, True)
+    return TokenSelection(scores=scores, kept_mask=kept_mask, uniform_budget=int(kept_mask[0, 0].sum()))
