@@ -23,9 +23,17 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import free_ports
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE, PressConfig
+from grkv_core.config import (
+    BASELINE_TAG,
+    EVICTION_ONLY,
+    PAPER_DEFAULT,
+    PARENT_TAG,
+    SCREEN_STAGE,
+    TEST_STAGE,
+    PressConfig,
+)
 from sweeps.config import SweepConfig
-from sweeps.space import suggest_press
+from sweeps.space import press_of, suggest_press
 from tracking.mlflow_tracker import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING_KIND,
@@ -84,12 +92,12 @@ def log_sweep(tracking_uri: str) -> SweepTracker:
         tracker.finish_trial(run_id, outcome, outcome.worker_timing())
 
     def trial(number, params, score, **kwargs):
-        run(number, suggest_press(optuna.trial.FixedTrial(params), config), score, params, **kwargs)
+        run(number, press_of(params, config, {BASELINE_TAG: kwargs.get("baseline")}), score, params, **kwargs)
 
     trial(0, BEST, 40.0, stage=SCREEN_STAGE)
     trial(1, NO_LAMBDA_K, 20.0, stage=SCREEN_STAGE)
     trial(0, PAPER, 62.5, baseline=PAPER_DEFAULT)
-    trial(1, {"merge": "none"}, 50.0, baseline=EVICTION_ONLY)
+    trial(1, {}, 50.0, baseline=EVICTION_ONLY)
     trial(2, BEST, 75.0)
     trial(3, NO_LAMBDA_K, 37.5)
     tracker.fail_trial(tracker.start_trial(4, BEST), TrialOutcome.lost(4, "worker died"))
