@@ -28,11 +28,8 @@ from grkv_core.config import (
     TRIAL_TAG,
     WORKER_PID_TAG,
 )
+from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome
-
-
-class TrackingUnavailableError(RuntimeError):
-    """The MLflow tracking server cannot be reached."""
 
 
 def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
@@ -84,8 +81,10 @@ class SweepTracker:
     parent_run_id: str
 
     @classmethod
-    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict) -> "SweepTracker":
-        client = MlflowClient(tracking_uri)
+    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict,
+             retry: RetryPolicy | None = None) -> "SweepTracker":
+        """The sweep's tracker; with ``retry``, every MLflow call it (or its ``client``'s user) makes is retried."""
+        client = MlflowClient(tracking_uri) if retry is None else RetryingClient(MlflowClient(tracking_uri), retry)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
         parents = client.search_runs(
