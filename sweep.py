@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     except SweepStopped as error:
         print(f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
               f"resume with: {resume}", file=sys.stderr, flush=True)
+        if error.cluster_lost:
+            # NOTE: Ray's exit handler would wait on the lost cluster until Ray aborts the process (its exit
+            # status lost with it); everything of the sweep is written by now, so the process ends here.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(SERVICE_LOST)
         return SERVICE_LOST
     except SweepBusyError as error:
         print(f"sweep: {error}", file=sys.stderr)

@@ -45,7 +45,12 @@ def eval_config_for(config: SweepConfig) -> EvalConfig:
 
 
 class SweepStopped(RuntimeError):
-    """The sweep stopped before its end because a service it needs was lost; the message is one line."""
+    """The sweep stopped before its end because a service it needs was lost; the message is one line.
+    ``cluster_lost``: the lost service is the Ray cluster."""
+
+    def __init__(self, message: str, cluster_lost: bool = False):
+        super().__init__(message)
+        self.cluster_lost = cluster_lost
 
 
 # NOTE: what stops a sweep mid-way without being any trial's fault (a full or unwritable state directory also
@@ -98,7 +103,7 @@ class SweepDriver:
             elif isinstance(error, OSError):
                 error = StateDirError(self.records.state.unwritable(error))
             self.records.close("KILLED")
-            raise SweepStopped(str(error)) from None
+            raise SweepStopped(str(error), isinstance(error, ClusterLostError)) from None
         except BaseException:
             self.records.close("FAILED")
             raise

@@ -111,6 +111,10 @@ class WorkerPool:
         outcome per request, in order."""
         ended = []
         ready, _ = ray.wait([*self.running, *self.pinging], num_returns=1, timeout=timeout_s)
+        if not ready and (self.running or self.pinging):
+            # NOTE: a call to an actor still starting waits on the GCS without ever failing; only a probe tells
+            # that the cluster is gone.
+            self._check_cluster()
         for reference in ready:
             if reference in self.pinging:
                 self._after_ping(reference, ended)
@@ -175,7 +179,7 @@ class WorkerPool:
             return
         self._send(dispatch)
 
-    def _check_cluster(self, error: Exception, timeout_s: float = 3.0) -> None:
+    def _check_cluster(self, error: Exception | None = None, timeout_s: float = 3.0) -> None:
         """Raise ``ClusterLostError`` when the cluster's GCS no longer accepts connections.
 
         NOTE: probed with a plain TCP connection, never a Ray call: with the GCS gone, Ray calls block, and
@@ -186,5 +190,6 @@ class WorkerPool:
         try:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
         except OSError as probe:
-            raise ClusterLostError(f"the Ray cluster at {self.gcs_address} stopped answering ({type(error).__name__}; "
-                                   f"GCS: {probe.strerror or probe})") from None
+            seen = f"{type(error).__name__}; " if error is not None else ""
+            raise ClusterLostError(f"the Ray cluster at {self.gcs_address} stopped answering "
+                                   f"({seen}GCS: {probe.strerror or probe})") from None
