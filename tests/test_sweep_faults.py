@@ -241,6 +241,7 @@ def test_an_unreachable_storage_url_is_one_line_and_leaves_nothing(services, tmp
 # ---------------------------------------------------------------- drivers dying and doubling
 
 
+@pytest.mark.slow
 def test_second_driver_refused_then_a_torn_journal_and_stale_lock_resume_promptly(services, tmp_path):
     """Two drivers on one sweep: the second is refused naming the first. The first is SIGKILLed mid-trial, its
     journal left with a torn last line and Optuna's lock file: the resume repairs the journal (a backup kept),
