@@ -3,6 +3,11 @@
 Connects to the Ray cluster (``RAY_ADDRESS``, set by ``ray job submit``; a local one otherwise), runs the
 Optuna sweep described by the config over Ray workers, and tracks every trial in MLflow. Re-running with
 the same ``--sweep-id`` resumes it.
+
+Exit status (``ray job submit`` exits 1 when it is not 0: the job is FAILED; ``ray job stop`` makes it STOPPED):
+0 the sweep finished; 2 the config is invalid; 3 a service (Ray cluster, MLflow, Optuna storage, state
+directory) is unusable at the start, or was lost mid-sweep (then the sweep can be resumed); 4 another driver
+runs this sweep; 5 the sweep was stopped by a signal (resumable).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 
@@ -18,9 +24,31 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # NOTE: MLflow's client retries unreachable servers for minutes by default; a sweep should fail fast.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+# NOTE: the driver retries MLflow calls itself (tracking.retries, tracking.retry_backoff_s), so the client's own
+# retries are off: one bound, defined in the config.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+FINISHED, INVALID_CONFIG, SERVICE_LOST, SWEEP_BUSY, STOPPED = 0, 2, 3, 4, 5
+# NOTE: a driver run by `ray job submit` finds its job's metadata here; its resume is submitted the same way.
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def resume_command(argv: list[str], sweep_id: str) -> str:
+    """The command that resumes this sweep: this one's arguments with ``--sweep-id`` set."""
+    arguments, skip = [], False
+    for argument in argv:
+        if skip or argument.startswith("--sweep-id="):
+            skip = False
+            continue
+        if argument == "--sweep-id":
+            skip = True
+            continue
+        arguments.append(argument)
+    command = shlex.join(["python", "sweep.py", *arguments, "--sweep-id", sweep_id])
+    return f"ray job submit --working-dir . -- {command}" if os.environ.get(RAY_JOB_CONFIG_ENV) else command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,17 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", default=None, help="override storage.state_dir (journal + trial results)")
     parser.add_argument("--storage-url", default=os.environ.get("GRKV_OPTUNA_STORAGE"),
                         help="override storage.url, the Optuna RDB (default: $GRKV_OPTUNA_STORAGE)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from sweeps.config import ConfigError, load_config
+    from sweeps.lease import SweepBusyError
+    from sweeps.ledger import StateDirError, StorageUnavailableError
+    from sweeps.worker_pool import ClusterLostError
     from tracking.mlflow_tracker import TrackingUnavailableError
 
     try:
         config = load_config(args.config)
     except ConfigError as error:
         print(f"sweep: invalid config: {error}", file=sys.stderr)
-        return 2
+        return INVALID_CONFIG
     if args.tracking_uri:
         config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"tracking_uri": args.tracking_uri})})
     if args.storage_url:
@@ -50,16 +82,32 @@ def main(argv: list[str] | None = None) -> int:
         config = config.model_copy(update={"storage": config.storage.model_copy(update={"state_dir": args.state_dir})})
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
-    from sweeps.driver import SweepDriver
+    from sweeps.driver import SweepDriver, SweepStopped
 
+    resume = resume_command(argv, sweep_id)
     try:
         status = SweepDriver(config, sweep_id).run()
-    except TrackingUnavailableError as error:
+    except SweepStopped as error:
+        print(f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
+              f"resume with: {resume}", file=sys.stderr, flush=True)
+        if error.cluster_lost:
+            # NOTE: Ray's exit handler would wait on the lost cluster until Ray aborts the process (its exit
+            # status lost with it); everything of the sweep is written by now, so the process ends here.
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(SERVICE_LOST)
+        return SERVICE_LOST
+    except SweepBusyError as error:
         print(f"sweep: {error}", file=sys.stderr)
-        return 3
-    print(f"sweep {sweep_id}: {status}; resume with --sweep-id {sweep_id}" if status != "FINISHED"
-          else f"sweep {sweep_id}: {status}")
-    return 0
+        return SWEEP_BUSY
+    except (TrackingUnavailableError, StorageUnavailableError, StateDirError, ClusterLostError) as error:
+        print(f"sweep: {error}", file=sys.stderr)
+        return SERVICE_LOST
+    if status != "FINISHED":
+        print(f"sweep {sweep_id}: {status}; resume with: {resume}", file=sys.stderr)
+        return STOPPED
+    print(f"sweep {sweep_id}: {status}")
+    return FINISHED
 
 
 if __name__ == "__main__":

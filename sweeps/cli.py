@@ -197,27 +197,27 @@ class ProgressPrinter:
         """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
         a resumed sweep's)."""
         runs = self.runs()
-        ended = [run for run in runs
-                 if run.info.status in ("FINISHED", "FAILED") and run.info.run_id not in self.stage_of]
-        for run in sorted(ended, key=lambda run: run.info.end_time or 0):
-            stage = run.data.tags.get(STAGE_TAG, FULL_STAGE)
-            self.stage_of[run.info.run_id] = stage
+        ended = [child for child in runs
+                 if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of]
+        for child in sorted(ended, key=lambda child: child.info.end_time or 0):
+            stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
+            self.stage_of[child.info.run_id] = stage
             if quiet:
                 continue
             done = sum(seen == stage for seen in self.stage_of.values())
             count = f"{done}/{self.totals[stage]}" if stage in self.totals else str(done)
             metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
-            metrics = run.data.metrics
-            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else run.info.status.lower()
-            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(run):<24} {value:<26} "
+            metrics = child.data.metrics
+            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
+            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
                   f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
-        started = [run for run in runs if run.info.status == "RUNNING" and run.info.run_id not in self.running]
+        started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
         if started and not quiet:
             stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
             print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                  + ", ".join(self._name(run) for run in sorted(started, key=lambda run: run.info.start_time)),
+                  + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
                   flush=True)
-        self.running.update(run.info.run_id for run in started)
+        self.running.update(child.info.run_id for child in started)
 
     def _minutes(self) -> float:
         return (time.monotonic() - self.started) / 60

@@ -161,6 +161,10 @@ class TestSection(_Strict):
 class TrackingSection(_Strict):
     tracking_uri: str = "http://127.0.0.1:5000"
     experiment: str = "grkv-sweeps"
+    retries: int = Field(default=5, ge=0, description=(
+        "re-tries of an MLflow call that found the server unreachable before the driver stops"))
+    retry_backoff_s: float = Field(default=2.0, ge=0, description=(
+        "wait before the first re-try, doubled before each next one (5 re-tries from 2 s: about a minute)"))
 
 
 class StorageSection(_Strict):

@@ -5,6 +5,10 @@ directory and write every outcome to them in order; the ``WorkerPool`` (``sweeps
 workers, their dispatch and retries. For each stage in turn (screening, full trials, the held-out test stage)
 the driver opens batches of trials while workers are idle and hands the stage's ledger every outcome the pool
 returns.
+
+A sweep that cannot go on (the Ray cluster, the MLflow server or the state directory lost) stops with
+``SweepStopped``: its in-flight trials are re-queued for the resume, and everything finished stays in the state
+directory, which the resume reconciles with MLflow and Optuna.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import ray
 
 from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
 from sweeps.config import SweepConfig
-from sweeps.ledger import HeldOutLedger, SweepRecords, TrialLedger
+from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger, state_write_failure
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
-from sweeps.worker_pool import WorkerPool
+from sweeps.worker_pool import ClusterLostError, WorkerPool
+from tracking.retry import TrackingUnavailableError
 
 log = logging.getLogger("grkv.sweep")
 
@@ -39,6 +44,33 @@ def eval_config_for(config: SweepConfig) -> EvalConfig:
     )
 
 
+class SweepStopped(RuntimeError):
+    """The sweep stopped before its end because a service it needs was lost; the message is one line.
+    ``cluster_lost``: the lost service is the Ray cluster."""
+
+    def __init__(self, message: str, cluster_lost: bool = False):
+        super().__init__(message)
+        self.cluster_lost = cluster_lost
+
+
+# NOTE: what stops a sweep mid-way without being any trial's fault (a full or unwritable state directory also
+# shows as an OSError from the Optuna journal; see ``state_write_failure``).
+LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError)
+
+
+def connect_to_ray() -> None:
+    """Join the cluster at ``RAY_ADDRESS`` (a local one without it), or ``ClusterLostError`` in one line."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address)
+    except (ConnectionError, RuntimeError, TimeoutError) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ClusterLostError(f"the Ray cluster at {address or 'a local address'} is not reachable ({reason}); "
+                               "start it (infra/local/start.sh) or fix RAY_ADDRESS") from None
+
+
 class SweepDriver:
     def __init__(self, config: SweepConfig, sweep_id: str):
         self.config = config
@@ -47,16 +79,44 @@ class SweepDriver:
         self.records = SweepRecords(config, sweep_id)
 
     def run(self) -> str:
-        """Run every stage to its end or until a stop is requested; returns the parent run's final status."""
+        """Run every stage to its end or until a stop is requested; returns the parent run's final status.
+
+        Raises
+        ------
+        SweepStopped
+            When the Ray cluster, the MLflow server or the state directory is lost mid-sweep (after re-queueing
+            the in-flight trials and closing what can still be closed).
+        """
+        # NOTE: every service is checked before the sweep writes anything: a cluster, a tracking server or a
+        # storage that is not there leaves nothing behind.
+        self.records.check_services()
+        connect_to_ray()
         self.records.open()
+        try:
+            status = self._run_stages()
+        except (*LOST_SERVICES, OSError) as error:
+            if isinstance(error, OSError) and not state_write_failure(error):
+                self.records.close("FAILED")
+                raise
+            if isinstance(error, TrackingUnavailableError):
+                self.records.tracking_lost = True
+            elif isinstance(error, OSError):
+                error = StateDirError(self.records.state.unwritable(error))
+            self.records.close("KILLED")
+            raise SweepStopped(str(error), isinstance(error, ClusterLostError)) from None
+        except BaseException:
+            self.records.close("FAILED")
+            raise
+        self.records.close(status)
+        return status
+
+    def _run_stages(self) -> str:
         screen = TrialLedger(self.records, SCREEN_STAGE) if self.config.screening.trials else None
         full = TrialLedger(self.records, FULL_STAGE)
         for ledger in (screen, full):
             if ledger is not None:
                 ledger.open()
         full.enqueue_once([(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)])
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"))
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
@@ -74,9 +134,7 @@ class SweepDriver:
             tests = HeldOutLedger(self.records, presses_to_test(full.study, self.config))
             tests.open()
             self._run_stage(pool, tests)
-        status = "KILLED" if self.stop_requested else "FINISHED"
-        self.records.close(status)
-        return status
+        return "KILLED" if self.stop_requested else "FINISHED"
 
     def _run_stage(self, pool: WorkerPool, ledger: TrialLedger | HeldOutLedger) -> None:
         """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.
@@ -88,22 +146,51 @@ class SweepDriver:
         remaining = ledger.remaining()
         log.info("sweep %s: %s stage, %d to run", self.sweep_id, ledger.stage, remaining)
         batch_size = self.config.workers.batch_size
-        while (remaining or pool.busy) and not self.stop_requested:
-            while pool.idle and remaining and not self.stop_requested:
-                size = min(batch_size, remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size))
-                opened = ledger.open_trials(size)
-                # NOTE: fewer than asked only when the sampler has exhausted the space (see TrialLedger)
-                remaining = remaining - len(opened) if len(opened) == size else 0
-                if opened:
-                    pool.submit([open_trial.request for open_trial in opened], opened)
-            for dispatch, outcomes in pool.wait(timeout_s=1.0):
-                received = time.time()
-                for open_trial, outcome in zip(dispatch.context, outcomes, strict=True):
-                    ledger.record(open_trial, outcome, self._dispatch_share(dispatch, outcome, received),
-                                  dispatch.attempt + 1)
-        for dispatch in pool.drain():
-            for open_trial in dispatch.context:
-                ledger.abandon(open_trial)
+        try:
+            while (remaining or pool.busy) and not self.stop_requested:
+                while pool.idle and remaining and not self.stop_requested:
+                    spread = remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size)
+                    size = min(batch_size, spread)
+                    opened = ledger.open_trials(size)
+                    # NOTE: fewer than asked only when the sampler has exhausted the space (see TrialLedger)
+                    remaining = remaining - len(opened) if len(opened) == size else 0
+                    if opened:
+                        pool.submit([open_trial.request for open_trial in opened], opened)
+                for dispatch, outcomes in pool.wait(timeout_s=1.0):
+                    if dispatch.infrastructure:  # not the trials' fault: they run again (an Optuna stage's in this run)
+                        for open_trial in dispatch.context:
+                            ledger.abandon(open_trial)
+                        remaining += len(dispatch.context) if isinstance(ledger, TrialLedger) else 0
+                        continue
+                    self._record(ledger, dispatch, outcomes)
+        except TrackingUnavailableError:
+            self.records.tracking_lost = True
+            raise
+        finally:
+            for dispatch in pool.drain():
+                for open_trial in dispatch.context:
+                    self._abandon(ledger, open_trial)
+
+    def _record(self, ledger: TrialLedger | HeldOutLedger, dispatch, outcomes) -> None:
+        received = time.time()
+        for index, (open_trial, outcome) in enumerate(zip(dispatch.context, outcomes, strict=True)):
+            try:
+                ledger.record(open_trial, outcome, self._dispatch_share(dispatch, outcome, received),
+                              dispatch.attempt + 1)
+            except TrackingUnavailableError:
+                # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
+                # (the first place a record writes), where the resume finds and logs them.
+                for later in outcomes[index + 1:]:
+                    self.records.state.save(later)
+                raise
+
+    def _abandon(self, ledger: TrialLedger | HeldOutLedger, open_trial) -> None:
+        """Abandon an in-flight trial on a stop; a service already lost leaves it to the resume's reconcile."""
+        try:
+            ledger.abandon(open_trial)
+        except (TrackingUnavailableError, OSError) as error:
+            self.records.tracking_lost |= isinstance(error, TrackingUnavailableError)
+            log.warning("%s: left for the resume to re-queue (%s)", open_trial.request, error)
 
     @staticmethod
     def _dispatch_share(dispatch, outcome, received: float) -> float:

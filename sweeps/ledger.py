@@ -12,9 +12,11 @@ MLflow parent run, service overhead).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,15 +35,85 @@ from grkv_core.config import (
     PressConfig,
 )
 from sweeps.config import SweepConfig
+from sweeps.lease import SweepLease
 from sweeps.space import make_sampler, press_of, suggest_press
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
+from tracking.retry import RetryPolicy, TrackingUnavailableError
 from workers.protocol import FAILED, TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
 # NOTE: a duplicate proposal costs an ask and a tell, no evaluation; this many in a row means the sampler finds
 # nothing new (a small categorical space, or a grid) rather than an unlucky streak.
 EXHAUSTED_AFTER_DUPLICATES = 100
+
+# NOTE: the OS errors that mean "this storage cannot take the write" (full, read-only, no permission, not a
+# directory), as opposed to a bug; they stop the sweep with one line.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EFBIG,
+                  errno.EIO}
+
+
+class StateDirError(RuntimeError):
+    """The sweep's state directory (or its Optuna journal) cannot be used; the message is one line."""
+
+
+class StorageUnavailableError(RuntimeError):
+    """The Optuna storage URL (``storage.url``) does not answer."""
+
+
+def state_write_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a storage that cannot take a write (see ``STORAGE_ERRNOS``)."""
+    return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
+
+
+def repair_journal(journal: Path) -> None:
+    """Make an Optuna journal loadable after its writer died mid-write.
+
+    A last line without its newline is a write cut short: it is cut off (Optuna would fail on it, and append
+    to it), after a copy of the whole file is kept next to it (``<journal>.torn-<time>``). Dropping it is what
+    the journal would hold had the driver died a moment earlier, which every resume already handles.
+
+    Raises
+    ------
+    StateDirError
+        If a line before the last one does not parse: that is not a torn write and cannot be repaired here.
+    """
+    if not journal.is_file():
+        return
+    data = journal.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        backup = journal.with_name(f"{journal.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(journal, backup)
+        with open(journal, "r+b") as file:
+            file.truncate(complete)
+            os.fsync(file.fileno())
+        log.warning("%s: cut off its torn last line (%d bytes of a write cut short); the file as it was is in %s",
+                    journal, len(data) - complete, backup)
+    for number, line in enumerate(data[:complete].splitlines(), start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            raise StateDirError(
+                f"Optuna journal {journal} is corrupt at line {number} (not a torn last line); restore it from a "
+                f"backup, or move it aside and run the sweep under a new --sweep-id (the finished trials' results "
+                f"stay in {journal.parent})") from None
+
+
+def open_storage_url(url: str) -> optuna.storages.RDBStorage:
+    """The Optuna RDB storage at ``url``, or ``StorageUnavailableError`` (password hidden) when it does not answer."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as error:  # noqa: BLE001 - drivers raise their own types (ImportError, OperationalError...)
+        try:
+            shown = make_url(url).render_as_string(hide_password=True)
+        except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
+            shown = url.split("@")[-1]
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
+                                      "start it or fix storage.url / --storage-url") from None
 
 
 @dataclass
@@ -77,8 +149,28 @@ class StateDir:
 
     def __init__(self, root: Path, sweep_id: str):
         self.root = Path(root) / sweep_id
-        for folder in self.FOLDERS.values():
-            (self.root / folder).mkdir(parents=True, exist_ok=True)
+
+    def create(self) -> None:
+        """Create the folders and prove a file can be written there, or raise ``StateDirError``."""
+        created = None if self.root.exists() else self.root
+        while created is not None and not created.parent.exists():
+            created = created.parent
+        try:
+            for folder in self.FOLDERS.values():
+                (self.root / folder).mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".write-probe"
+            with open(probe, "wb") as file:
+                file.write(b"grkv")
+                os.fsync(file.fileno())
+            probe.unlink()
+        except OSError as error:
+            if created is not None:  # nothing half-created: the folders this call made go again
+                shutil.rmtree(created, ignore_errors=True)
+            raise StateDirError(self.unwritable(error)) from None
+
+    def unwritable(self, error: OSError) -> str:
+        return (f"state dir {self.root} cannot be written ({error.strerror or error}); free space or fix "
+                "storage.state_dir / --state-dir")
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / self.FOLDERS[stage] / f"{key}.json"
@@ -86,8 +178,12 @@ class StateDir:
     def save(self, outcome: TrialOutcome) -> None:
         path = self.path(outcome.stage, outcome.key)
         temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(outcome.to_dict()))
-        os.replace(temporary, path)
+        try:
+            temporary.write_text(json.dumps(outcome.to_dict()))
+            os.replace(temporary, path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise StateDirError(self.unwritable(error)) from None
 
     def load(self, stage: str, key: str) -> TrialOutcome | None:
         path = self.path(stage, key)
@@ -102,6 +198,19 @@ class StateDir:
         """Where workers keep the per-sample results of the trials they are evaluating (``TrialRequest``)."""
         return str(self.root / "checkpoints")
 
+    def journal_storage(self) -> optuna.storages.JournalStorage:
+        """The Optuna storage of the journal, repaired first (``repair_journal``).
+
+        NOTE: only the lease holder calls this, so a journal lock file left here is a dead driver's: removed at
+        once rather than waited on (Optuna forces a stale lock only after 30 s).
+        """
+        repair_journal(self.journal)
+        lock = self.journal.with_name(self.journal.name + ".lock")
+        if os.path.lexists(lock):
+            os.unlink(lock)
+            log.info("%s: removed a dead driver's journal lock", lock)
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(self.journal)))
+
 
 class SweepRecords:
     """What every stage of a sweep writes to: the state directory, the Optuna storage and the MLflow runs.
@@ -114,17 +223,35 @@ class SweepRecords:
         self.sweep_id = sweep_id
         self.overhead = Overhead()
         self.ledgers: dict[str, TrialLedger | HeldOutLedger] = {}
+        self.state = StateDir(Path(config.storage.state_dir).expanduser(), sweep_id)
+        self.lease = SweepLease(self.state.root, sweep_id)
+        # NOTE: set once an MLflow call has failed for good; from then on nothing more is sent to MLflow and the
+        # runs left open are closed by the resume (``close_leftovers``).
+        self.tracking_lost = False
+
+    def check_services(self) -> None:
+        """Fail fast, in one line, when the MLflow server or the Optuna storage URL does not answer.
+
+        NOTE: called before anything of the sweep is created, so a sweep that cannot run leaves no study, no
+        state directory and no half-made runs behind.
+        """
+        check_tracking_server(self.config.tracking.tracking_uri)
+        self.storage = open_storage_url(self.config.storage.url) if self.config.storage.url else None
 
     def open(self) -> None:
-        # NOTE: the tracking server is checked before anything is created, so a sweep that cannot be
-        # tracked leaves no study, no state directory and no half-made runs behind.
-        check_tracking_server(self.config.tracking.tracking_uri)
-        self.state = StateDir(Path(self.config.storage.state_dir).expanduser(), self.sweep_id)
-        self.storage = self.config.storage.url or optuna.storages.JournalStorage(
-            optuna.storages.journal.JournalFileBackend(str(self.state.journal))
-        )
-        self.tracker = SweepTracker.open(self.config.tracking.tracking_uri, self.config.tracking.experiment,
-                                         self.sweep_id, self.config.model_dump(mode="json"))
+        """After ``check_services``: create the state directory, take the sweep's lease, open the Optuna storage
+        and the MLflow parent run. NOTE: nothing of the sweep is written before its lease is held."""
+        tracking = self.config.tracking
+        self.state.create()
+        self.lease.acquire()
+        try:
+            self.storage = self.storage or self.state.journal_storage()
+            self.tracker = SweepTracker.open(tracking.tracking_uri, tracking.experiment, self.sweep_id,
+                                             self.config.model_dump(mode="json"),
+                                             RetryPolicy(tracking.retries, tracking.retry_backoff_s))
+        except BaseException:
+            self.lease.release()
+            raise
 
     def write(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int,
               started: float) -> dict[str, float] | None:
@@ -174,9 +301,14 @@ class SweepRecords:
         return [run for run in runs if run.info.status == "FINISHED"]
 
     def abandon(self, open_trial: OpenTrial) -> None:
-        """On a stop: close the trial's run as KILLED."""
-        self.tracker.fail_trial(open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"),
-                                status="KILLED")
+        """On a stop: close the trial's run as KILLED (left to the resume when MLflow is lost)."""
+        if self.tracking_lost:
+            return
+        try:
+            self.tracker.fail_trial(open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"),
+                                    status="KILLED")
+        except TrackingUnavailableError:
+            self.tracking_lost = True
 
     def update_parent(self) -> None:
         full = self.ledgers[FULL_STAGE]
@@ -186,10 +318,18 @@ class SweepRecords:
         self.tracker.update_parent(full.best(), full.completed(), metrics)
 
     def close(self, status: str) -> None:
-        self.update_parent()
-        self.tracker.close(status, {f"{'study' if ledger.stage == FULL_STAGE else ledger.stage}_trials.csv":
-                                    ledger.study.trials_dataframe().to_csv(index=False)
-                                    for ledger in self.ledgers.values() if isinstance(ledger, TrialLedger)})
+        """Close the parent run with ``status`` (when MLflow still answers) and give the lease back."""
+        try:
+            if not self.tracking_lost:
+                self.update_parent()
+                self.tracker.close(status, {
+                    f"{'study' if ledger.stage == FULL_STAGE else ledger.stage}_trials.csv":
+                        ledger.study.trials_dataframe().to_csv(index=False)
+                    for ledger in self.ledgers.values() if isinstance(ledger, TrialLedger)})
+        except TrackingUnavailableError:
+            self.tracking_lost = True
+        finally:
+            self.lease.release()
 
 
 def discard_checkpoint(outcome: TrialOutcome, request: TrialRequest) -> None:

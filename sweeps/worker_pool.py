@@ -1,20 +1,30 @@
 """A pool of Ray trial workers: dispatch batches to idle workers, wait for outcomes, retry on a restarted worker.
 
 A worker that dies mid-batch is restarted by Ray (``max_restarts``) and reloads its model; its batch waits
-until the worker answers a ping and is then sent again whole, at most ``max_retries`` times. Whatever happens,
-every submitted request ends as exactly one ``TrialOutcome`` from ``wait`` (or in one pending dispatch from
-``drain``).
+until the worker answers a ping and is then sent again whole, at most ``max_retries`` times. A worker lost to
+the cluster (its node or its owner died, an object was lost) is retried the same way but counted apart: those
+batches are never failed, they come back marked ``infrastructure`` for the caller to re-queue. When the cluster
+itself stops answering, ``wait`` raises ``ClusterLostError``. Otherwise every submitted request ends as exactly
+one ``TrialOutcome`` from ``wait`` (or in one pending dispatch from ``drain``).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+)
 
 from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import RemoteTrialWorker
@@ -22,6 +32,21 @@ from workers.trial_worker import RemoteTrialWorker
 log = logging.getLogger("grkv.sweep")
 
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+CLUSTER_FAILURES = (ObjectLostError, NodeDiedError, LocalRayletDiedError)
+# NOTE: how Ray's ActorDiedError words a death that the actor's own work did not cause.
+CLUSTER_DEATH_WORDS = ("node has died", "owner has died", "node died", "preempted")
+
+
+class ClusterLostError(RuntimeError):
+    """The Ray cluster stopped answering; the message is one line."""
+
+
+def lost_to_cluster(error: Exception) -> bool:
+    """Whether a worker's failure is the cluster's doing (node, owner or object lost), not its trials'."""
+    if isinstance(error, CLUSTER_FAILURES):
+        return True
+    return isinstance(error, ActorDiedError) and (
+        error.preempted or any(words in str(error) for words in CLUSTER_DEATH_WORDS))
 
 
 @dataclass
@@ -33,6 +58,9 @@ class Dispatch:
     worker: int
     attempt: int = 0
     submitted_at: float = 0.0
+    # NOTE: re-sends after the cluster lost the worker; they never count against the trials (``attempt``).
+    cluster_retries: int = 0
+    infrastructure: bool = False
 
     def lost(self, error: str) -> list[TrialOutcome]:
         return [TrialOutcome.unfinished(request, error) for request in self.requests]
@@ -57,6 +85,8 @@ class WorkerPool:
                  max_retries: int):
         options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_retries * count, max_task_retries=0)
         self.workers = [RemoteTrialWorker.options(**options).remote(eval_config, test_samples) for _ in range(count)]
+        # NOTE: read now, while the cluster answers: once its GCS is gone, every call into it blocks.
+        self.gcs_address = ray.get_runtime_context().gcs_address
         self.max_retries = max_retries
         self.idle = list(range(count))
         self.running: dict[ray.ObjectRef, Dispatch] = {}
@@ -81,21 +111,37 @@ class WorkerPool:
         outcome per request, in order."""
         ended = []
         ready, _ = ray.wait([*self.running, *self.pinging], num_returns=1, timeout=timeout_s)
+        if not ready and (self.running or self.pinging):
+            # NOTE: a call to an actor still starting waits on the GCS without ever failing; only a probe tells
+            # that the cluster is gone.
+            self._check_cluster()
         for reference in ready:
             if reference in self.pinging:
                 self._after_ping(reference, ended)
                 continue
-            dispatch = self.running.pop(reference)
+            # NOTE: a dispatch leaves ``running`` only once the cluster is known to answer, so that a
+            # ClusterLostError leaves it for ``drain``.
+            dispatch = self.running[reference]
             try:
                 outcomes = ray.get(reference)
-            except WORKER_FAILURES as error:
-                if dispatch.attempt < self.max_retries:
-                    log.warning("%s: worker died (%s); retrying", ", ".join(map(str, dispatch.requests)),
-                                type(error).__name__)
-                    dispatch.attempt += 1
+                del self.running[reference]
+            except (*WORKER_FAILURES, *CLUSTER_FAILURES) as error:
+                self._check_cluster(error)
+                del self.running[reference]
+                cluster = lost_to_cluster(error)
+                if (dispatch.cluster_retries if cluster else dispatch.attempt) < self.max_retries:
+                    log.warning("%s: worker %s (%s); retrying", ", ".join(map(str, dispatch.requests)),
+                                "lost to the cluster" if cluster else "died", type(error).__name__)
+                    if cluster:
+                        dispatch.cluster_retries += 1
+                    else:
+                        dispatch.attempt += 1
                     self._ping(dispatch)
                     continue
-                outcomes = dispatch.lost(f"worker died {dispatch.attempt + 1} times: {error}")
+                dispatch.infrastructure = cluster
+                outcomes = dispatch.lost(f"worker {'lost to the cluster' if cluster else 'died'} "
+                                         f"{(dispatch.cluster_retries if cluster else dispatch.attempt) + 1} times: "
+                                         f"{error}")
             self.idle.append(dispatch.worker)
             ended.append((dispatch, outcomes))
         return ended
@@ -115,14 +161,35 @@ class WorkerPool:
         self.pinging[self.workers[dispatch.worker].identity.remote()] = dispatch
 
     def _after_ping(self, reference: ray.ObjectRef, ended: list) -> None:
-        dispatch = self.pinging.pop(reference)
+        dispatch = self.pinging[reference]
         try:
             ray.get(reference)
-        except ActorUnavailableError:  # still restarting: ask again shortly
+            del self.pinging[reference]
+        except ActorUnavailableError as error:  # still restarting (unless the cluster is gone): ask again shortly
+            self._check_cluster(error)
+            del self.pinging[reference]
             time.sleep(0.5)
             self._ping(dispatch)
             return
-        except WORKER_FAILURES as error:  # NOTE: a worker Ray gave up on never becomes idle again
+        except (*WORKER_FAILURES, *CLUSTER_FAILURES) as error:  # NOTE: a worker Ray gave up on is never idle again
+            self._check_cluster(error)
+            del self.pinging[reference]
+            dispatch.infrastructure = lost_to_cluster(error)
             ended.append((dispatch, dispatch.lost(f"worker is gone: {error}")))
             return
         self._send(dispatch)
+
+    def _check_cluster(self, error: Exception | None = None, timeout_s: float = 3.0) -> None:
+        """Raise ``ClusterLostError`` when the cluster's GCS no longer accepts connections.
+
+        NOTE: probed with a plain TCP connection, never a Ray call: with the GCS gone, Ray calls block, and
+        Ray ends the whole process after ``gcs_rpc_server_reconnect_timeout_s`` (60 s), so the driver has that
+        long to record its in-flight trials and stop.
+        """
+        host, _, port = self.gcs_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        except OSError as probe:
+            seen = f"{type(error).__name__}; " if error is not None else ""
+            raise ClusterLostError(f"the Ray cluster at {self.gcs_address} stopped answering "
+                                   f"({seen}GCS: {probe.strerror or probe})") from None

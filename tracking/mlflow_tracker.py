@@ -37,6 +37,7 @@ from grkv_core.config import (
     WORKER_PID_TAG,
     PressConfig,
 )
+from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome
 
 log = logging.getLogger("grkv.tracking")
@@ -58,10 +59,6 @@ RUN_NAME_COLUMN = "attributes.`Run Name`"
 RUN_NAME_WIDTH_PX = 520
 # The paper's symbols for GRKV's options in run names (README: ``GRKVPress`` options); others keep their name.
 OPTION_SYMBOLS = {"lambda_k": "λk", "lambda_v": "λv", "beta": "β", "window_size": "m", "steps": "S"}
-
-
-class TrackingUnavailableError(RuntimeError):
-    """The MLflow tracking server cannot be reached."""
 
 
 def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
@@ -173,10 +170,12 @@ class SweepTracker:
     searched: tuple[str, ...]
 
     @classmethod
-    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict) -> "SweepTracker":
+    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict,
+             retry: RetryPolicy | None = None) -> "SweepTracker":
         """Find or create the experiment and the sweep's parent run (named ``sweep <id>``; the resolved
-        configuration as its parameters), and store the sweep's runs view (``runs_page_url``)."""
-        client = MlflowClient(tracking_uri)
+        configuration as its parameters), and store the sweep's runs view (``runs_page_url``); with ``retry``,
+        every MLflow call it (or its ``client``'s user) makes is retried."""
+        client = MlflowClient(tracking_uri) if retry is None else RetryingClient(MlflowClient(tracking_uri), retry)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)

@@ -4,7 +4,9 @@
 #   * an MLflow tracking server (SQLite backend, artifacts served from the state dir).
 # Waits until both answer (Ray: `ray status` lists the node and the Jobs API answers;
 # MLflow: GET /health), writes pid/log files in the state dir and prints the URLs and the
-# `ray job submit` command. Idempotent: a second run while both run is a no-op.
+# `ray job submit` command. Idempotent: a second run while both answer is a no-op. A service whose
+# process runs but does not answer (e.g. the `ray start --block` leader outliving its cluster after
+# `ray stop`), or whose leader died leaving processes behind, is stopped and started again.
 # Stop with infra/local/stop.sh. Settings: see infra/local/common.sh (GRKV_* variables).
 set -euo pipefail
 
@@ -121,12 +123,6 @@ Stop everything: $stop_cmd
 EOF
 }
 
-if (( ray_running && mlflow_running )); then
-  info "already running (ray pid $ray_pid, mlflow pid $mlflow_pid); nothing to do."
-  print_summary
-  exit 0
-fi
-
 # ---- helpers ----------------------------------------------------------------------------------
 port_free() {
   "$PYTHON_BIN" - "$1" <<'PY'
@@ -160,6 +156,40 @@ ray_http_header="X-Grkv: 1"
 if [[ "$RAY_AUTH" == token ]]; then
   ray_http_header="Authorization: Bearer $(tr -d '[:space:]' <"$RAY_AUTH_TOKEN_PATH")"
 fi
+
+# ray_answers: the dashboard / Jobs API answers and `ray status` lists a node. The dashboard answers
+# only once the GCS is up; it is polled (cheap) before `ray status`, which blocks while the GCS is
+# unreachable and exits 0 with "No cluster status" while the cluster is still coming up.
+ray_answers() {
+  http_ok "$RAY_DASHBOARD_URL/api/jobs/" "$ray_http_header" || return 1
+  local status_out
+  status_out=$(timeout 20 "$RAY_BIN" status --address "$RAY_ADDRESS_GCS" 2>/dev/null || true)
+  [[ "$status_out" == *node_* ]]
+}
+mlflow_answers() { http_ok "$MLFLOW_URL/health"; }
+
+# A process is not a service: what runs but does not answer, or what a dead leader left behind in its
+# process group, is stopped here and started again below.
+failed=0
+stopped=0
+if (( ray_running )) && ! ray_answers; then
+  info "Ray head (pid $ray_pid) runs but does not answer $RAY_DASHBOARD_URL / \`ray status\`; restarting it"
+  ray_running=0
+fi
+if (( mlflow_running )) && ! mlflow_answers; then
+  info "MLflow (pid $mlflow_pid) runs but does not answer $MLFLOW_URL/health; restarting it"
+  mlflow_running=0
+fi
+if (( ! ray_running )) && [[ -f "$RAY_PID_FILE" ]]; then stop_service ray "$RAY_PID_FILE" "ray start"; fi
+if (( ! mlflow_running )) && [[ -f "$MLFLOW_PID_FILE" ]]; then stop_service mlflow "$MLFLOW_PID_FILE" "mlflow server"; fi
+(( failed )) && die "could not stop what was left of the previous services (see above)"
+
+if (( ray_running && mlflow_running )); then
+  info "already running and answering (ray pid $ray_pid, mlflow pid $mlflow_pid); nothing to do."
+  print_summary
+  exit 0
+fi
+
 
 # launch PIDFILE LOG CMD...: run CMD in its own session/process group (pgid == pid) so stop.sh
 # can stop exactly that tree; stdin from /dev/null, output to LOG, the lock fd closed.
@@ -271,21 +301,14 @@ mlflow_ready=$mlflow_running
 while :; do
   if (( ! mlflow_ready )); then
     still_running "$MLFLOW_PID_FILE" || abort "MLflow server exited during startup" "$MLFLOW_LOG"
-    if http_ok "$MLFLOW_URL/health"; then
+    if mlflow_answers; then
       mlflow_ready=1
       info "MLflow answers $MLFLOW_URL/health (after $((SECONDS - t0)) s)"
     fi
   fi
   if (( ! ray_ready )); then
     still_running "$RAY_PID_FILE" || abort "Ray head exited during startup" "$RAY_LOG"
-    # The dashboard answers only once the GCS is up; poll it (cheap) before `ray status`, which
-    # blocks while the GCS is unreachable. `ray status` exits 0 with "No cluster status" while the
-    # cluster is still coming up: wait for it to list a node.
-    status_out=""
-    if http_ok "$RAY_DASHBOARD_URL/api/version" "$ray_http_header"; then
-      status_out=$(timeout 20 "$RAY_BIN" status --address "$RAY_ADDRESS_GCS" 2>/dev/null || true)
-    fi
-    if [[ "$status_out" == *node_* ]]; then
+    if ray_answers; then
       ray_ready=1
       info "Ray answers \`ray status --address $RAY_ADDRESS_GCS\` and $RAY_DASHBOARD_URL (after $((SECONDS - t0)) s)"
     fi

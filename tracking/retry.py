@@ -1,0 +1,71 @@
+"""Bounded retries around MLflow calls: a tracking server that is down for a moment is waited for, one that stays
+down stops the sweep with one sentence (``TrackingUnavailableError``) instead of a client traceback."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+from mlflow.exceptions import MlflowException
+
+log = logging.getLogger("grkv.sweep")
+
+
+class TrackingUnavailableError(RuntimeError):
+    """The MLflow tracking server cannot be reached (at the start, or any longer mid-sweep)."""
+
+
+def is_transient(error: Exception) -> bool:
+    """Whether an MLflow client error says the server is unreachable or failing (worth a retry), not that the
+    request itself was wrong.
+
+    NOTE: MLflow's REST client reports a refused connection, a timeout and a non-JSON error response all as an
+    ``MlflowException`` whose message starts "API request to"; a server error with a JSON body carries HTTP 5xx.
+    """
+    if not isinstance(error, MlflowException):
+        return False
+    return str(error).startswith("API request to") or error.get_http_status_code() >= 500
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``retries`` more tries of a call that failed transiently, waiting ``backoff_s`` before the first and twice
+    as long before each next one."""
+
+    retries: int
+    backoff_s: float
+
+    def call(self, function, *args, what: str, **kwargs):
+        """``function(*args, **kwargs)``, retried; ``TrackingUnavailableError`` naming ``what`` once the tries are
+        spent. Errors that are not transient are raised as they are."""
+        started = time.monotonic()
+        for attempt in range(self.retries + 1):
+            try:
+                return function(*args, **kwargs)
+            except MlflowException as error:
+                if not is_transient(error):
+                    raise
+                reason = str(error).splitlines()[0][:300]
+                if attempt == self.retries:
+                    raise TrackingUnavailableError(
+                        f"MLflow {what} failed {attempt + 1} time(s) over {time.monotonic() - started:.0f} s "
+                        f"({reason})") from None
+                wait_s = self.backoff_s * 2 ** attempt
+                log.warning("MLflow %s failed (%s); retrying in %.1f s", what, reason, wait_s)
+                time.sleep(wait_s)
+
+
+class RetryingClient:
+    """An ``MlflowClient`` whose every method goes through ``policy``."""
+
+    def __init__(self, client, policy: RetryPolicy):
+        self._client = client
+        self._policy = policy
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+        return functools.partial(self._policy.call, attribute, what=name)
