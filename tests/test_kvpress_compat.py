@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 from kvpress import (ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, AdaKVPress, DecodingPress,
-                     KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress, SnapKVPress,
+                     KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
                      ThinKPress)
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache, pipeline
