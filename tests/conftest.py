@@ -2,6 +2,7 @@
 
 import functools
 import socket
+from pathlib import Path
 
 import torch
 
@@ -48,3 +49,16 @@ def assert_batch_elements_compressed_independently(model, ids, press, tolerance=
             torch.testing.assert_close(layer_batched.keys[b], layer_single.keys[0], rtol=tolerance, atol=tolerance)
             torch.testing.assert_close(layer_batched.values[b], layer_single.values[0], rtol=tolerance,
                                        atol=tolerance)
+
+
+def sqlite_tracking_store(root: Path, experiment: str) -> str:
+    """An MLflow tracking URI on a SQLite file in ``root``, with ``experiment`` created there first.
+
+    NOTE: the sweep's tracker would create the experiment with MLflow's default artifact root (./mlruns, in the
+    repository); creating it first keeps every artifact inside ``root``.
+    """
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{root}/mlflow.db"
+    MlflowClient(uri).create_experiment(experiment, artifact_location=(Path(root) / "artifacts").as_uri())
+    return uri

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from conftest import sqlite_tracking_store
 from grkv_core.config import TEST_STAGE, PressConfig
 from grkv_core.registry import load_press_config, press_from_file
 from sweeps.cli import main
@@ -72,11 +73,7 @@ def log_sweep(store: str, sweep_id: str, tuning: dict[int, float], held_out: dic
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root}/mlflow.db"
-    # NOTE: created first so that every artifact stays in the test's folder (not ./mlruns).
-    MlflowClient(uri).create_experiment(EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
-    return uri
+    return sqlite_tracking_store(tmp_path_factory.mktemp("mlflow"), EXPERIMENT)
 
 
 def export(store, sweep_id, tmp_path, *extra) -> tuple[PressConfig, str]:

@@ -20,9 +20,8 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
-from conftest import free_ports
+from conftest import free_ports, sqlite_tracking_store
 from grkv_core.config import (
     BASELINE_TAG,
     EVICTION_ONLY,
@@ -109,8 +108,7 @@ def log_sweep(tracking_uri: str) -> SweepTracker:
 
 
 def test_runs_are_named_nested_and_the_experiment_opens_on_them(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    MlflowClient(uri).create_experiment(EXPERIMENT, artifact_location=(tmp_path / "artifacts").as_uri())
+    uri = sqlite_tracking_store(tmp_path, EXPERIMENT)
     tracker = log_sweep(uri)
     client = tracker.client
     parent = client.get_run(tracker.parent_run_id)

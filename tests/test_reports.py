@@ -20,6 +20,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.study import StudyDirection
 from scipy import stats
 
+from conftest import sqlite_tracking_store
 from grkv_core.config import (
     BASELINE_TAG,
     FULL_STAGE,
@@ -101,12 +102,7 @@ def log_trial(tracker: SweepTracker, config: dict, number: int, params: dict, sc
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root}/mlflow.db"
-    # NOTE: the tracker would create the experiment with MLflow's default artifact root (./mlruns, in the
-    # repository); creating it first keeps every artifact inside the test's folder.
-    MlflowClient(uri).create_experiment(EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
-    return uri
+    return sqlite_tracking_store(tmp_path_factory.mktemp("mlflow"), EXPERIMENT)
 
 
 def costs(kv_bytes: int, ttft_s: float, window_loss: float = 0.01, heldout_loss: float = 0.02) -> dict:
