@@ -148,7 +148,7 @@ def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("arguments, message", [
     (["--press", "snapkvv"], "grkv eval: error: argument --press: invalid choice: 'snapkvv'"),
-    (["--merge", "grkv", "--beta", "2"], "grkv: error: beta must be a finite number in [0, 1], got 2.0"),
+    (["--merge", "grkv", "--beta", "2"], "grkv eval: error: beta must be a finite number in [0, 1], got 2.0"),
 ])
 def test_cli_bad_arguments_end_in_one_line(arguments, message):
     result = subprocess.run([GRKV, "eval", "--model", "tiny-llama", "--samples", "1", "--tasks", "niah_single_1",
