@@ -332,6 +332,12 @@ class SweepRecords:
             self.lease.release()
 
 
+def configuration_key(press: PressConfig) -> str:
+    """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
+    one press differently are one configuration)."""
+    return json.dumps(press.resolved(), sort_keys=True)
+
+
 def discard_checkpoint(outcome: TrialOutcome, request: TrialRequest) -> None:
     """Remove a finished trial's per-sample checkpoint, its results now in the state directory; a failed trial's
     stays for the next attempt at the same press.
@@ -387,7 +393,8 @@ class TrialLedger:
         self.reconcile()
         for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if REUSES_ATTR not in frozen.user_attrs:
-                self.evaluated.setdefault(self._key(frozen.params, frozen.user_attrs), frozen.number)
+                press = press_of(frozen.params, self.records.config, frozen.user_attrs)
+                self.evaluated.setdefault(configuration_key(press), frozen.number)
 
     def enqueue_once(self, trials: list[tuple[dict, dict]]) -> None:
         """Enqueue each ``(params, user_attrs)`` whose user attributes no trial of the study carries yet, so a
@@ -444,7 +451,7 @@ class TrialLedger:
             started = time.perf_counter()
             trial = self.study.ask()
             press = suggest_press(trial, self.records.config)
-            key = self._key(trial.params, trial.user_attrs)
+            key = configuration_key(press)
             self.duplicates_in_a_row += 1
             original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
             if original is not None:
@@ -475,7 +482,7 @@ class TrialLedger:
             outcome = replace(outcome, status=FAILED, error=f"objective(s) {missing} not measured")
         timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
         discard_checkpoint(outcome, open_trial.request)
-        key = self._key(open_trial.trial.params, open_trial.trial.user_attrs)
+        key = configuration_key(open_trial.request.press)
         del self.in_flight[key]
         if outcome.ok:
             self.study.tell(open_trial.trial, values)
@@ -489,7 +496,7 @@ class TrialLedger:
     def abandon(self, open_trial: OpenTrial) -> None:
         """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
         self.records.abandon(open_trial)
-        del self.in_flight[self._key(open_trial.trial.params, open_trial.trial.user_attrs)]
+        del self.in_flight[configuration_key(open_trial.request.press)]
         self._requeue(open_trial.trial.number, open_trial.trial.params, open_trial.trial.user_attrs)
 
     def completed(self) -> int:
@@ -512,11 +519,6 @@ class TrialLedger:
         metrics = trial_metrics(outcome.summary)
         values = [metrics.get(name) for name in self.metrics]
         return None if None in values else values
-
-    def _key(self, params: dict, user_attrs: dict) -> str:
-        """What identifies a configuration: the press it builds, every setting resolved (so two proposals that
-        encode one press differently are one configuration)."""
-        return json.dumps(press_of(params, self.records.config, user_attrs).resolved(), sort_keys=True)
 
     def _requeue(self, number: int, params: dict, user_attrs: dict) -> None:
         """Fail trial ``number`` and enqueue its parameters again; the copy names it, so it no longer counts."""
