@@ -65,6 +65,8 @@ FULL_STAGE = "full"
 TEST_STAGE = "test"
 STAGES = (SCREEN_STAGE, FULL_STAGE, TEST_STAGE)
 TEST_OF_TAG = "grkv.test_of"
+# The recommended press file (``grkv export``): written beside a sweep's state and logged to its parent run.
+PRESS_ARTIFACT = "press.yaml"
 # Optuna user attribute (and MLflow tag) of a full trial enqueued from screening: the screening trial's number.
 PROMOTED_FROM_TAG = "grkv.promoted_from"
 # NOTE: a trial's MLflow run logs the press that ran under the options' own names (``lambda_k``,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 from grkv_core.cli import add_command, build_parser, run  # noqa: E402
 from grkv_core.config import (  # noqa: E402
     FULL_STAGE,
+    PRESS_ARTIFACT,
     ROLE_TAG,
     SCREEN_STAGE,
     STAGE_TAG,
@@ -301,6 +303,8 @@ def cmd_sweep(args) -> int:
         status = run_sweep(stack, Path(args.config), sweep_id)
         print(f"sweep {sweep_id}: {status}; MLflow UI {stack.mlflow_url} (experiment {config.tracking.experiment})"
               + ("" if status == "FINISHED" else f"; resume with --sweep-id {sweep_id}"))
+        if (press_file := stack.sweeps_dir / sweep_id / PRESS_ARTIFACT).is_file():
+            print(f"recommended press configuration: {press_file} (also on the parent run, {PRESS_ARTIFACT})")
     finally:
         _leave_or_stop(stack, args.stop)
     return 0 if status == "FINISHED" else EXIT_SWEEP_FAILED
@@ -388,18 +392,22 @@ def cmd_demo(args) -> int:
             raise ServiceError(f"sweep {sweep_id} ended {status}; re-run `grkv demo` to resume it")
         print("writing the report ...", flush=True)
         report = _write_report(stack.mlflow_url, sweep_id, output_dir, config.tracking.experiment, True)
-        exported = _export(stack.mlflow_url, sweep_id, output_dir / "press.yaml", None, config.tracking.experiment,
-                           True)
+        recommended = stack.sweeps_dir / sweep_id / PRESS_ARTIFACT  # written by the driver (SweepRecords)
+        if not recommended.is_file():
+            raise ServiceError(f"sweep {sweep_id} recommends no press (no trial finished with a score); see its "
+                               "Ray job's log")
+        press_file = output_dir / PRESS_ARTIFACT
+        shutil.copyfile(recommended, press_file)
         runs = report.runs
         print(f"\n{report.summary.split(chr(10) + chr(10))[0]}\n")
         print(f"MLflow UI (the sweep's parent run): "
               f"{stack.mlflow_url}/#/experiments/{runs.experiment_id}/runs/{runs.parent_run_id}")
         print(f"report: {report.output_dir / 'report.html'} (also on the parent run, under report/)")
-        print(f"recommended press configuration: {exported.path} (also on the parent run, press.yaml)")
-        print("".join(f"  {line}\n" for line in exported.text.splitlines()), end="")
+        print(f"recommended press configuration: {press_file} (also on the parent run, {PRESS_ARTIFACT})")
+        print("".join(f"  {line}\n" for line in press_file.read_text().splitlines()), end="")
         print(f"use it:\n  from grkv_core.registry import press_from_file\n"
-              f"  with press_from_file(\"{exported.path}\")(model): ...\n"
-              f"  or: grkv eval --press-config {exported.path}")
+              f"  with press_from_file(\"{press_file}\")(model): ...\n"
+              f"  or: grkv eval --press-config {press_file}")
         print(f"grkv demo: done in {(time.monotonic() - began) / 60:.1f} min")
     finally:
         _leave_or_stop(stack, args.stop)

@@ -134,7 +134,10 @@ class SweepDriver:
             tests = HeldOutLedger(self.records, presses_to_test(full.study, self.config))
             tests.open()
             self._run_stage(pool, tests)
-        return "KILLED" if self.stop_requested else "FINISHED"
+        if self.stop_requested:
+            return "KILLED"
+        self.records.export_recommendation()
+        return "FINISHED"
 
     def _run_stage(self, pool: WorkerPool, ledger: TrialLedger | HeldOutLedger) -> None:
         """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.

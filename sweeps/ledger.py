@@ -26,6 +26,7 @@ import optuna
 from grkv_core.config import (
     BASELINE_TAG,
     FULL_STAGE,
+    PRESS_ARTIFACT,
     PROMOTED_FROM_TAG,
     RECOVERED_TAG,
     REQUEUE_OF_ATTR,
@@ -38,6 +39,7 @@ from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
 from sweeps.space import make_sampler, press_of, suggest_press
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
+from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from tracking.retry import RetryPolicy, TrackingUnavailableError
 from workers.protocol import FAILED, TrialOutcome, TrialRequest
@@ -316,6 +318,19 @@ class SweepRecords:
         for ledger in self.ledgers.values():
             metrics.update(ledger.progress())
         self.tracker.update_parent(full.best(), full.completed(), metrics)
+
+    def export_recommendation(self) -> None:
+        """At the end of a sweep: the press it recommends (``tracking.export.choose``: the test stage's best, else
+        the best trial) as a press file in the state directory and on the parent run (``press.yaml``)."""
+        path = self.state.root / PRESS_ARTIFACT
+        try:
+            exported = export_press(self.tracker.client, self.sweep_id, path,
+                                    experiment=self.config.tracking.experiment)
+        except ValueError as error:  # no finished run carries the objective's metric
+            log.warning("sweep %s: no press to recommend (%s)", self.sweep_id, error)
+            return
+        log.info("sweep %s: recommends %s (%s); press file %s, also %s on the parent run", self.sweep_id,
+                 exported.choice.configuration, exported.choice.how, path, PRESS_ARTIFACT)
 
     def close(self, status: str) -> None:
         """Close the parent run with ``status`` (when MLflow still answers) and give the lease back."""

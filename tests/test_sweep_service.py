@@ -29,6 +29,7 @@ from grkv_core.config import (
     EVICTION_ONLY,
     FULL_STAGE,
     PAPER_DEFAULT,
+    PRESS_ARTIFACT,
     PROMOTED_FROM_TAG,
     RECOVERED_TAG,
     REUSES_ATTR,
@@ -40,6 +41,7 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
+from grkv_core.registry import press_from_file
 from sweeps.config import ConfigError, load_config
 from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
 from sweeps.space import press_of
@@ -265,7 +267,13 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     # Each worker loaded its model exactly once for the whole sweep.
     assert {r.data.metrics["worker_model_loads"] for r in children} == {1.0}
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
-    assert {"study_trials.csv", "screen_trials.csv"} <= artifacts
+    assert {"study_trials.csv", "screen_trials.csv", PRESS_ARTIFACT} <= artifacts
+    # The sweep ends by recommending the test stage's best press, in a press file beside its state and on its
+    # parent run.
+    press_file = state / sweep_id / PRESS_ARTIFACT
+    assert "best of the test stage" in press_file.read_text() and press_from_file(press_file) is not None
+    logged = client.download_artifacts(parents[0].info.run_id, PRESS_ARTIFACT, str(tmp_path))
+    assert Path(logged).read_text() == press_file.read_text()
     # The workers' per-sample checkpoints went with their trials' results into the state directory.
     assert (state / sweep_id / "checkpoints").is_dir()
     assert not list((state / sweep_id / "checkpoints").rglob("*.json"))

@@ -16,12 +16,9 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import FULL_STAGE, TEST_STAGE, PressConfig
+from grkv_core.config import FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE, PressConfig
 from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
-
-# The press file on the sweep's parent run.
-PRESS_ARTIFACT = "press.yaml"
 
 
 @dataclass(frozen=True)
