@@ -242,31 +242,57 @@ def test_padded_batches_are_refused_and_unpadded_masks_accepted(merge):
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
 
 
-def test_paper_snapkv_window_and_genuine_top_beta_ranking():
-    from kvpress import SnapKVPress
-
+def test_paper_snapkv_window():
     snapkv = build_press("snapkv", RATIO)
     assert (snapkv.window_size, snapkv.kernel_size) == (32, 5)
     assert build_press("adakv", RATIO).press.window_size == 32
     assert build_press("criticalkv", RATIO).press.window_size == 32
-    # kvpress's own SnapKV (window 64) scores its last 64 positions max + 1; GRKV protects its last 32. The
-    # top-beta fixed tokens must be the genuinely best-scored ones, none of the 32 artificially scored ones.
+
+
+def _snapkv_64():
+    from kvpress import SnapKVPress
+    return SnapKVPress(compression_ratio=RATIO, window_size=64)
+
+
+def _chunked_snapkv_8():
+    from kvpress import ChunkPress, SnapKVPress
+    return ChunkPress(press=SnapKVPress(compression_ratio=RATIO, window_size=8), chunk_length=64)
+
+
+# The positions each base press scores max + 1 on a 400-token prompt, written out: kvpress's own SnapKV (window
+# 64) its last 64; ChunkPress runs SnapKV (window 8) on each 64-token chunk alone, so the last 8 of every chunk
+# (the last chunk is 400 - 384 = 16 tokens long).
+FORCED_400 = [
+    (_snapkv_64, [range(336, 400)]),
+    (_chunked_snapkv_8, [range(end - 8, end) for end in (64, 128, 192, 256, 320, 384, 400)]),
+]
+
+
+@pytest.mark.parametrize("base_press,forced_ranges", FORCED_400, ids=["snapkv-window-64", "chunked-snapkv"])
+def test_top_beta_ranks_only_genuinely_scored_tokens(base_press, forced_ranges):
+    # GRKV protects its last 32 positions and the sinks; its top-beta fixed tokens must be the genuinely
+    # best-scored ones among the rest, none of those the base press scored artificially.
     length, budget = 400, 120
+    forced = torch.zeros(length, dtype=torch.bool)
+    for positions in forced_ranges:
+        forced[list(positions)] = True
     generator = torch.Generator().manual_seed(0)
-    genuine = torch.rand(1, 2, length - 64, generator=generator)
-    scores = torch.cat([genuine, torch.full((1, 2, 64), float(genuine.max()) + 1)], dim=-1)
+    scores = torch.rand(1, 2, length, generator=generator)
+    scores[..., forced] = float(scores.max()) + 1
     kept = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
     selection = TokenSelection(scores=scores, kept_mask=torch.zeros(1, 2, length, dtype=torch.bool),
                                uniform_budget=budget)
-    press = GRKVPress(press=SnapKVPress(compression_ratio=RATIO, window_size=64), beta=0.25)
+    press = GRKVPress(press=base_press(), beta=0.25)
     fixed = press._fixed(selection, kept)
-    ranked = fixed & (kept >= press.n_sink) & (kept < length - press.window_size)
-    assert not (ranked & (kept >= length - 64)).any()
-    candidates = (kept >= press.n_sink) & (kept < length - 64)
+    protected = (kept < press.n_sink) | (kept >= length - press.window_size)
+    assert fixed[protected].all()
+    ranked = fixed & ~protected
+    candidates = ~protected & ~forced[kept]
+    assert not (ranked & forced[kept]).any()
     for h in range(2):
         candidate_scores = scores[0, h, kept[0, h][candidates[0, h]]]
         expected = int(candidates[0, h].sum() * 0.25)
-        assert int(ranked[0, h].sum()) == expected
+        assert expected > 0 and int(ranked[0, h].sum()) == expected
         assert scores[0, h, kept[0, h][ranked[0, h]]].min() >= candidate_scores.topk(expected).values.min()
 
 

@@ -17,7 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from grkv_core.config import GRKVOptions
 from grkv_core.diagnostics.losses import discrepancy_per_head
 from grkv_core.presses.merging import MergingPress
-from grkv_core.presses.selection import TokenSelection, forced_score_span
+from grkv_core.presses.selection import TokenSelection, forced_score_positions
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.merge import grkv_merge
@@ -134,13 +134,12 @@ class GRKVPress(GRKVOptions, MergingPress):
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
 
         NOTE: the top-beta ranking runs on the base press's genuine scores only: positions it scores
-        artificially (its own observation window or sinks, ``forced_score_span``) are not candidates, else a base
-        window wider than GRKV's would take every top-beta slot.
+        artificially (its own observation window or sinks, ``forced_score_positions``) are not candidates, else a
+        base window wider than GRKV's would take every top-beta slot.
         """
         length = selection.scores.shape[-1]
         protected = (kept < self.n_sink) | (kept >= length - self.window_size)
-        forced_head, forced_tail = forced_score_span(self.press)
-        candidates = ~protected & (kept >= forced_head) & (kept < length - forced_tail)
+        candidates = ~protected & ~forced_score_positions(self.press, length, kept.device)[kept]
         kept_scores = selection.scores.gather(-1, kept).masked_fill(~candidates, float("-inf"))
         order = kept_scores.argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1], device=kept.device).expand_as(order))

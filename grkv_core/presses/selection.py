@@ -107,21 +107,26 @@ class TokenSelection:
         )
 
 
-def forced_score_span(press: BasePress) -> tuple[int, int]:
-    """(head, tail): the base press gives its first ``head`` and last ``tail`` positions an artificial top score.
+def forced_score_positions(press: BasePress, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """(length,) bool: the positions of an ``length``-token prompt that the base press scores artificially high.
 
     SnapKV-style presses (SnapKV, PyramidKV, and the presses wrapping them) keep their observation window by
     scoring it max + 1; ExpectedAttention does the same for its first ``n_sink`` positions. Those scores say
-    "always keep", not "important", so rankings by importance must leave these positions out.
+    "always keep", not "important", so rankings by importance must leave these positions out. ``ChunkPress``
+    runs its inner press on each chunk alone, so each chunk has its own forced positions.
     """
-    head = tail = 0
-    while press is not None:
-        if isinstance(press, SnapKVPress):
-            tail = max(tail, press.window_size)
-        if isinstance(press, ExpectedAttentionPress):
-            head = max(head, press.n_sink)
-        press = getattr(press, "press", None)
-    return head, tail
+    forced = torch.zeros(length, dtype=torch.bool, device=device)
+    if isinstance(press, ChunkPress):
+        for start in range(0, length, press.chunk_length):
+            end = min(start + press.chunk_length, length)
+            forced[start:end] = forced_score_positions(press.press, end - start, device)
+        return forced
+    if isinstance(press, SnapKVPress):
+        forced[max(length - press.window_size, 0):] = True
+    if isinstance(press, ExpectedAttentionPress):
+        forced[:press.n_sink] = True
+    inner = getattr(press, "press", None)
+    return forced | forced_score_positions(inner, length, device) if inner is not None else forced
 
 
 def unsupported_base_press_reason(press: BasePress | None) -> str | None:
