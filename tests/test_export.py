@@ -108,6 +108,15 @@ def test_default_is_the_best_test_stage_configuration_at_the_sweeps_budget(store
     assert open(logged).read() == text
 
 
+def test_a_recommendation_that_only_ties_eviction_only_on_the_test_stage_says_so(store, tmp_path):
+    log_sweep(store, "tied", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
+              {"2": 40.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 50.0, "eviction_only@0.7": 90.0})
+    loaded, text = export(store, "tied", tmp_path, "--no-log-artifacts")
+    assert loaded.resolved() == TRIALS[3].resolved()
+    assert ("(best of the test stage: mean_score 50 on 2 held-out sample(s); eviction-only scores the same there: "
+            "no merging configuration beat the base press)") in text
+
+
 def test_without_a_test_stage_the_main_studys_best_trial_is_exported(store, tmp_path):
     log_sweep(store, "no-test", {0: 20.0, 1: 10.0, 2: 35.0, 3: 30.0}, {})
     loaded, text = export(store, "no-test", tmp_path, "--no-log-artifacts")

@@ -16,7 +16,7 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE, PressConfig
+from grkv_core.config import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE, PressConfig
 from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 
@@ -85,9 +85,12 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
         ranked = _ranked(tests, objective.metric, objective.maximize, tie)
         if not ranked.empty:
             row = ranked.iloc[0]
-            return Choice(row["run_id"], row["configuration"],
-                          f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
-                          f"{runs.test_sample_count} held-out sample(s)")
+            how = (f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
+                   f"{runs.test_sample_count} held-out sample(s)")
+            eviction = tests[tests["test_of"].astype(str) == EVICTION_ONLY][objective.metric]
+            if row["test_of"] != EVICTION_ONLY and (eviction == row[objective.metric]).any():
+                how += "; eviction-only scores the same there: no merging configuration beat the base press"
+            return Choice(row["run_id"], row["configuration"], how)
     ranked = _ranked(trials, objective.metric, objective.maximize)
     if ranked.empty:
         raise ValueError(f"sweep {runs.sweep_id!r} has no finished trial with {objective.metric} yet")
