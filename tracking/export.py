@@ -87,8 +87,8 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
             row = ranked.iloc[0]
             how = (f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
                    f"{runs.test_sample_count} held-out sample(s)")
-            eviction = tests[tests["test_of"].astype(str) == EVICTION_ONLY][objective.metric]
-            if row["test_of"] != EVICTION_ONLY and (eviction == row[objective.metric]).any():
+            is_eviction = tests["test_of"].astype(str) == EVICTION_ONLY
+            if not is_eviction[row.name] and (tests.loc[is_eviction, objective.metric] == row[objective.metric]).any():
                 how += "; eviction-only scores the same there: no merging configuration beat the base press"
             return Choice(row["run_id"], row["configuration"], how)
     ranked = _ranked(trials, objective.metric, objective.maximize)
