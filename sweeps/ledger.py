@@ -42,7 +42,7 @@ from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from tracking.retry import RetryPolicy, TrackingUnavailableError
-from workers.protocol import FAILED, TrialOutcome, TrialRequest
+from workers.protocol import FAILED, TrialOutcome, TrialRequest, configuration_key
 
 log = logging.getLogger("grkv.sweep")
 # NOTE: a duplicate proposal costs an ask and a tell, no evaluation; this many in a row means the sampler finds
@@ -345,12 +345,6 @@ class SweepRecords:
             self.tracking_lost = True
         finally:
             self.lease.release()
-
-
-def configuration_key(press: PressConfig) -> str:
-    """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
-    one press differently are one configuration)."""
-    return json.dumps(press.resolved(), sort_keys=True)
 
 
 def discard_checkpoint(outcome: TrialOutcome, request: TrialRequest) -> None:

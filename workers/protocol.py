@@ -39,6 +39,12 @@ def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
     return f"test of {test_of}" if stage == TEST_STAGE else f"{stage} trial {trial_number}"
 
 
+def configuration_key(press: PressConfig) -> str:
+    """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
+    one press differently are one configuration, evaluated once and checkpointed in one file)."""
+    return json.dumps(press.resolved(), sort_keys=True)
+
+
 @dataclass(frozen=True)
 class TrialRequest:
     """One trial for a worker: its identity (number or ``test_of``, and stage) and the press to evaluate.
@@ -71,8 +77,8 @@ class TrialRequest:
         same press asked again under another number finds it."""
         if self.checkpoint_dir is None:
             return None
-        resolved = json.dumps(self.press.resolved(), sort_keys=True).encode()
-        return Path(self.checkpoint_dir) / self.stage / f"{hashlib.sha1(resolved).hexdigest()[:20]}.json"
+        digest = hashlib.sha1(configuration_key(self.press).encode()).hexdigest()
+        return Path(self.checkpoint_dir) / self.stage / f"{digest[:20]}.json"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
