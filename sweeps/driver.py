@@ -27,7 +27,7 @@ from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedge
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.worker_pool import ClusterLostError, WorkerPool
-from tracking.retry import TrackingUnavailableError
+from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
 
@@ -66,7 +66,7 @@ def connect_to_ray() -> None:
     try:
         ray.init(address=address)
     except (ConnectionError, RuntimeError, TimeoutError) as error:
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        reason = one_line(error)
         raise ClusterLostError(f"the Ray cluster at {address or 'a local address'} is not reachable ({reason}); "
                                "start it (infra/local/start.sh) or fix RAY_ADDRESS") from None
 

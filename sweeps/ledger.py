@@ -41,7 +41,7 @@ from sweeps.space import make_sampler, press_of, suggest_press
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
-from tracking.retry import RetryPolicy, TrackingUnavailableError
+from tracking.retry import RetryPolicy, TrackingUnavailableError, one_line
 from workers.protocol import FAILED, TrialOutcome, TrialRequest, configuration_key
 
 log = logging.getLogger("grkv.sweep")
@@ -113,7 +113,7 @@ def open_storage_url(url: str) -> optuna.storages.RDBStorage:
             shown = make_url(url).render_as_string(hide_password=True)
         except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
             shown = url.split("@")[-1]
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        reason = one_line(error)
         raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
                                       "start it or fix storage.url / --storage-url") from None
 

@@ -17,6 +17,12 @@ class TrackingUnavailableError(RuntimeError):
     """The MLflow tracking server cannot be reached (at the start, or any longer mid-sweep)."""
 
 
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of ``error``'s message, at most ``limit`` characters; its type's name when it has none."""
+    message = str(error).strip()
+    return message.splitlines()[0][:limit] if message else type(error).__name__
+
+
 def is_transient(error: Exception) -> bool:
     """Whether an MLflow client error says the server is unreachable or failing (worth a retry), not that the
     request itself was wrong.
@@ -47,7 +53,7 @@ class RetryPolicy:
             except MlflowException as error:
                 if not is_transient(error):
                     raise
-                reason = str(error).splitlines()[0][:300]
+                reason = one_line(error, limit=300)
                 if attempt == self.retries:
                     raise TrackingUnavailableError(
                         f"MLflow {what} failed {attempt + 1} time(s) over {time.monotonic() - started:.0f} s "
