@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.diagnostics.losses import discrepancy_per_head
 from grkv_core.generation import prefill, tokenize_sample
@@ -69,12 +70,13 @@ class RecordingGRKVPress(GRKVPress):
         return keys.gather(2, index), values.gather(2, index)
 
 
-# NOTE: options left out take grkv_merge's defaults (λ = 1e-2, safeguard on, 4 CG iterations).
+# NOTE: options left out take grkv_merge's defaults (GRKV_DEFAULTS: λ = 1e-2, safeguard on, the CG budget below).
+DEFAULT_CG = GRKV_DEFAULTS["cg_max_iter"]
 CONFIGS: dict[str, dict | None] = {
     "snapkv (evicted)": None,
     "grv (values only)": dict(components="v"),
     "grkv paper (no safeguard, cg 16)": dict(safeguard=False, cg_max_iter=16),
-    "grkv paper, cg 4": dict(safeguard=False),
+    f"grkv paper, cg {DEFAULT_CG} (the default budget)": dict(safeguard=False),
     "grkv paper, cg converged": dict(safeguard=False, cg_max_iter=200, cg_rtol=1e-7),
     "grkv safeguard, cg 16": dict(cg_max_iter=16),
     "grkv safeguard, cg 8": dict(cg_max_iter=8),

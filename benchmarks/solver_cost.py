@@ -33,6 +33,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.reference import grkv_merge_reference
 
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=0.10, help="fraction of the cache kept")
     parser.add_argument("--window", type=int, default=32, help="surrogate query tokens m")
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--cg-max-iter", type=int, default=4, help="GRKVPress's default")
+    parser.add_argument("--cg-max-iter", type=int, default=GRKV_DEFAULTS["cg_max_iter"], help="GRKVPress's default")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7)

@@ -228,6 +228,18 @@ class ResultStore:
                 raise ValueError(
                     f"{self.path} holds results of a different configuration; choose another --output or delete it"
                 )
+            # NOTE: the config names only the options that were set; the settings they resolve to include the
+            # library's defaults, which a newer version may change. Files written before the resolved settings
+            # were recorded carry none and resume as before.
+            stored_press = stored.get("resolved_press")
+            if stored_press is not None and stored_press != self.resolved_press:
+                changed = ", ".join(f"{name}: {stored_press.get(name)!r} -> {self.resolved_press.get(name)!r}"
+                                    for name in sorted(stored_press.keys() | self.resolved_press.keys())
+                                    if stored_press.get(name) != self.resolved_press.get(name))
+                raise ValueError(
+                    f"{self.path} was written with other press settings ({changed}), e.g. under an earlier "
+                    "version's defaults; set them explicitly to resume it, or choose another --output"
+                )
             # NOTE: dtype="auto" resolves per device (float32 on the CPU), so equal configs can load different
             # dtypes; files written before the dtype was recorded carry none and resume as before.
             stored_dtype = stored.get("model_dtype")

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 from kvpress.utils import get_prerope_query_states
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.llama.modeling_llama import rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.config import PAPER_WINDOW, QUERY_POLICIES
 
@@ -43,6 +45,7 @@ def surrogate_queries(
     *,
     policy: str = "window",
     n_queries: int = PAPER_WINDOW,
+    window_projections: torch.Tensor | None = None,
 ) -> SurrogateQueries:
     """Build the surrogate queries of one attention layer.
 
@@ -61,6 +64,10 @@ def surrogate_queries(
         each row weighted 6/``n_queries``.
     n_queries : int
         m, the number of prompt tokens used.
+    window_projections : torch.Tensor, optional
+        (B, m, H_q·d) the ``q_proj`` outputs of the window's tokens, kept from the prefill's own forward
+        (window policy only): the queries are then built from them instead of projecting the hidden states
+        again.
     """
     if policy not in QUERY_POLICIES:
         raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {policy!r}")
@@ -77,7 +84,10 @@ def surrogate_queries(
         token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
         hidden = hidden_states[:, token_positions]
         cos, sin = cos[:, length - 1:].expand(-1, m, -1), sin[:, length - 1:].expand(-1, m, -1)
-    queries = get_prerope_query_states(module, hidden)
+    if window_projections is not None and policy == "window" and window_projections.shape[:2] == hidden.shape[:2]:
+        queries = _prerope_from_projections(module, window_projections)
+    else:
+        queries = get_prerope_query_states(module, hidden)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     queries = queries * cos + rotate_half(queries) * sin
     batch, query_heads, _, head_dim = queries.shape
@@ -89,3 +99,16 @@ def surrogate_queries(
     if policy == "window":
         return SurrogateQueries(stacked, token_positions.repeat(groups), token_positions, loss_weight=1.0)
     return SurrogateQueries(stacked, None, token_positions, loss_weight=6.0 / m)
+
+
+def _prerope_from_projections(module: nn.Module, projections: torch.Tensor) -> torch.Tensor:
+    """(B, m, H_q·d) ``q_proj`` outputs -> (B, H_q, m, d) pre-RoPE queries, as ``get_prerope_query_states``.
+
+    NOTE: mirrors kvpress's ``get_prerope_query_states`` after its projection (the reshape, then the QK norm of
+    Qwen3 and Gemma3), so both paths give the same queries.
+    """
+    batch, length, _ = projections.shape
+    queries = projections.view(batch, length, module.config.num_attention_heads, module.head_dim).transpose(1, 2)
+    if isinstance(module, (Qwen3Attention, Gemma3Attention)):
+        queries = module.q_norm(queries)
+    return queries

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kvpress.utils import compute_n_kept
 
-from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.config import GRKV_DEFAULTS, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, run_evaluations
 from grkv_core.generation import tokenize_sample
@@ -116,6 +116,12 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
                        press=PressConfig("snapkv", 0.9))
     with pytest.raises(ValueError, match="different configuration"):
         run_evaluation(other, output, setup=setup, progress=False)
+    written = json.loads(output.read_text())
+    default = GRKV_DEFAULTS["cg_max_iter"]
+    written["resolved_press"]["cg_max_iter"] = default + 2  # as written under another version's default
+    output.write_text(json.dumps(written))
+    with pytest.raises(ValueError, match=rf"other press settings \(cg_max_iter: {default + 2} -> {default}\)"):
+        run_evaluation(config, output, setup=setup, progress=False)
     assert stored["model_dtype"] == "float32"
     stored["model_dtype"] = "bfloat16"  # as written by an earlier run whose dtype="auto" meant bfloat16
     output.write_text(json.dumps(stored))

@@ -333,6 +333,49 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     assert not reusing._window_outputs, "the window outputs it kept are released on exit"
 
 
+@pytest.mark.filterwarnings("ignore:GRKV refits nothing")
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("press_name", ["snapkv", "knorm", "adakv"])
+def test_window_queries_come_from_the_forwards_own_q_proj(architecture, press_name, monkeypatch):
+    import grkv_core.queries as queries_module
+
+    model = tiny_model(architecture).model
+    ids = context_ids(model.config.vocab_size, batch=2, seed=9)
+    press = build_press(press_name, RATIO, merge="grkv")
+    used = []
+    layer_context = press.layer_context
+
+    def recording_layer_context(module, hidden_states, keys, kwargs):
+        context = layer_context(module, hidden_states, keys, kwargs)
+        used.append((context.surrogate.queries, module, hidden_states, kwargs["position_embeddings"]))
+        return context
+
+    def projects_other_tokens_too(module, args, kwargs, output):
+        # NOTE: e.g. a base press scoring other tokens. SnapKV's own scoring then projects the window again,
+        # which gives the same rows; Knorm projects nothing, so there only the forward's call may be kept.
+        module.q_proj(torch.randn_like(kwargs["hidden_states"]))
+
+    press.layer_context = recording_layer_context
+    handles = [layer.self_attn.register_forward_hook(projects_other_tokens_too, with_kwargs=True)
+               for layer in layers_of(model)]
+    projections = queries_module.get_prerope_query_states
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(queries_module, "get_prerope_query_states", lambda *args: pytest.fail(
+                "the press projected the window's hidden states again"))
+            prefill(model, ids, press)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert queries_module.get_prerope_query_states is projections
+    assert len(used) == len(layers_of(model))
+    for from_forward, module, hidden_states, position_embeddings in used:
+        # NOTE: the queries as the press built them before it kept q_proj's outputs: projected again.
+        recomputed = surrogate_queries(module, hidden_states, position_embeddings, n_queries=press.window_size)
+        torch.testing.assert_close(from_forward, recomputed.queries, rtol=1e-5, atol=1e-5)
+    assert not press._window_projections and not press._awaiting_projections, "released on exit"
+
+
 def test_a_budget_the_fixed_tokens_cover_warns_that_grkv_refits_nothing():
     model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size, seed=5)

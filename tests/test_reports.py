@@ -24,6 +24,7 @@ from conftest import sqlite_tracking_store
 from grkv_core.config import (
     BASELINE_TAG,
     FULL_STAGE,
+    GRKV_DEFAULTS,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
@@ -318,7 +319,7 @@ def test_load_sweep_reads_a_running_sweep_from_mlflow(store, ablation_sweep):
     # The press as it ran: the zero switch resolved, unsearched options at their defaults, the base press's own
     # fields, and no GRKV option on an eviction-only trial.
     assert trials.loc[4, "lambda_k"] == 0.0 and trials.loc[4, "optuna.lambda_k_is_zero"] is True
-    assert trials.loc[0, "safeguard"] is True and trials.loc[0, "cg_max_iter"] == 4
+    assert trials.loc[0, "safeguard"] is True and trials.loc[0, "cg_max_iter"] == GRKV_DEFAULTS["cg_max_iter"]
     assert trials.loc[0, "press.window_size"] == 32 and trials.loc[0, "press.class"] == "SnapKVPress"
     assert pd.isna(trials.loc[1, "lambda_k"]) and trials.loc[1, "press"] == "snapkv"
     assert runs.param_names == sorted(["merge", *PAPER_DEFAULTS.keys() - {"merge"}])

@@ -338,11 +338,11 @@ def test_safeguard_leaves_steps_that_already_lower_the_loss_unchanged():
         problem = overshooting_problem(seed, sharpness=0.5, batch=2, heads=3, n_queries=24, length=128, budget=24,
                                        head_dim=16)
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
-        positions = problem["query_positions"]
-        paper_k, paper_v = grkv_merge(**tensors, safeguard=False, query_positions=positions)
-        value_step = window_errors(problem, *grkv_merge(**tensors, components="v", query_positions=positions))
+        options = dict(query_positions=problem["query_positions"], cg_max_iter=4)
+        paper_k, paper_v = grkv_merge(**tensors, safeguard=False, **options)
+        value_step = window_errors(problem, *grkv_merge(**tensors, components="v", **options))
         assert (window_errors(problem, paper_k, paper_v) <= value_step).all(), "this problem must not overshoot"
-        guarded_k, guarded_v = grkv_merge(**tensors, query_positions=positions)
+        guarded_k, guarded_v = grkv_merge(**tensors, **options)
         assert torch.equal(guarded_k, paper_k) and torch.equal(guarded_v, paper_v)
 
 

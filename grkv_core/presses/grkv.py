@@ -83,28 +83,56 @@ class GRKVPress(GRKVOptions, MergingPress):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_options()
-        # NOTE: the window's attention outputs, per layer, kept on the press itself (never on the shared attention
-        # modules), so that several GRKV presses can share one prefill without reading each other's.
+        # NOTE: the window's attention outputs and q_proj outputs, per layer, kept on the press itself (never on the
+        # shared attention modules), so that several GRKV presses can share one prefill without reading each other's.
         self._window_outputs: dict[int, torch.Tensor] = {}
+        self._window_projections: dict[int, torch.Tensor] = {}
+        self._awaiting_projections: set[int] = set()
 
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager, plus ``o_proj`` pre-hooks that keep the window's attention outputs."""
+        """kvpress's context manager, plus hooks that keep the window's queries and attention outputs.
+
+        With the window policy the surrogate queries are built from the ``q_proj`` outputs of the forward itself
+        (the same rows the forward projected), and with ``target_from_forward`` the target is the input of
+        ``o_proj``; neither is computed a second time.
+        """
         language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        attentions = [layer.self_attn for layer in language_model.layers]
+        attentions = [attention for attention in (layer.self_attn for layer in language_model.layers)
+                      if isinstance(attention, _OUTPUTS_BEFORE_O_PROJ)]
         handles = []
         try:
-            if self.target_from_forward and self.query_policy == "window":
-                handles = [
-                    attention.o_proj.register_forward_pre_hook(functools.partial(self._keep_window_outputs, attention))
-                    for attention in attentions if isinstance(attention, _OUTPUTS_BEFORE_O_PROJ)
-                ]
+            if self.query_policy == "window":
+                for attention in attentions:
+                    handles.append(attention.register_forward_pre_hook(
+                        functools.partial(self._await_window_projections, attention)))
+                    handles.append(attention.q_proj.register_forward_hook(
+                        functools.partial(self._keep_window_projections, attention)))
+                    if self.target_from_forward:
+                        handles.append(attention.o_proj.register_forward_pre_hook(
+                            functools.partial(self._keep_window_outputs, attention)))
             with super().__call__(model):
                 yield
         finally:
             for handle in handles:
                 handle.remove()
             self._window_outputs.clear()
+            self._window_projections.clear()
+            self._awaiting_projections.clear()
+
+    def _await_window_projections(self, attention: nn.Module, module: nn.Module, args: tuple) -> None:
+        # NOTE: only the forward's own q_proj call, the first after this pre-hook, is kept: a base press that
+        # projects other hidden states while scoring (SnapKV's observation window) calls q_proj again later.
+        self._window_projections.pop(attention.layer_idx, None)
+        self._awaiting_projections.add(attention.layer_idx)
+
+    def _keep_window_projections(self, attention: nn.Module, q_proj: nn.Module, args: tuple,
+                                 projections: torch.Tensor) -> None:
+        if attention.layer_idx not in self._awaiting_projections:
+            return
+        self._awaiting_projections.discard(attention.layer_idx)
+        if projections.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
+            self._window_projections[attention.layer_idx] = projections[:, -self.window_size:].detach().clone()
 
     def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
         outputs = args[0]  # (B, n, H_q·d)
@@ -116,7 +144,8 @@ class GRKVPress(GRKVOptions, MergingPress):
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                       kwargs: dict) -> _WindowRegression:
         surrogate = surrogate_queries(
-            module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size
+            module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size,
+            window_projections=self._window_projections.pop(module.layer_idx, None),
         )
         full_outputs = _stack_by_kv_head(self._window_outputs.pop(module.layer_idx, None), surrogate)
         return _WindowRegression(surrogate, full_outputs, module.scaling)

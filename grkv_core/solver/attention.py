@@ -61,17 +61,3 @@ def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.
     weights = torch.exp(logits - row_max)
     return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
-
-def fused_masked_softmax(logits: torch.Tensor, hidden: torch.Tensor | None,
-                          sees_nothing: torch.Tensor | None) -> torch.Tensor:
-    """The solver's fast ``masked_softmax``: one fused softmax kernel, masking ``logits`` in place.
-
-    NOTE: ``logits`` must be a fresh temporary (it is overwritten). ``hidden`` is the complement of
-    ``masked_softmax``'s ``visible``; rows flagged in ``sees_nothing`` (whose fused softmax is NaN) become zero.
-    """
-    if hidden is None:
-        return torch.softmax(logits, dim=-1)
-    weights = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
-    if sees_nothing is not None:
-        weights = weights.masked_fill_(sees_nothing, 0.0)
-    return weights

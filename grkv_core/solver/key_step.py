@@ -26,17 +26,16 @@ def key_step(
 
     Solves (J Jᵀ + λ_k I) α = vec(E) + J vec(K - K⁰) per head by conjugate gradients, where J is the
     Jacobian of f(K) = softmax(s Q Kᵀ) V restricted to the free rows, applied without ever forming it.
-    Returns the new keys and ‖E‖² per head (B, H), the window loss before the step.
+    Returns the new keys and ‖E‖² per head (P,), the window loss before the step.
     """
-    free_rows = problem.free_rows
-    if free_rows.index.shape[-1] == 0:
+    if problem.free_width == 0:
         return problem.keys0, problem.window_error(attention, values)
     jacobian = _AttentionJacobian.at(problem, attention, values)
-    rhs = problem.target.flatten(0, 1) - jacobian.output
-    error = _head_dot(rhs, rhs).view(keys.shape[:2])
+    rhs = problem.target - jacobian.output
+    error = _head_dot(rhs, rhs).flatten()
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
-        rhs += jacobian.jvp(free_rows.rows(keys - problem.keys0).flatten(0, 1))
+        rhs += jacobian.jvp(problem.free_rows(keys - problem.keys0))
     normal_diagonal = jacobian.normal_diagonal()
     ridge = lambda_k
     if ridge_scale == "relative":
@@ -57,8 +56,7 @@ def key_step(
             RuntimeWarning,
             stacklevel=3,
         )
-    key_change = jacobian.vjp(dual).unflatten(0, keys.shape[:2])
-    return problem.keys0 + free_rows.scatter_rows(key_change, keys.shape[-2]), error
+    return problem.add_to_free_rows(problem.keys0, jacobian.vjp(dual)), error
 
 
 @dataclass
@@ -72,9 +70,7 @@ class _AttentionJacobian:
     product runs over F ≤ c columns; both row sums ride along in the matrix products through a column of
     minus ones appended to V (``values_centring`` = [V | −1] on the free rows).
 
-    NOTE: batch and heads are flattened into one leading axis P = B·H, so every product is one ``bmm`` on
-    contiguous 3-D tensors; 4-D ``matmul`` re-plans (expands and reshapes) its operands on every call, which
-    costs as much as the arithmetic at these sizes. Shapes: ``queries_scaled`` (P, M, d), ``attention_free``
+    Shapes (P = B·H, as in ``MergeProblem``): ``queries_scaled`` (P, M, d), ``attention_free``
     (P, M, F), ``values_centring`` (P, F, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
     (P, M, M).
     """
@@ -87,15 +83,15 @@ class _AttentionJacobian:
 
     @classmethod
     def at(cls, problem: MergeProblem, attention: torch.Tensor, values: torch.Tensor) -> _AttentionJacobian:
-        """Linearise at the attention weights ``attention`` (B, H, M, c) with ``values`` (B, H, c, d)."""
-        free_values = problem.free_rows.rows(values).flatten(0, 1)
-        queries_scaled = problem.queries_scaled.flatten(0, 1)
+        """Linearise at the attention weights ``attention`` (P, M, c) with ``values`` (P, c, d)."""
+        free_values = problem.free_rows(values)
+        queries_scaled = problem.queries_scaled
         return cls(
             queries_scaled=queries_scaled,
-            attention_free=problem.free_rows.columns(attention).flatten(0, 1),
+            attention_free=problem.free_columns(attention),
             values_centring=torch.cat([free_values, free_values.new_full(free_values.shape[:-1] + (1,), -1.0)],
                                       dim=-1),
-            output=torch.bmm(attention.flatten(0, 1), values.flatten(0, 1)),
+            output=torch.bmm(attention, values),
             query_gram=torch.bmm(queries_scaled, queries_scaled.transpose(-1, -2)),
         )
 

@@ -11,7 +11,7 @@ import torch
 from grkv_core.config import COMPONENTS, GRKV_DEFAULTS, RIDGE_SCALES
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.key_step import key_step
-from grkv_core.solver.problem import FreeRows, MergeProblem, gather_rows
+from grkv_core.solver.problem import MergeProblem, SolverOrder, gather_rows
 from grkv_core.solver.safeguard import safeguarded
 from grkv_core.solver.value_step import value_step
 
@@ -90,31 +90,40 @@ def grkv_merge(
     _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
               scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale)
     out_dtype = keys.dtype
-    head_dim = keys.shape[-1]
+    batch, heads, _, head_dim = keys.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
-    evicted_keys, evicted_values = gather_rows(keys, kept), gather_rows(values, kept)
+    # NOTE: the solver works on (P = B·H)-flattened heads whose kept rows are in SolverOrder (free rows first);
+    # `kept`, `fixed` and the evicted rows below are in that order until the result is put back.
+    fixed = fixed.flatten(0, 1)
+    solver_order = SolverOrder.of(fixed)
+    fixed = fixed.gather(-1, solver_order.order)
+    kept = kept.flatten(0, 1).long().gather(-1, solver_order.order)
+    evicted_keys = gather_rows(keys, kept.view(batch, heads, -1)).flatten(0, 1)
+    evicted_values = gather_rows(values, kept.view(batch, heads, -1)).flatten(0, 1)
 
-    kept_hidden = sees_nothing = None
+    logit_mask = sees_nothing = None
     if query_positions is not None:
         query_positions = query_positions.to(device=keys.device, dtype=torch.long)
-        kept_hidden = kept.long()[:, :, None, :] > query_positions[None, None, :, None]
-        sees_nothing = kept_hidden.all(dim=-1, keepdim=True)
+        hidden = kept[:, None, :] > query_positions[None, :, None]
+        logit_mask = torch.zeros(hidden.shape, device=keys.device).masked_fill_(hidden, float("-inf"))
+        sees_nothing = (kept.amin(dim=-1, keepdim=True) > query_positions[None, :]).unsqueeze(-1)
         if not bool(sees_nothing.any()):
             sees_nothing = None
 
-    queries_scaled = queries.float() * scale
+    queries_scaled = queries.float().flatten(0, 1) * scale
     if full_outputs is not None:
-        target = full_outputs.float()
+        target = full_outputs.float().flatten(0, 1)
     else:
-        target = full_cache_outputs(queries, keys, values, query_positions=query_positions, scale=scale)
+        target = full_cache_outputs(queries, keys, values, query_positions=query_positions,
+                                    scale=scale).flatten(0, 1)
     # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
     # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
     # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
     regression_inputs = [queries_scaled, target, evicted_keys.float(), evicted_values.float()]
     finite_inputs = functools.reduce(torch.logical_and, map(_finite_per_head, regression_inputs))
     if not bool(finite_inputs.all()):
-        head_ok = finite_inputs[..., None, None]
+        head_ok = finite_inputs[:, None, None]
         regression_inputs = [torch.where(head_ok, t, 0.0) for t in regression_inputs]
     queries_scaled, target, keys0, values0 = regression_inputs
     problem = MergeProblem(
@@ -122,16 +131,16 @@ def grkv_merge(
         target=target,
         keys0=keys0,
         values0=values0,
-        free=(~fixed).unsqueeze(-1).to(torch.float32),
-        free_rows=FreeRows.of(fixed),
-        hidden=kept_hidden,
+        free_valid=solver_order.free_valid,
+        logit_mask=logit_mask,
         sees_nothing=sees_nothing,
     )
 
     new_keys, new_values = problem.keys0, problem.values0
     for round_index in range(steps):
         # Both steps of one round see the attention at the current keys (the key step linearises there).
-        attention = problem.attention(new_keys)
+        logits = problem.logits(new_keys)
+        attention = problem.softmax(logits)
         if components in ("kv", "v"):
             step_values = value_step(problem, attention, lambda_v, ridge_scale)
         else:
@@ -140,7 +149,7 @@ def grkv_merge(
             step_keys, value_step_error = key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale,
                                                     cg_max_iter, cg_rtol)
             if safeguard:
-                step_keys = safeguarded(problem, new_keys, step_keys, value_step_error, step_values)
+                step_keys = safeguarded(problem, new_keys, logits, step_keys, value_step_error, step_values)
         else:
             step_keys = new_keys
         # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
@@ -163,9 +172,11 @@ def grkv_merge(
             RuntimeWarning,
             stacklevel=2,
         )
-        merged_keys = torch.where(head_ok[..., None, None], merged_keys, evicted_keys)
-        merged_values = torch.where(head_ok[..., None, None], merged_values, evicted_values)
-    return merged_keys, merged_values
+        merged_keys = torch.where(head_ok[:, None, None], merged_keys, evicted_keys)
+        merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
+    restore = solver_order.restore.view(batch, heads, -1)
+    return (gather_rows(merged_keys.view(batch, heads, -1, head_dim), restore),
+            gather_rows(merged_values.view(batch, heads, -1, head_dim), restore))
 
 
 def _largest_change(new: torch.Tensor, old: torch.Tensor) -> float:
@@ -173,12 +184,12 @@ def _largest_change(new: torch.Tensor, old: torch.Tensor) -> float:
 
 
 def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
-    """(B, H, ...) -> (B, H) bool: every entry of that head is finite.
+    """(P, ...) -> (P,) bool: every entry of that head is finite.
 
     NOTE: one float32 sum per head instead of an elementwise test: NaN and inf propagate into the sum, and
     a sum that overflows to inf can only come from entries near float32's limit, which are rejected too.
     """
-    return torch.isfinite(tensor.sum(dim=tuple(range(2, tensor.ndim)), dtype=torch.float32))
+    return torch.isfinite(tensor.sum(dim=tuple(range(1, tensor.ndim)), dtype=torch.float32))
 
 
 def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
@@ -213,9 +224,12 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
     budget = kept.shape[2]
     if not 1 <= budget <= length:
         raise ValueError(f"kept must select between 1 and n={length} positions per head, got c={budget}")
-    if bool((kept < 0).any()) or bool((kept >= length).any()):
-        raise ValueError(f"kept positions must lie in [0, {length}), got range [{int(kept.min())}, {int(kept.max())}]")
-    if budget > 1 and bool((kept.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+    lowest, highest = (int(bound) for bound in torch.aminmax(kept))
+    if lowest < 0 or highest >= length:
+        raise ValueError(f"kept positions must lie in [0, {length}), got range [{lowest}, {highest}]")
+    # NOTE: distinct positions mark exactly c slots of a head's n; a repeat marks fewer.
+    marked = torch.zeros(batch, heads, length, dtype=torch.bool, device=kept.device).scatter_(-1, kept.long(), True)
+    if int(marked.sum()) != kept.numel():
         raise ValueError("kept must not repeat a position within a (batch, head)")
     for name, lam in (("lambda_k", lambda_k), ("lambda_v", lambda_v)):
         if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:

@@ -12,31 +12,38 @@ from grkv_core.solver.problem import MergeProblem
 MAX_HALVINGS = 4
 
 
-def safeguarded(problem: MergeProblem, keys: torch.Tensor, step_keys: torch.Tensor, bar: torch.Tensor,
-                 values: torch.Tensor) -> torch.Tensor:
+def safeguarded(problem: MergeProblem, keys: torch.Tensor, logits: torch.Tensor, step_keys: torch.Tensor,
+                 bar: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
 
-    ``values`` are the round's new values and ``bar`` (B, H) the window loss at (``keys``, ``values``), i.e.
-    after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are tried in turn; a head that passes none keeps
-    ``keys``.
+    ``logits`` are ``problem.logits(keys)``, ``values`` the round's new values and ``bar`` (P,) the window loss
+    at (``keys``, ``values``), i.e. after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are tried in turn;
+    a head that passes none keeps ``keys``.
+
+    NOTE: logits are linear in the keys, so the logits at keys + t·step are ``logits`` + t·Q stepᵀ: one product
+    serves every length tried, and each try costs a softmax and one product with the values.
 
     NOTE: a head that passes at length 1 gets ``step_keys`` itself (not keys + 1·step, which may round
     differently), so where the paper's step lowers the loss the result is unchanged bit for bit.
     """
-    passed_full = problem.window_error(problem.attention(step_keys), values) <= bar
+    step = step_keys - keys
+    step_logits = torch.bmm(problem.queries_scaled, step.mT)
+
+    def loss_at(length: float) -> torch.Tensor:
+        return problem.window_error(problem.softmax(torch.add(logits, step_logits, alpha=length)), values)
+
+    passed_full = loss_at(1.0) <= bar
     if bool(passed_full.all()):
         return step_keys
-    step = step_keys - keys
     accepted = passed_full.clone()
     length = torch.zeros_like(bar)
     trial = 1.0
     for _ in range(MAX_HALVINGS):
         trial /= 2
-        candidate = torch.add(keys, step, alpha=trial)
-        passes = ~accepted & (problem.window_error(problem.attention(candidate), values) <= bar)
+        passes = ~accepted & (loss_at(trial) <= bar)
         length = torch.where(passes, trial, length)
         accepted |= passes
         if bool(accepted.all()):
             break
-    shortened = torch.addcmul(keys, length[..., None, None], step)
-    return torch.where(passed_full[..., None, None], step_keys, shortened)
+    shortened = torch.addcmul(keys, length[:, None, None], step)
+    return torch.where(passed_full[:, None, None], step_keys, shortened)

@@ -8,15 +8,15 @@ from grkv_core.solver.problem import MergeProblem
 
 
 def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, ridge_scale: str) -> torch.Tensor:
-    """Exact ridge refit of the free values given the (B, H, M, c) attention at the current keys (dual, M×M)."""
-    residual = problem.target - attention @ problem.values0
-    attention_free = attention * problem.free.transpose(-1, -2)
-    gram = attention_free @ attention_free.transpose(-1, -2)
+    """Exact ridge refit of the free values given the (P, M, c) attention at the current keys (dual, M×M)."""
+    residual = torch.baddbmm(problem.target, attention, problem.values0, alpha=-1.0)
+    attention_free = problem.free_columns(attention)
+    gram = torch.bmm(attention_free, attention_free.mT)
     ridge = lambda_v
     if ridge_scale == "relative":
         ridge = lambda_v * gram.diagonal(dim1=-2, dim2=-1).mean(dim=-1)[..., None, None]
     dual = _ridge_solve(gram, residual, ridge)
-    return problem.values0 + attention_free.transpose(-1, -2) @ dual
+    return problem.add_to_free_rows(problem.values0, torch.bmm(attention_free.mT, dual))
 
 
 def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
