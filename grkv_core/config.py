@@ -183,7 +183,7 @@ class GRKVOptions:
     accept: str = _option("always", OptionSpec(
         "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code)", str,
         choices=ACCEPT_RULES))
-    cg_max_iter: int = _option(2, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
+    cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
     cg_rtol: float = _option(1e-6, OptionSpec("relative residual tolerance of the key step's conjugate gradients",
                                               float, low=0.0, high=1.0, low_open=True, high_open=True))
     safeguard: bool = _option(True, OptionSpec(
