@@ -12,9 +12,9 @@ class SolverOrder:
     """Each head's kept rows reordered so that its free (refitted) rows come first.
 
     ``order`` (P, c) long: per head, the positions in the kept order of its free rows, then of its fixed ones
-    (a permutation); ``restore`` (P, c) its inverse; ``free_width`` F, the largest free count of any head;
-    ``free_valid`` (P, 1, F) float 0/1 marks the leading rows that are free in that head (the rest of the
-    first F are fixed rows of heads with fewer free rows).
+    (a permutation); ``restore`` (P, c) its inverse; ``free_valid`` (P, 1, F), F the largest free count of any
+    head, float 0/1, marks the leading rows that are free in that head (the rest of the first F are fixed rows
+    of heads with fewer free rows).
 
     NOTE: with the free rows leading, every step reads them as the slice ``[:F]`` (rows of a (P, c, d) tensor,
     columns of a (P, M, c) one) times ``free_valid``: no gather or scatter inside the solver, one permutation
@@ -23,7 +23,6 @@ class SolverOrder:
 
     order: torch.Tensor
     restore: torch.Tensor
-    free_width: int
     free_valid: torch.Tensor
 
     @classmethod
@@ -33,9 +32,8 @@ class SolverOrder:
         restore = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                    .expand_as(order))
         free_count = (~fixed).sum(dim=-1, keepdim=True)
-        width = int(free_count.max())
-        valid = torch.arange(width, device=fixed.device) < free_count
-        return cls(order=order, restore=restore, free_width=width, free_valid=valid.unsqueeze(-2).to(torch.float32))
+        valid = torch.arange(int(free_count.max()), device=fixed.device) < free_count
+        return cls(order=order, restore=restore, free_valid=valid.unsqueeze(-2).to(torch.float32))
 
 
 @dataclass(frozen=True)
