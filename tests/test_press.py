@@ -15,7 +15,7 @@ from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
 from conftest import assert_batch_elements_compressed_independently, tiny_model
@@ -308,17 +308,84 @@ def test_unsupported_base_press_is_refused_clearly():
         build_press("snapkv", RATIO, merge="grkv", lamda_k=1.0)
 
 
+@pytest.fixture(scope="module")
+def five_layer_llama():
+    """A 5-layer version of tiny-llama's architecture: enough layers for groups of 2 and 3 to end mid-model."""
+    config = LlamaConfig(vocab_size=256, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def counting_solves(monkeypatch) -> list[int]:
+    """The batch of every solve GRKVPress runs from now on."""
+    import grkv_core.presses.grkv as press_module
+
+    batches = []
+    solve = press_module.solve_regression
+    monkeypatch.setattr(press_module, "solve_regression", lambda regression, **options: (
+        batches.append(regression.batch), solve(regression, **options))[1])
+    return batches
+
+
+# Solves' batches (2 prompts per layer) with layers merged alone, then for each layers_per_solve.
+@pytest.mark.parametrize("budgets, groups", [
+    pytest.param("uniform", {1: [2] * 5, 2: [4, 4, 2], 3: [6, 4], 6: [10]}, id="uniform"),
+    # Layer 2 keeps more (a group holds one shape) and layer 4 evicts nothing (the last group ends there anyway).
+    pytest.param("per-layer", {1: [2] * 4, 2: [4, 2, 2], 3: [4, 2, 2], 6: [4, 2, 2]}, id="per-layer"),
+])
+def test_layers_merged_together_equal_layers_merged_alone(five_layer_llama, budgets, groups, monkeypatch):
+    from kvpress import PerLayerCompressionPress
+
+    ids = context_ids(256, batch=2, seed=11)
+
+    def press(layers_per_solve):
+        grkv = build_press("snapkv", RATIO, merge="grkv", layers_per_solve=layers_per_solve, max_rel_update_v=0.5)
+        if budgets == "per-layer":
+            grkv.press = PerLayerCompressionPress(press=grkv.press, compression_ratios=[0.75, 0.75, 0.5, 0.75, 0.0])
+        return grkv
+
+    batches = counting_solves(monkeypatch)
+    alone = prefill(five_layer_llama, ids, press(1))
+    assert batches == groups.pop(1)
+    for layers_per_solve, expected in groups.items():
+        batches.clear()
+        together = prefill(five_layer_llama, ids, press(layers_per_solve))
+        assert batches == expected, f"layers_per_solve={layers_per_solve}"
+        for layer_alone, layer_together in zip(alone.layers, together.layers):
+            torch.testing.assert_close(layer_together.keys, layer_alone.keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(layer_together.values, layer_alone.values, rtol=1e-5, atol=1e-6)
+    evicted = prefill(five_layer_llama, ids, press(1).press)
+    assert not torch.equal(together.layers[0].keys.sort(dim=2).values, evicted.layers[0].keys.sort(dim=2).values)
+
+
+def test_inside_composed_press_each_layer_is_merged_at_once(five_layer_llama, monkeypatch):
+    # ComposedPress runs the next press's hook on the merger's result, which a later in-place merge would miss.
+    from kvpress import ComposedPress
+
+    ids = context_ids(256, seed=12)
+    grkv = build_press("snapkv", RATIO, merge="grkv", layers_per_solve=6)
+    batches = counting_solves(monkeypatch)
+    merged = prefill(five_layer_llama, ids, ComposedPress(presses=[grkv]))
+    assert batches == [1] * 5
+    alone = prefill(five_layer_llama, ids, grkv)
+    assert batches == [1] * 5 + [5]
+    for layer_alone, layer_merged in zip(alone.layers, merged.layers):
+        torch.testing.assert_close(layer_merged.keys, layer_alone.keys, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
 def test_target_from_the_forward_matches_the_recomputed_target(architecture, press_name, monkeypatch):
-    import grkv_core.presses.grkv as press_module
+    from grkv_core.solver.regression import KeptRegression
 
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=8)
     supplied = []
-    solver = press_module.grkv_merge
-    monkeypatch.setattr(press_module, "grkv_merge", lambda *args, **kwargs: (
-        supplied.append(kwargs["full_outputs"] is not None), solver(*args, **kwargs))[1])
+    reduce = KeptRegression.of
+    monkeypatch.setattr(KeptRegression, "of", classmethod(lambda cls, *args, **kwargs: (
+        supplied.append(kwargs["full_outputs"] is not None), reduce(*args, **kwargs))[1]))
     converged = dict(cg_max_iter=300, cg_rtol=1e-7)  # capped CG would amplify the targets' rounding differences
     reusing = build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged)
     reused = prefill(model, ids, reusing)

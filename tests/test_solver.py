@@ -11,8 +11,10 @@ import torch
 from grkv_core.diagnostics.losses import discrepancy_per_head, reconstruction_loss
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.key_step import _conjugate_gradients
-from grkv_core.solver.merge import grkv_merge
+from grkv_core.solver.merge import grkv_merge, solve_regression
 from grkv_core.solver.reference import grkv_merge_reference
+from grkv_core.solver.regression import KeptRegression
+from grkv_core.solver.value_step import _ridge_solve
 
 
 def random_problem(seed, batch=2, heads=2, n_queries=12, length=48, budget=12, head_dim=8, causal=False,
@@ -153,6 +155,62 @@ def test_heads_are_solved_independently():
             single_k, single_v = grkv_merge(**single, **options)
             torch.testing.assert_close(batched_k[b, h], single_k[0, 0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(batched_v[b, h], single_v[0, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:grkv_merge")
+def test_stacked_regressions_are_solved_as_if_alone():
+    # Four "layers" of one shape, as GRKVPress stacks them (layers_per_solve); one has a NaN in its cache, so
+    # one of its heads keeps its evicted rows. Stacked along the batch axis in one solve, each layer gets what it
+    # gets alone.
+    problems = [random_problem(seed=40 + layer, batch=1, heads=2, causal=True) for layer in range(4)]
+    positions = problems[0]["query_positions"]
+    problems[2]["keys"][0, 1, 5, 0] = float("nan")
+    regressions = [KeptRegression.of(p["queries"], p["keys"], p["values"], p["kept"], p["fixed"],
+                                     query_positions=positions) for p in problems]
+    options = dict(steps=2, lambda_k=1e-3)
+    stacked_k, stacked_v = solve_regression(KeptRegression.stack(regressions), **options)
+    assert stacked_k.shape == (4, 2, 12, 8)
+    for layer, problem in enumerate(problems):
+        alone_k, alone_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],
+                                      problem["fixed"], query_positions=positions, **options)
+        torch.testing.assert_close(stacked_k[layer:layer + 1], alone_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stacked_v[layer:layer + 1], alone_v, rtol=1e-5, atol=1e-5)
+    evicted = gather(problems[2]["keys"], problems[2]["kept"])[0]
+    torch.testing.assert_close(stacked_k[2, 1], evicted[1], rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(stacked_k[2, 0], evicted[0])
+
+
+def test_only_regressions_of_one_shape_positions_and_scale_stack():
+    problem = random_problem(seed=50, batch=1, causal=True)
+    tensors = [problem[name] for name in ("queries", "keys", "values", "kept", "fixed")]
+    base = KeptRegression.of(*tensors, query_positions=problem["query_positions"])
+    assert base.stacks_with(KeptRegression.of(*tensors, query_positions=problem["query_positions"]))
+    others = {
+        "budget": KeptRegression.of(*tensors[:3], problem["kept"][..., :-1], problem["fixed"][..., :-1],
+                                    query_positions=problem["query_positions"]),
+        "positions": KeptRegression.of(*tensors, query_positions=problem["query_positions"] - 1),
+        "causality": KeptRegression.of(*tensors),
+        "scale": KeptRegression.of(*tensors, query_positions=problem["query_positions"], scale=0.5),
+    }
+    for name, other in others.items():
+        assert not base.stacks_with(other), name
+        with pytest.raises(ValueError, match="only regressions of the same shapes"):
+            KeptRegression.stack([base, other])
+
+
+def test_ridge_solve_takes_each_systems_own_route():
+    # System 0 is positive definite with its ridge (Cholesky); system 1 is singular with ridge 0 (pseudo-inverse);
+    # each must get its own float64 answer, whatever route the other takes.
+    generator = torch.Generator().manual_seed(3)
+    factors = torch.randn(2, 6, 3, generator=generator)
+    gram = factors @ factors.mT  # rank 3 of 6
+    rhs = torch.randn(2, 6, 4, generator=generator)
+    solution = _ridge_solve(gram, rhs, torch.tensor([0.5, 0.0]).view(2, 1, 1))
+    gram64, rhs64 = gram.double(), rhs.double()
+    expected = [torch.linalg.solve(gram64[0] + 0.5 * torch.eye(6, dtype=torch.float64), rhs64[0]),
+                torch.linalg.pinv(gram64[1], hermitian=True, rtol=1e-5) @ rhs64[1]]
+    for system in range(2):
+        torch.testing.assert_close(solution[system].double(), expected[system], rtol=1e-4, atol=1e-4)
 
 
 def test_conjugate_gradients_stop_a_head_without_curvature_and_finish_the_others():

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -20,7 +22,8 @@ from grkv_core.presses.merging import MergingPress
 from grkv_core.presses.selection import TokenSelection, forced_score_positions
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
-from grkv_core.solver.merge import grkv_merge
+from grkv_core.solver.merge import solve_regression
+from grkv_core.solver.regression import KeptRegression
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
@@ -73,6 +76,12 @@ class GRKVPress(GRKVOptions, MergingPress):
         ``safeguard=False`` with the key step solved to convergence (``cg_max_iter=200, cg_rtol=1e-7``).
     ridge_scale : {"absolute", "relative"}
         "relative" multiplies λ_k and λ_v by a per-head scale of their systems (see ``grkv_merge``).
+    layers_per_solve : int
+        Within this press's own context manager, the merges of this many consecutive layers (of one shape) are
+        solved together, in one batched call when the last of them is compressed; the earlier layers' caches are
+        merged in place then. Results equal merging each layer alone up to float rounding; on SmolLM2 on 2 CPU
+        cores 6 layers cut the merge's prefill overhead by a third (benchmarks/RESULTS.md §6). 1 merges every layer
+        at once.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
@@ -88,6 +97,10 @@ class GRKVPress(GRKVOptions, MergingPress):
         self._window_outputs: dict[int, torch.Tensor] = {}
         self._window_projections: dict[int, torch.Tensor] = {}
         self._awaiting_projections: set[int] = set()
+        # NOTE: the merges waiting for the rest of their group, as (regression, solver options); None outside this
+        # press's own context manager, where every layer is merged at once (see ``__call__``).
+        self._pending: list[tuple[KeptRegression, dict]] | None = None
+        self._last_hooked_layer: int | None = None
 
     @contextmanager
     def __call__(self, model):
@@ -112,13 +125,29 @@ class GRKVPress(GRKVOptions, MergingPress):
                         handles.append(attention.o_proj.register_forward_pre_hook(
                             functools.partial(self._keep_window_outputs, attention)))
             with super().__call__(model):
+                self._start_groups(language_model)
                 yield
         finally:
+            self._pending = self._last_hooked_layer = None
             for handle in handles:
                 handle.remove()
             self._window_outputs.clear()
             self._window_projections.clear()
             self._awaiting_projections.clear()
+
+    def _start_groups(self, language_model: nn.Module) -> None:
+        """Let the layers' merges wait for their group (``layers_per_solve``) within each prefill forward.
+
+        NOTE: a deferred layer's cache holds its kept rows unmerged until the last layer of its group is compressed,
+        at the latest the last layer kvpress hooked (found among the hooks it registered), all within the prefill's
+        forward: nothing reads a layer's cache between its own attention and the end of that forward, so what
+        follows sees only merged caches. Deferral needs this press's own context manager, where nothing runs after
+        its hook on a layer; inside ``ComposedPress`` or ``PrefillDecodingPress`` every layer is merged at once.
+        """
+        hooked = [layer.self_attn.layer_idx for layer in language_model.layers
+                  if self.forward_hook in layer.self_attn._forward_hooks.values()]
+        if self.layers_per_solve > 1 and hooked:
+            self._pending, self._last_hooked_layer = [], max(hooked)
 
     def _await_window_projections(self, attention: nn.Module, module: nn.Module, args: tuple) -> None:
         # NOTE: only the forward's own q_proj call, the first after this pre-hook, is kept: a base press that
@@ -148,7 +177,9 @@ class GRKVPress(GRKVOptions, MergingPress):
             window_projections=self._window_projections.pop(module.layer_idx, None),
         )
         full_outputs = _stack_by_kv_head(self._window_outputs.pop(module.layer_idx, None), surrogate)
-        return _WindowRegression(surrogate, full_outputs, module.scaling)
+        deferrable = (self._pending is not None and self.accept == "always"
+                      and _keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
+        return _WindowRegression(surrogate, full_outputs, module.scaling, deferrable)
 
     def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:
         head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
@@ -157,7 +188,7 @@ class GRKVPress(GRKVOptions, MergingPress):
             surrogate.queries[head], surrogate.positions, surrogate.token_positions, surrogate.loss_weight
         )
         full_outputs = context.full_outputs[head] if context.full_outputs is not None else None
-        return _WindowRegression(head_queries, full_outputs, context.scale)
+        return _WindowRegression(head_queries, full_outputs, context.scale, deferrable=False)
 
     def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
@@ -178,7 +209,11 @@ class GRKVPress(GRKVOptions, MergingPress):
     def merge_selected(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: _WindowRegression
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Refit the kept rows by ``grkv_merge``; then the trust-region caps and the acceptance rule, if set."""
+        """Refit the kept rows by GRKV's regression; then the trust-region caps and the acceptance rule, if set.
+
+        A layer that ``context.deferrable`` marks gets its kept rows back as they are, and they are merged in place
+        together with the other layers of its group (``layers_per_solve``), when the last of them is compressed.
+        """
         surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         kept = selection.kept_positions()
         fixed = self._fixed(selection, kept)
@@ -191,31 +226,18 @@ class GRKVPress(GRKVOptions, MergingPress):
             # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
                                               scale=scale)
-        solve = dict(
-            lambda_k=self.lambda_k / surrogate.loss_weight,
-            lambda_v=self.lambda_v / surrogate.loss_weight,
-            steps=self.steps,
-            query_positions=surrogate.positions,
-            scale=scale,
-            cg_max_iter=self.cg_max_iter,
-            cg_rtol=self.cg_rtol,
-            full_outputs=full_outputs,
-            safeguard=self.safeguard,
-            ridge_scale=self.ridge_scale,
-        )
-        merged_keys, merged_values = grkv_merge(surrogate.queries, keys, values, kept, fixed,
-                                                components=self.components, **solve)
-        if self.accept == "always" and self.max_rel_update_k is None and self.max_rel_update_v is None:
-            return merged_keys, merged_values
-        index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        evicted_keys, evicted_values = keys.gather(2, index), values.gather(2, index)
-        merged_keys = _cap_update(evicted_keys, merged_keys, self.max_rel_update_k)
-        merged_values = _cap_update(evicted_values, merged_values, self.max_rel_update_v)
+        regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed, query_positions=surrogate.positions,
+                                       scale=scale, full_outputs=full_outputs)
+        options = self._solver_options(surrogate.loss_weight)
+        if context.deferrable:
+            self._defer(regression, options)
+            return regression.kept_keys, regression.kept_values
+        merged_keys, merged_values = self._capped(regression, *solve_regression(regression, **options))
         if self.accept == "always":
             return merged_keys, merged_values
 
-        _, values_only = grkv_merge(surrogate.queries, keys, values, kept, fixed, components="v", **solve)
-        values_only = _cap_update(evicted_values, values_only, self.max_rel_update_v)
+        _, values_only = self._capped(regression, *solve_regression(regression, **{**options, "components": "v"}))
+        evicted_keys, evicted_values = regression.kept_keys, regression.kept_values
         candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
         errors = torch.stack([
             discrepancy_per_head(surrogate.queries, keys, values, k, v, query_positions=surrogate.positions,
@@ -225,6 +247,42 @@ class GRKVPress(GRKVOptions, MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``MergingPress.compress``, then the group's solve once it is full or this is the last hooked layer."""
+        compressed = super().compress(module, hidden_states, keys, values, attentions, kwargs)
+        if self._pending and (len(self._pending) >= self.layers_per_solve
+                              or module.layer_idx == self._last_hooked_layer):
+            self._solve_pending()
+        return compressed
+
+    def _solver_options(self, loss_weight: float) -> dict:
+        return dict(lambda_k=self.lambda_k / loss_weight, lambda_v=self.lambda_v / loss_weight, steps=self.steps,
+                    components=self.components, cg_max_iter=self.cg_max_iter, cg_rtol=self.cg_rtol,
+                    safeguard=self.safeguard, ridge_scale=self.ridge_scale)
+
+    def _capped(self, regression: KeptRegression, merged_keys: torch.Tensor,
+                merged_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trust-region caps (``max_rel_update_k``/``_v``) applied to a merge of ``regression``."""
+        return (_cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
+                _cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
+
+    def _defer(self, regression: KeptRegression, options: dict) -> None:
+        if self._pending and not (self._pending[0][1] == options and self._pending[0][0].stacks_with(regression)):
+            self._solve_pending()  # NOTE: a group holds one shape (per-layer budgets change c): solve it first
+        self._pending.append((regression, options))
+
+    def _solve_pending(self) -> None:
+        """Solve the pending layers in one call and write each result into the cache rows it handed out."""
+        pending, self._pending = self._pending, []
+        regressions = [regression for regression, _ in pending]
+        merged_keys, merged_values = solve_regression(KeptRegression.stack(regressions), **pending[0][1])
+        sizes = [regression.batch for regression in regressions]
+        for regression, keys, values in zip(regressions, merged_keys.split(sizes), merged_values.split(sizes)):
+            keys, values = self._capped(regression, keys, values)
+            regression.kept_keys.copy_(keys)
+            regression.kept_values.copy_(values)
 
 
 @dataclass(frozen=True)
@@ -240,11 +298,14 @@ class _WindowRegression:
         solver computes them.
     scale : float
         The layer's softmax scale.
+    deferrable : bool
+        Whether the layer's merge may wait for the rest of its group of ``layers_per_solve`` layers.
     """
 
     surrogate: SurrogateQueries
     full_outputs: torch.Tensor | None
     scale: float
+    deferrable: bool
 
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
@@ -258,6 +319,14 @@ def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries)
         return None  # not this forward's window: the solver computes the target itself
     per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
     return per_query_head.reshape(batch, kv_heads, rows, head_dim)
+
+
+def _keeps_returned_rows(cache, layer_idx: int) -> bool:
+    """Whether kvpress's hook stores the very tensors ``compress`` returns as the layer's cache, so that a merge
+    finished later, in place, reaches the cache: a plain ``DynamicCache`` layer does; a quantized cache re-encodes
+    them and an offloading one moves them."""
+    return (isinstance(cache, DynamicCache) and not cache.offloading
+            and type(cache.layers[layer_idx]) is DynamicLayer)
 
 
 def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:

@@ -9,13 +9,13 @@ import warnings
 import torch
 
 from grkv_core.config import COMPONENTS, GRKV_DEFAULTS, RIDGE_SCALES
-from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.key_step import key_step
 from grkv_core.solver.problem import MergeProblem, SolverOrder, gather_rows
+from grkv_core.solver.regression import KeptRegression
 from grkv_core.solver.safeguard import safeguarded
 from grkv_core.solver.value_step import value_step
 
-# NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this.
+# NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this (per head here).
 EARLY_STOP_TOL = 1e-9
 
 
@@ -87,36 +87,61 @@ def grkv_merge(
         or full-cache attention outputs (a NaN or +inf anywhere in the cache reaches those) are not finite
         get the plain evicted cache back, with a warning.
     """
-    _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale)
-    out_dtype = keys.dtype
-    batch, heads, _, head_dim = keys.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale)
+    regression = KeptRegression.of(queries, keys, values, kept, fixed, query_positions=query_positions, scale=scale,
+                                   full_outputs=full_outputs)
+    return solve_regression(regression, lambda_k=lambda_k, lambda_v=lambda_v, steps=steps, components=components,
+                            cg_max_iter=cg_max_iter, cg_rtol=cg_rtol, safeguard=safeguard, ridge_scale=ridge_scale)
+
+
+@torch.no_grad()
+def solve_regression(
+    regression: KeptRegression,
+    *,
+    lambda_k: float = GRKV_DEFAULTS["lambda_k"],
+    lambda_v: float = GRKV_DEFAULTS["lambda_v"],
+    steps: int = GRKV_DEFAULTS["steps"],
+    components: str = GRKV_DEFAULTS["components"],
+    cg_max_iter: int = GRKV_DEFAULTS["cg_max_iter"],
+    cg_rtol: float = GRKV_DEFAULTS["cg_rtol"],
+    safeguard: bool = GRKV_DEFAULTS["safeguard"],
+    ridge_scale: str = GRKV_DEFAULTS["ridge_scale"],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grkv_merge`` on a cache already reduced to its ``KeptRegression``, e.g. several layers stacked.
+
+    Options as in ``grkv_merge``. Every (batch, head) is solved on its own: its result does not depend on what
+    else the batch holds, beyond float rounding.
+
+    Returns
+    -------
+    tuple[torch.Tensor, torch.Tensor]
+        (B, H_kv, c, d) merged keys and values, in the order of ``regression.kept`` and the dtype of its rows.
+    """
+    _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale)
+    out_dtype = regression.kept_keys.dtype
+    batch, heads, _, head_dim = regression.kept_keys.shape
 
     # NOTE: the solver works on (P = B·H)-flattened heads whose kept rows are in SolverOrder (free rows first);
     # `kept`, `fixed` and the evicted rows below are in that order until the result is put back.
-    fixed = fixed.flatten(0, 1)
+    fixed = regression.fixed.flatten(0, 1)
     solver_order = SolverOrder.of(fixed)
     fixed = fixed.gather(-1, solver_order.order)
-    kept = kept.flatten(0, 1).long().gather(-1, solver_order.order)
-    evicted_keys = gather_rows(keys, kept.view(batch, heads, -1)).flatten(0, 1)
-    evicted_values = gather_rows(values, kept.view(batch, heads, -1)).flatten(0, 1)
+    kept = regression.kept.flatten(0, 1).gather(-1, solver_order.order)
+    in_solver_order = solver_order.order.view(batch, heads, -1)
+    evicted_keys = gather_rows(regression.kept_keys, in_solver_order).flatten(0, 1)
+    evicted_values = gather_rows(regression.kept_values, in_solver_order).flatten(0, 1)
 
     logit_mask = sees_nothing = None
+    query_positions = regression.query_positions
     if query_positions is not None:
-        query_positions = query_positions.to(device=keys.device, dtype=torch.long)
         hidden = kept[:, None, :] > query_positions[None, :, None]
-        logit_mask = torch.zeros(hidden.shape, device=keys.device).masked_fill_(hidden, float("-inf"))
+        logit_mask = torch.zeros(hidden.shape, device=kept.device).masked_fill_(hidden, float("-inf"))
         sees_nothing = (kept.amin(dim=-1, keepdim=True) > query_positions[None, :]).unsqueeze(-1)
         if not bool(sees_nothing.any()):
             sees_nothing = None
 
-    queries_scaled = queries.float().flatten(0, 1) * scale
-    if full_outputs is not None:
-        target = full_outputs.float().flatten(0, 1)
-    else:
-        target = full_cache_outputs(queries, keys, values, query_positions=query_positions,
-                                    scale=scale).flatten(0, 1)
+    queries_scaled = regression.queries.float().flatten(0, 1) * regression.scale
+    target = regression.target.flatten(0, 1)
     # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
     # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
     # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
@@ -137,6 +162,7 @@ def grkv_merge(
     )
 
     new_keys, new_values = problem.keys0, problem.values0
+    moving = None  # (P, 1, 1) bool: the heads still alternating (None: all of them)
     for round_index in range(steps):
         # Both steps of one round see the attention at the current keys (the key step linearises there).
         logits = problem.logits(new_keys)
@@ -152,11 +178,17 @@ def grkv_merge(
                 step_keys = safeguarded(problem, new_keys, logits, step_keys, value_step_error, step_values)
         else:
             step_keys = new_keys
-        # NOTE: the last round skips the movement check; it could only end a loop that ends anyway.
-        done = round_index + 1 == steps or max(
-            _largest_change(step_keys, new_keys), _largest_change(step_values, new_values)) <= EARLY_STOP_TOL
+        # NOTE: a head stops alternating on its own, keeping the round in which nothing of it moved, so its
+        # result does not depend on the other heads of the batch (or on the other layers stacked with it).
+        if moving is not None:
+            step_keys = torch.where(moving, step_keys, new_keys)
+            step_values = torch.where(moving, step_values, new_values)
+        last_round = round_index + 1 == steps  # NOTE: it skips the movement check, which could only end the loop
+        if not last_round:
+            moved = _moved(step_keys, new_keys) | _moved(step_values, new_values)
+            moving = moved if moving is None else moving & moved
         new_keys, new_values = step_keys, step_values
-        if done:
+        if last_round or not bool(moving.any()):
             break
 
     keep_fixed = fixed.unsqueeze(-1)
@@ -179,8 +211,11 @@ def grkv_merge(
             gather_rows(merged_values.view(batch, heads, -1, head_dim), restore))
 
 
-def _largest_change(new: torch.Tensor, old: torch.Tensor) -> float:
-    return float((new - old).abs().amax()) if new is not old else 0.0
+def _moved(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """(P, 1, 1) bool: some entry of the head moved by more than ``EARLY_STOP_TOL`` from (P, c, d) ``old``."""
+    if new is old:
+        return torch.zeros(new.shape[0], 1, 1, dtype=torch.bool, device=new.device)
+    return (new - old).abs().amax(dim=(-2, -1), keepdim=True) > EARLY_STOP_TOL
 
 
 def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
@@ -192,45 +227,8 @@ def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(tensor.sum(dim=tuple(range(1, tensor.ndim)), dtype=torch.float32))
 
 
-def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components, query_positions,
-              scale, cg_max_iter, cg_rtol, full_outputs, safeguard, ridge_scale) -> None:
-    """Raise a ValueError naming the argument for any malformed input (never a torch error deep inside)."""
-    for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.ndim != 4:
-            raise ValueError(f"{name} must have shape (B, H_kv, length, d), got {tuple(tensor.shape)}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-    if values.shape != keys.shape:
-        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
-    batch, heads, length, head_dim = keys.shape
-    if queries.shape[:2] != (batch, heads) or queries.shape[3] != head_dim:
-        raise ValueError(
-            f"queries shape {tuple(queries.shape)} must be (B={batch}, H_kv={heads}, M, d={head_dim}) to match keys"
-        )
-    if queries.shape[2] == 0:
-        raise ValueError("queries must hold at least one query row (M >= 1)")
-    for name, tensor in (("kept", kept), ("fixed", fixed)):
-        if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or tensor.shape[:2] != (batch, heads):
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must have shape (B={batch}, H_kv={heads}, c), got {shape}")
-    if kept.dtype.is_floating_point or kept.dtype == torch.bool or kept.is_complex():
-        raise ValueError(f"kept must be an integer (long) tensor, got {kept.dtype}")
-    if fixed.dtype != torch.bool:
-        raise ValueError(f"fixed must be a bool tensor, got {fixed.dtype}")
-    if fixed.shape != kept.shape:
-        raise ValueError(f"fixed shape {tuple(fixed.shape)} must equal kept shape {tuple(kept.shape)}")
-    budget = kept.shape[2]
-    if not 1 <= budget <= length:
-        raise ValueError(f"kept must select between 1 and n={length} positions per head, got c={budget}")
-    lowest, highest = (int(bound) for bound in torch.aminmax(kept))
-    if lowest < 0 or highest >= length:
-        raise ValueError(f"kept positions must lie in [0, {length}), got range [{lowest}, {highest}]")
-    # NOTE: distinct positions mark exactly c slots of a head's n; a repeat marks fewer.
-    marked = torch.zeros(batch, heads, length, dtype=torch.bool, device=kept.device).scatter_(-1, kept.long(), True)
-    if int(marked.sum()) != kept.numel():
-        raise ValueError("kept must not repeat a position within a (batch, head)")
+def _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale) -> None:
+    """Raise a ValueError naming the option for any malformed solver option."""
     for name, lam in (("lambda_k", lambda_k), ("lambda_v", lambda_v)):
         if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {lam!r}")
@@ -238,16 +236,6 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if components not in COMPONENTS:
         raise ValueError(f"components must be one of {COMPONENTS}, got {components!r}")
-    if query_positions is not None:
-        if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (queries.shape[2],):
-            shape = tuple(query_positions.shape) if isinstance(query_positions, torch.Tensor) else query_positions
-            raise ValueError(f"query_positions must have shape (M={queries.shape[2]},), got {shape}")
-        if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
-            raise ValueError(f"query_positions must be an integer tensor, got {query_positions.dtype}")
-        if bool((query_positions < 0).any()):
-            raise ValueError("query_positions must be non-negative")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     if not isinstance(cg_max_iter, int) or isinstance(cg_max_iter, bool) or cg_max_iter < 1:
         raise ValueError(f"cg_max_iter must be an integer >= 1, got {cg_max_iter!r}")
     if not isinstance(cg_rtol, (int, float)) or isinstance(cg_rtol, bool) or not 0 < cg_rtol < 1:
@@ -256,14 +244,3 @@ def _validate(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, com
         raise ValueError(f"safeguard must be True or False, got {safeguard!r}")
     if ridge_scale not in RIDGE_SCALES:
         raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {ridge_scale!r}")
-    if full_outputs is not None:
-        if not isinstance(full_outputs, torch.Tensor) or full_outputs.shape != queries.shape:
-            shape = tuple(full_outputs.shape) if isinstance(full_outputs, torch.Tensor) else type(full_outputs).__name__
-            raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {shape}")
-        if not full_outputs.is_floating_point():
-            raise ValueError(f"full_outputs must be a floating-point tensor, got {full_outputs.dtype}")
-    tensors = [queries, keys, values, kept, fixed] + ([full_outputs] if full_outputs is not None else [])
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError("queries, keys, values, kept, fixed (and full_outputs) must be on one device, "
-                         f"got {sorted(map(str, devices))}")

@@ -20,23 +20,32 @@ def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, 
 
 
 def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
-    """Solve (gram + ridge·I) z = rhs for symmetric PSD ``gram`` (..., M, M), robust to ridge = 0.
+    """Solve (gram + ridge·I) z = rhs for symmetric PSD ``gram`` (P, M, M), robust to ridge = 0.
 
-    ``ridge`` is a number or a (..., 1, 1) tensor (one per system). A positive ridge makes the system positive
-    definite: Cholesky. Without one (or if Cholesky meets a numerically singular matrix) an
+    ``ridge`` is a number or a (P, 1, 1) tensor (one per system). A positive ridge makes a system positive
+    definite: Cholesky. Without one (or for the systems where Cholesky meets a numerically singular matrix) an
     eigen-decomposition gives the pseudo-inverse, i.e. the minimum-norm least-squares solution, so ridge = 0
-    never yields NaN.
+    never yields NaN. Each system takes its own route, whatever the others do.
     """
-    per_system = isinstance(ridge, torch.Tensor)
-    diagonal_shift = ridge[..., 0] if per_system else ridge  # (..., 1) or a number
-    if bool((ridge > 0).all()) if per_system else ridge > 0:
-        shifted_gram = gram.clone()
-        shifted_gram.diagonal(dim1=-2, dim2=-1).add_(diagonal_shift)
-        factor, info = torch.linalg.cholesky_ex(shifted_gram)
-        if not bool(info.any()):
-            return torch.cholesky_solve(rhs, factor)
+    shift = ridge[..., 0] if isinstance(ridge, torch.Tensor) else torch.full((gram.shape[0], 1), float(ridge),
+                                                                             device=gram.device)
+    positive = shift[:, 0] > 0
+    if not bool(positive.any()):
+        return _pseudo_inverse_solve(gram, rhs, shift)
+    shifted_gram = gram.clone()
+    shifted_gram.diagonal(dim1=-2, dim2=-1).add_(shift)
+    factor, info = torch.linalg.cholesky_ex(shifted_gram)
+    solution = torch.cholesky_solve(rhs, factor)
+    singular = (info != 0) | ~positive
+    if bool(singular.any()):
+        solution[singular] = _pseudo_inverse_solve(gram[singular], rhs[singular], shift[singular])
+    return solution
+
+
+def _pseudo_inverse_solve(gram: torch.Tensor, rhs: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(gram + shift·I)⁺ rhs by eigen-decomposition, for (P, M, M) ``gram`` and (P, 1) ``shift``."""
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
-    shifted = eigenvalues + diagonal_shift
+    shifted = eigenvalues + shift
     cutoff = shifted.amax(dim=-1, keepdim=True) * gram.shape[-1] * torch.finfo(gram.dtype).eps
     inverse = torch.where(shifted > cutoff, 1.0 / shifted.clamp_min(torch.finfo(gram.dtype).tiny), 0.0)
     projected = eigenvectors.transpose(-1, -2) @ rhs

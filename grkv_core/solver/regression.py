@@ -1,0 +1,167 @@
+"""``KeptRegression``: everything the GRKV solver reads from one layer's cache, and how layers stack."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.problem import gather_rows
+
+
+@dataclass(frozen=True)
+class KeptRegression:
+    """The regression GRKV solves for one cache: fit the kept rows to the full cache's window outputs.
+
+    Attributes
+    ----------
+    queries : torch.Tensor
+        (B, H_kv, M, d) surrogate queries with RoPE applied, the query heads sharing a KV head stacked along M.
+    target : torch.Tensor
+        (B, H_kv, M, d) float32 attention outputs of ``queries`` over the full cache.
+    kept_keys, kept_values : torch.Tensor
+        (B, H_kv, c, d) the kept rows (the plain evicted cache) in the order of ``kept``, in the cache's dtype.
+    kept : torch.Tensor
+        (B, H_kv, c) long positions of the kept rows, distinct within each head.
+    fixed : torch.Tensor
+        (B, H_kv, c) bool; True rows are returned unchanged.
+    query_positions : torch.Tensor or None
+        (M,) long positions of the query rows (causal attention), None for none.
+    scale : float
+        Softmax scale.
+
+    NOTE: the full cache enters only through ``target``, so a regression holds c + M rows per head, not n. Every
+    step of the solver is per head (batch and heads are one axis to it), so regressions of the same shape, such
+    as several layers of one prompt, stack along the batch axis into one solve whose result for each equals
+    solving it alone up to float rounding; a bigger batch keeps more cores busy and dispatches fewer operations.
+    """
+
+    queries: torch.Tensor
+    target: torch.Tensor
+    kept_keys: torch.Tensor
+    kept_values: torch.Tensor
+    kept: torch.Tensor
+    fixed: torch.Tensor
+    query_positions: torch.Tensor | None
+    scale: float
+
+    @classmethod
+    def of(
+        cls,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kept: torch.Tensor,
+        fixed: torch.Tensor,
+        *,
+        query_positions: torch.Tensor | None = None,
+        scale: float | None = None,
+        full_outputs: torch.Tensor | None = None,
+    ) -> KeptRegression:
+        """Check the inputs of one cache and reduce it to its regression (arguments as ``grkv_merge`` takes them).
+
+        Raises
+        ------
+        ValueError
+            Naming the argument, for any malformed input.
+        """
+        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs)
+        scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
+        if query_positions is not None:
+            query_positions = query_positions.to(device=keys.device, dtype=torch.long)
+        if full_outputs is None:
+            target = full_cache_outputs(queries, keys, values, query_positions=query_positions, scale=scale)
+        else:
+            target = full_outputs.float()
+        kept = kept.long()
+        return cls(queries=queries, target=target, kept_keys=gather_rows(keys, kept),
+                   kept_values=gather_rows(values, kept), kept=kept, fixed=fixed, query_positions=query_positions,
+                   scale=scale)
+
+    @property
+    def batch(self) -> int:
+        return self.kept.shape[0]
+
+    def stacks_with(self, other: KeptRegression) -> bool:
+        """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale."""
+        same_positions = (self.query_positions is None and other.query_positions is None) or (
+            self.query_positions is not None and other.query_positions is not None
+            and torch.equal(self.query_positions, other.query_positions))
+        return (self.queries.shape[1:] == other.queries.shape[1:] and self.kept.shape[1:] == other.kept.shape[1:]
+                and self.kept_keys.dtype == other.kept_keys.dtype and self.queries.device == other.queries.device
+                and self.scale == other.scale and same_positions)
+
+    @classmethod
+    def stack(cls, regressions: list[KeptRegression]) -> KeptRegression:
+        """One regression holding ``regressions`` (which must stack, see ``stacks_with``) along the batch axis."""
+        first = regressions[0]
+        if len(regressions) == 1:
+            return first
+        if not all(first.stacks_with(other) for other in regressions[1:]):
+            raise ValueError("only regressions of the same shapes, query positions and scale stack")
+        joined = {name: torch.cat([getattr(regression, name) for regression in regressions])
+                  for name in ("queries", "target", "kept_keys", "kept_values", "kept", "fixed")}
+        return cls(**joined, query_positions=first.query_positions, scale=first.scale)
+
+
+def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs) -> None:
+    """Raise a ValueError naming the argument for any malformed tensor (never a torch error deep inside)."""
+    for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim != 4:
+            raise ValueError(f"{name} must have shape (B, H_kv, length, d), got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if values.shape != keys.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    batch, heads, length, head_dim = keys.shape
+    if queries.shape[:2] != (batch, heads) or queries.shape[3] != head_dim:
+        raise ValueError(
+            f"queries shape {tuple(queries.shape)} must be (B={batch}, H_kv={heads}, M, d={head_dim}) to match keys"
+        )
+    if queries.shape[2] == 0:
+        raise ValueError("queries must hold at least one query row (M >= 1)")
+    for name, tensor in (("kept", kept), ("fixed", fixed)):
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3 or tensor.shape[:2] != (batch, heads):
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must have shape (B={batch}, H_kv={heads}, c), got {shape}")
+    if kept.dtype.is_floating_point or kept.dtype == torch.bool or kept.is_complex():
+        raise ValueError(f"kept must be an integer (long) tensor, got {kept.dtype}")
+    if fixed.dtype != torch.bool:
+        raise ValueError(f"fixed must be a bool tensor, got {fixed.dtype}")
+    if fixed.shape != kept.shape:
+        raise ValueError(f"fixed shape {tuple(fixed.shape)} must equal kept shape {tuple(kept.shape)}")
+    budget = kept.shape[2]
+    if not 1 <= budget <= length:
+        raise ValueError(f"kept must select between 1 and n={length} positions per head, got c={budget}")
+    lowest, highest = (int(bound) for bound in torch.aminmax(kept))
+    if lowest < 0 or highest >= length:
+        raise ValueError(f"kept positions must lie in [0, {length}), got range [{lowest}, {highest}]")
+    # NOTE: distinct positions mark exactly c slots of a head's n; a repeat marks fewer.
+    marked = torch.zeros(batch, heads, length, dtype=torch.bool, device=kept.device).scatter_(-1, kept.long(), True)
+    if int(marked.sum()) != kept.numel():
+        raise ValueError("kept must not repeat a position within a (batch, head)")
+    if query_positions is not None:
+        if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (queries.shape[2],):
+            shape = tuple(query_positions.shape) if isinstance(query_positions, torch.Tensor) else query_positions
+            raise ValueError(f"query_positions must have shape (M={queries.shape[2]},), got {shape}")
+        if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
+            raise ValueError(f"query_positions must be an integer tensor, got {query_positions.dtype}")
+        if bool((query_positions < 0).any()):
+            raise ValueError("query_positions must be non-negative")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if full_outputs is not None:
+        if not isinstance(full_outputs, torch.Tensor) or full_outputs.shape != queries.shape:
+            shape = tuple(full_outputs.shape) if isinstance(full_outputs, torch.Tensor) else type(full_outputs).__name__
+            raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {shape}")
+        if not full_outputs.is_floating_point():
+            raise ValueError(f"full_outputs must be a floating-point tensor, got {full_outputs.dtype}")
+    tensors = [queries, keys, values, kept, fixed] + ([full_outputs] if full_outputs is not None else [])
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError("queries, keys, values, kept, fixed (and full_outputs) must be on one device, "
+                         f"got {sorted(map(str, devices))}")
