@@ -1,14 +1,16 @@
-"""Cost of grkv_merge relative to one decoder layer's prefill, measured side by side in one run.
+"""Cost of GRKV's merge relative to one decoder layer's prefill, measured side by side in one run.
 
     python benchmarks/solver_cost.py                       # SmolLM2-135M shapes, CPU, float32
     python benchmarks/solver_cost.py --preset llama-3.1-8b --device cuda --dtype bfloat16 --tokens 32768
 
 Prints the median wall time (calls interleaved) of (a) one LlamaDecoderLayer forward over the whole prompt
-(the prefill cost GRKV is added to), (b) grkv_merge for that layer's KV heads at the press's defaults as
-GRKVPress calls it, handing over the window's full-cache attention outputs that the layer's own forward
-computed (``full_outputs``), (c) grkv_merge standalone, computing them itself, (d) optionally the naive
-explicit-Jacobian implementation (grkv_core.solver.reference) on the same problem, and the ratios.
-Weights are random: the cost of either computation does not depend on their values.
+(the prefill cost GRKV is added to), (b) the merge per layer as GRKVPress runs it at its defaults: each of
+``--layers`` layers (``layers_per_solve``) reduced to its regression, handing over the window's full-cache
+attention outputs that the layer's own forward computed (``full_outputs``), all of them stacked and solved in
+one call, the total divided by ``--layers``, (c) grkv_merge on one layer standalone, computing those outputs
+itself, (d) optionally the naive explicit-Jacobian implementation (grkv_core.solver.reference) on that layer,
+and the ratios. Inputs are random (every layer its own): the cost of either computation does not depend on
+their values.
 
 CPU heap (``--heap``). The layer frees ~100 MB of activations per call. With glibc's default settings the
 allocator may hand that memory back to the kernel inside whichever call frees a chunk next, often the merge:
@@ -35,7 +37,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.solver import grkv_merge
+from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.reference import grkv_merge_reference
+from grkv_core.solver.regression import KeptRegression
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=32, help="surrogate query tokens m")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--cg-max-iter", type=int, default=GRKV_DEFAULTS["cg_max_iter"], help="GRKVPress's default")
+    parser.add_argument("--layers", type=int, default=GRKV_DEFAULTS["layers_per_solve"],
+                        help="layers solved together (layers_per_solve; GRKVPress's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7)
@@ -145,64 +151,75 @@ def main() -> None:
     groups = shape.num_attention_heads // kv_heads
     budget = int(args.tokens * args.keep)
     m = args.window
-    keys = torch.randn(1, kv_heads, args.tokens, head_dim, device=device, dtype=dtype)
+    layers = args.layers
+    # NOTE: one batch row per layer: row l holds layer l's cache, queries and fixed rows.
+    keys = torch.randn(layers, kv_heads, args.tokens, head_dim, device=device, dtype=dtype)
     values = torch.randn_like(keys)
-    queries = torch.randn(1, kv_heads, groups * m, head_dim, device=device, dtype=dtype)
+    queries = torch.randn(layers, kv_heads, groups * m, head_dim, device=device, dtype=dtype)
     # Kept set as the press builds it: sinks + the recent window + the rest spread over the context.
     recent = torch.arange(args.tokens - m, args.tokens, device=device)
     middle = torch.randperm(args.tokens - m - 4, device=device)[: budget - m - 4] + 4
-    kept = torch.cat([torch.arange(4, device=device), middle.sort().values, recent]).expand(1, kv_heads, budget)
+    kept = torch.cat([torch.arange(4, device=device), middle.sort().values, recent]).expand(layers, kv_heads, budget)
+    kept = kept.contiguous()
     fixed = (kept < 4) | (kept >= args.tokens - m)
     fixed = fixed | (torch.rand(fixed.shape, device=device) < 0.1)
     query_positions = recent.repeat(groups)
-    merge_args = dict(steps=args.steps, query_positions=query_positions, cg_max_iter=args.cg_max_iter)
+    solve_args = dict(steps=args.steps, cg_max_iter=args.cg_max_iter)
     # NOTE: in GRKVPress these come out of the layer's prefill forward (the input of o_proj), whose cost is
     # the denominator; here they are computed once, untimed, in the model's dtype.
     visible = torch.arange(args.tokens, device=device)[None, :] <= query_positions[:, None]
     window_outputs = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)
 
+    def stacked_regression():
+        return KeptRegression.stack([
+            KeptRegression.of(queries[row], keys[row], values[row], kept[row], fixed[row],
+                              query_positions=query_positions, full_outputs=window_outputs[row])
+            for row in (slice(layer, layer + 1) for layer in range(layers))])
+
     def merge_in_press():
-        grkv_merge(queries, keys, values, kept.contiguous(), fixed, full_outputs=window_outputs, **merge_args)
+        solve_regression(stacked_regression(), **solve_args)
 
     def merge_in_press_unguarded():
-        grkv_merge(queries, keys, values, kept.contiguous(), fixed, full_outputs=window_outputs, safeguard=False,
-                   **merge_args)
+        solve_regression(stacked_regression(), safeguard=False, **solve_args)
 
     def merge_standalone():
-        grkv_merge(queries, keys, values, kept.contiguous(), fixed, **merge_args)
+        grkv_merge(queries[:1], keys[:1], values[:1], kept[:1], fixed[:1], query_positions=query_positions,
+                   **solve_args)
 
-    layer_seconds, merge_seconds, unguarded_seconds, standalone_seconds = interleaved_median_seconds(
+    layer_seconds, group_seconds, unguarded_group_seconds, standalone_seconds = interleaved_median_seconds(
         [layer_prefill, merge_in_press, merge_in_press_unguarded, merge_standalone], args.repeats, device,
         before_each=before_each)
+    merge_seconds, unguarded_seconds = group_seconds / layers, unguarded_group_seconds / layers
     rows = [
         ("decoder layer prefill", layer_seconds, 1.0),
-        ("grkv_merge as GRKVPress calls it", merge_seconds, merge_seconds / layer_seconds),
+        ("merge per layer as GRKVPress runs it", merge_seconds, merge_seconds / layer_seconds),
         ("  same, safeguard=False", unguarded_seconds, unguarded_seconds / layer_seconds),
-        ("grkv_merge standalone", standalone_seconds, standalone_seconds / layer_seconds),
+        ("grkv_merge of one layer standalone", standalone_seconds, standalone_seconds / layer_seconds),
     ]
     # NOTE: the reference forms each head's (M·d) × (F·d) Jacobian in float32, F = its free rows.
-    jacobian_gib = groups * m * head_dim * int((~fixed).sum(dim=-1).max()) * head_dim * 4 / 2**30
+    jacobian_gib = groups * m * head_dim * int((~fixed[:1]).sum(dim=-1).max()) * head_dim * 4 / 2**30
     run_naive = args.naive and jacobian_gib <= args.naive_limit_gib
     if args.naive and not run_naive:
         print(f"naive reference skipped: one head's explicit Jacobian would take {jacobian_gib:.1f} GiB "
               f"(--naive-limit-gib {args.naive_limit_gib:g})")
     if run_naive:
-        naive_inputs = [t.float().cpu() for t in (queries, keys, values)]
+        naive_inputs = [t[:1].float().cpu() for t in (queries, keys, values)]
 
         def naive():
-            grkv_merge_reference(*naive_inputs, kept.cpu(), fixed.cpu(), dtype=torch.float32,
+            grkv_merge_reference(*naive_inputs, kept[:1].cpu(), fixed[:1].cpu(), dtype=torch.float32,
                                  steps=args.steps, query_positions=query_positions.cpu(), safeguard=False)
 
         (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"), warmup=1)
         rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
 
     print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
-          f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} device={device} dtype={args.dtype} "
+          f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} layers_per_solve={layers} "
+          f"device={device} dtype={args.dtype} "
           f"threads={torch.get_num_threads()} heap={args.heap if device.type == 'cpu' else 'n/a'}")
     print(f"{'what':36s} {'median ms':>10s} {'/ layer prefill':>16s}")
     for name, seconds, ratio in rows:
         print(f"{name:36s} {seconds * 1e3:10.2f} {ratio:16.2%}")
-    print(f"the safeguard's share of the merge as GRKVPress calls it: "
+    print(f"the safeguard's share of the merge as GRKVPress runs it: "
           f"{(merge_seconds - unguarded_seconds) / merge_seconds:.1%} "
           f"({(merge_seconds - unguarded_seconds) * 1e3:.2f} ms, {args.cg_max_iter} CG iterations)")
     if run_naive:

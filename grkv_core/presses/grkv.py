@@ -226,8 +226,8 @@ class GRKVPress(GRKVOptions, MergingPress):
             # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
                                               scale=scale)
-        regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed, query_positions=surrogate.positions,
-                                       scale=scale, full_outputs=full_outputs)
+        regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
+                                       query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs)
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
             self._defer(regression, options)

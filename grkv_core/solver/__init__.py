@@ -9,7 +9,9 @@ with ridge penalties pulling both back towards the plain evicted cache:
 
 It alternates an exact value step (ridge regression in dual/Woodbury form, an M×M system per head) and a
 linearised key step (dual ridge problem solved by conjugate gradients with analytic, matrix-free
-Jacobian products). Everything is batched over batch and KV heads.
+Jacobian products). Everything is batched over batch and KV heads, and each head is solved on its own, so the
+regressions of several layers of one shape (``KeptRegression``) stack into one call (``solve_regression``), which
+keeps more cores busy and dispatches fewer operations than one call per layer (``GRKVPress.layers_per_solve``).
 
 Deviations from the paper, all options (``safeguard=False, ridge_scale="absolute"`` with the key step solved to
 convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
@@ -27,7 +29,10 @@ convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
 
 Modules
 -------
-- ``merge``: ``grkv_merge``, the public entry point (input checks, the alternating loop, non-finite heads).
+- ``merge``: ``grkv_merge``, the public entry point, and ``solve_regression``, the same on a reduced cache (the
+  alternating loop, non-finite heads).
+- ``regression``: ``KeptRegression``, a cache reduced to what the solver reads (kept rows, queries, target),
+  with the input checks, and how regressions of one shape stack.
 - ``problem``: the tensors one call shares between its steps, in the solver's row order (free rows first).
 - ``value_step``: the exact ridge refit of the values.
 - ``key_step``: the linearised key step, by conjugate gradients with matrix-free Jacobian products.
@@ -40,6 +45,7 @@ NOTE: this package imports torch and the light ``grkv_core.config`` only: no tra
 """
 
 from grkv_core.solver.attention import full_cache_outputs, masked_softmax
-from grkv_core.solver.merge import grkv_merge
+from grkv_core.solver.merge import grkv_merge, solve_regression
+from grkv_core.solver.regression import KeptRegression
 
-__all__ = ["full_cache_outputs", "grkv_merge", "masked_softmax"]
+__all__ = ["KeptRegression", "full_cache_outputs", "grkv_merge", "masked_softmax", "solve_regression"]
