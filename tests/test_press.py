@@ -360,6 +360,17 @@ def test_layers_merged_together_equal_layers_merged_alone(five_layer_llama, budg
     assert not torch.equal(together.layers[0].keys.sort(dim=2).values, evicted.layers[0].keys.sort(dim=2).values)
 
 
+def test_layers_wait_only_in_caches_that_store_the_rows_they_are_given():
+    # A layer's merge may finish later, in place, only where kvpress stores compress's tensors themselves: not
+    # in an offloading cache, which moves them (nor in a quantized one, which re-encodes them).
+    from grkv_core.presses.grkv import _keeps_returned_rows
+
+    plain = DynamicCache()
+    plain.update(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 0)
+    assert _keeps_returned_rows(plain, 0)
+    assert not _keeps_returned_rows(DynamicCache(offloading=True), 0)
+
+
 def test_inside_composed_press_each_layer_is_merged_at_once(five_layer_llama, monkeypatch):
     # ComposedPress runs the next press's hook on the merger's result, which a later in-place merge would miss.
     from kvpress import ComposedPress
