@@ -80,8 +80,8 @@ class GRKVPress(GRKVOptions, MergingPress):
         Within this press's own context manager, the merges of this many consecutive layers (of one shape) are
         solved together, in one batched call when the last of them is compressed; the earlier layers' caches are
         merged in place then. Results equal merging each layer alone up to float rounding; on SmolLM2 on 2 CPU
-        cores 6 layers cut the merge's prefill overhead by a third (benchmarks/RESULTS.md §6). 1 merges every layer
-        at once.
+        cores 6 layers cut the merge's prefill overhead by about 30% (benchmarks/RESULTS.md §6). 1 merges every
+        layer at once.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing

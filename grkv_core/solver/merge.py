@@ -87,7 +87,6 @@ def grkv_merge(
         or full-cache attention outputs (a NaN or +inf anywhere in the cache reaches those) are not finite
         get the plain evicted cache back, with a warning.
     """
-    _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale)
     regression = KeptRegression.of(queries, keys, values, kept, fixed, query_positions=query_positions, scale=scale,
                                    full_outputs=full_outputs)
     return solve_regression(regression, lambda_k=lambda_k, lambda_v=lambda_v, steps=steps, components=components,
