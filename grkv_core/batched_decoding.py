@@ -50,26 +50,42 @@ def answer_batch(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    answers: list[Answer | None] = [None] * len(caches)
+    for rows in cache_batches(caches, max_rows):
+        for index, answer in zip(rows, _answer_rows(model, [caches[i] for i in rows], rows, question_ids,
+                                                     context_length, max_new_tokens, stop_token_ids,
+                                                     on_decode_step)):
+            answers[index] = answer
+    return answers
+
+
+def cache_batches(caches: list[PressedCache], max_rows: int | None = None) -> list[list[int]]:
+    """The caches' indices in batches that can run as one: equal per-layer lengths, masked or not alike, at most
+    ``max_rows`` each."""
     # NOTE: masked caches never share a batch with unmasked ones: kvpress's attention patch builds fake keys from
     # the queries of every row of a batch once any row is masked, and may find none for a row that needs none.
     groups: dict[tuple, list[int]] = {}
     for index, cache in enumerate(caches):
         masked = any(state.get("masked_key_indices") is not None for state in cache.module_state)
         groups.setdefault((cache.lengths(), masked), []).append(index)
-    answers: list[Answer | None] = [None] * len(caches)
+    batches = []
     for members in groups.values():
         step = max_rows or len(members)
-        for start in range(0, len(members), step):
-            rows = members[start:start + step]
-            for index, answer in zip(rows, _answer_rows(model, [caches[i] for i in rows], rows, question_ids,
-                                                         context_length, max_new_tokens, stop_token_ids,
-                                                         on_decode_step)):
-                answers[index] = answer
-    return answers
+        batches += [members[start:start + step] for start in range(0, len(members), step)]
+    return batches
+
+
+def stacked_cache(caches: list[PressedCache]) -> DynamicCache:
+    """One cache whose batch rows are ``caches`` (of equal per-layer lengths), in order."""
+    return DynamicCache(ddp_cache_data=[
+        (torch.cat([cache.cache.layers[layer].keys for cache in caches]),
+         torch.cat([cache.cache.layers[layer].values for cache in caches]))
+        for layer in range(len(caches[0].cache.layers))
+    ])
 
 
 @contextmanager
-def _module_state_of(model: PreTrainedModel, caches: list[PressedCache]):
+def module_state_of(model: PreTrainedModel, caches: list[PressedCache]):
     """Put the rows' module state on the attention modules (masked entries offset to each row), then clear it."""
     attentions = attention_modules(model)
     try:
@@ -92,14 +108,10 @@ def _answer_rows(model, caches, indices, question_ids, context_length, max_new_t
                  on_decode_step) -> list[Answer]:
     device = model.device
     rows = len(caches)
-    stacked = DynamicCache(ddp_cache_data=[
-        (torch.cat([cache.cache.layers[layer].keys for cache in caches]),
-         torch.cat([cache.cache.layers[layer].values for cache in caches]))
-        for layer in range(len(caches[0].cache.layers))
-    ])
+    stacked = stacked_cache(caches)
     generated: list[list[int]] = [[] for _ in range(rows)]
     active = [True] * rows
-    with _module_state_of(model, caches), torch.inference_mode():
+    with module_state_of(model, caches), torch.inference_mode():
         start = time.perf_counter()
         next_tokens = append_question(model, stacked, question_ids.expand(rows, -1), context_length).argmax(-1).tolist()
         question_seconds = time.perf_counter() - start

@@ -29,15 +29,30 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
 # The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluate.summarize``).
 COST_METRICS = ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes", "full_kv_bytes", "peak_memory_bytes",
-                "window_loss", "heldout_loss", "question_loss", "wall_s", "context_tokens")
+                "window_loss", "heldout_loss", "question_loss", "answer_nll", "answer_kl", "answer_top1", "wall_s",
+                "context_tokens")
 # The reconstruction discrepancies: on the surrogate window, on the first generated tokens' queries (needs
 # decoding), and on the question's own queries teacher-forced on its reference answer (needs no decoding).
 LOSS_METRICS = ("window_loss", "heldout_loss", "question_loss")
-# The losses a screening stage can rank configurations by without generating anything.
-SCREENING_METRICS = ("question_loss", "window_loss")
-# What a sweep may optimise: the mean score over tasks (0-100) or a cost.
-OBJECTIVE_METRICS = ("mean_score", "ttft_s", "window_loss", "heldout_loss", "question_loss", "kv_bytes",
-                     "decode_ms_per_token")
+# The answer-aligned metrics (``grkv_core.answer_metrics``), no generation needed: the question and its reference
+# answer teacher-forced on each cache against the full cache. The reference answer's mean token NLL (nats), the
+# mean KL(full || compressed) over its positions (nats), and the fraction of its positions whose top-1 token
+# agrees with the full cache's.
+ANSWER_METRICS = ("answer_nll", "answer_kl", "answer_top1")
+# Whether a larger value of a metric is better (every metric not named here: smaller is better).
+HIGHER_IS_BETTER = frozenset({"mean_score", "answer_top1"})
+# The metrics a screening stage can rank configurations by without generating anything (all: smaller is better).
+SCREENING_METRICS = ("answer_kl", "answer_nll", "question_loss", "window_loss")
+# What a sweep may optimise: the mean score over tasks (0-100), an answer metric, or a cost.
+OBJECTIVE_METRICS = ("mean_score", *ANSWER_METRICS, "ttft_s", "window_loss", "heldout_loss", "question_loss",
+                     "kv_bytes", "decode_ms_per_token")
+# The evaluation protocols (kvpress's): the context compressed alone, then the question appended to the
+# compressed cache (kvpress's pipeline), or the question compressed together with the context (kvpress's
+# evaluation ``query_aware``: context + question is the prefill, only the chat template's tail and the answer
+# prefix follow), so the press's observation window and GRKV's surrogate queries are the question's.
+QUESTION_AGNOSTIC = "question_agnostic"
+QUERY_AWARE = "query_aware"
+PROTOCOLS = (QUESTION_AGNOSTIC, QUERY_AWARE)
 
 # The service's MLflow tags, which double as Optuna user attributes where both record the same fact.
 SWEEP_TAG = "grkv.sweep_id"
@@ -280,6 +295,7 @@ class EvalConfig:
 
     ``loss_window`` is the number of last prompt positions whose queries measure the window discrepancy,
     and ``heldout_tokens`` the number of first generated tokens whose queries measure the held-out one.
+    ``protocol`` is one of ``PROTOCOLS``; files written before it existed were question-agnostic.
     NOTE: ``loss_window`` is the probe's, not the press's surrogate window (GRKV's ``window_size``, m): it
     stays fixed while a sweep searches m, so every trial's window loss is measured on the same queries.
     """
@@ -297,6 +313,11 @@ class EvalConfig:
     data_dir: str | None = None
     loss_window: int = PAPER_WINDOW
     heldout_tokens: int = 8
+    protocol: str = QUESTION_AGNOSTIC
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,13 +26,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from transformers import DynamicCache
+
+from grkv_core.answer_metrics import (
+    AnswerMetrics,
+    answer_log_probs,
+    answer_metrics_batch,
+    compare_to_reference,
+    reference_ids,
+)
 from grkv_core.batched_decoding import answer_batch
-from grkv_core.config import COST_METRICS, PAPER_WINDOW, EvalConfig, PressConfig
+from grkv_core.config import COST_METRICS, PAPER_WINDOW, PROTOCOLS, QUESTION_AGNOSTIC, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.diagnostics.probe import ReconstructionProbe
-from grkv_core.generation import stop_token_ids, tokenize_sample
+from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
 from grkv_core.models import LoadedModel, load_model
-from grkv_core.registry import NOT_EAGER, required_attention
+from grkv_core.registry import NOT_EAGER, protected_window, required_attention
 from grkv_core.shared_prefill import prefill_shared
 
 RESULT_SCHEMA_VERSION = 1
@@ -60,6 +69,13 @@ class SampleResult:
     wall_s: float
     question_loss: float | None = None
     batch_trials: int = 1
+    answer_nll: float | None = None
+    answer_kl: float | None = None
+    answer_top1: float | None = None
+    # Where the first reference sits in the prefill (position / prefill length; None where the context does not
+    # hold it), and whether it lies in the last positions the press always keeps (its observation window).
+    answer_depth: float | None = None
+    answer_in_window: bool | None = None
 
 
 class Evaluator:
@@ -74,16 +90,23 @@ class Evaluator:
         every press, whatever surrogate window the press itself uses).
     heldout_tokens : int
         Number of first generated tokens whose queries form the held-out set (0 disables it).
+    protocol : str
+        One of ``grkv_core.config.PROTOCOLS``: what the prefill holds (``grkv_core.generation.render_sample``).
     """
 
-    def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8):
+    def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8,
+                 protocol: str = QUESTION_AGNOSTIC):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.loaded = loaded
         self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens
+        self.protocol = protocol
         self.stop_ids = stop_token_ids(loaded)
 
     def evaluate_trials(self, sample: EvalSample, press_configs: list[PressConfig], decode: bool = True,
-                        measure_reconstruction: bool = True, max_decode_rows: int | None = None) -> list[SampleResult]:
+                        measure_reconstruction: bool = True, max_decode_rows: int | None = None,
+                        measure_answer: bool = True) -> list[SampleResult]:
         """Evaluate several press configurations on one sample; one result per configuration, in order.
 
         One prefill serves every configuration (``grkv_core.shared_prefill``) and caches of equal lengths answer
@@ -97,7 +120,9 @@ class Evaluator:
             False screens without generating: predictions and scores are empty, ``score`` and ``heldout_loss`` are
             None; the window and question losses (and the memory) are measured all the same.
         max_decode_rows : int, optional
-            At most this many caches decoded as one batch (memory).
+            At most this many caches decoded (and teacher-forced) as one batch (memory).
+        measure_answer : bool
+            False leaves the answer metrics (``grkv_core.answer_metrics``) None.
         """
         for press_config in press_configs:
             self._check_attention(press_config)
@@ -106,16 +131,17 @@ class Evaluator:
         on_cuda = model.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(model.device)
-        context_ids, questions_ids = tokenize_sample(tokenizer, sample)
+        context_ids, questions_ids = tokenize_sample(tokenizer, sample, self.protocol)
         context_length = context_ids.shape[1]
         presses = [press_config.build() for press_config in press_configs]
         probe = ReconstructionProbe(model, self.loss_window, self.heldout_tokens if decode else 0)
         with probe.watching_prefill() if measure_reconstruction else contextlib.nullcontext():
             shared = prefill_shared(model, context_ids, presses)
-        if measure_reconstruction:
-            for index, question_ids in enumerate(questions_ids):
-                probe.teacher_force_question(shared.full, question_ids, self._reference_ids(sample, index),
-                                             context_length)
+        answer_metrics = self._teacher_force(sample, shared, presses, questions_ids, context_length,
+                                             probe if measure_reconstruction else None, measure_answer,
+                                             max_decode_rows)
+        position = answer_position(tokenizer, sample, self.protocol)
+        depth = None if position is None else position / context_length
         predictions = [[] for _ in presses]
         scores = [[] for _ in presses]
         ttft = [cache.prefill_s for cache in shared.pressed]
@@ -147,14 +173,45 @@ class Evaluator:
                               question_loss=0.0)
             elif measure_reconstruction:
                 losses = probe.losses(trial, shared.full, cache)
+            window = protected_window(press)
             results.append(SampleResult(
                 sample_id=sample.sample_id, task=sample.task, predictions=predictions[trial], scores=scores[trial],
                 score=statistics.fmean(scores[trial]) if decode else None, context_tokens=int(context_length),
                 ttft_s=ttft[trial], prefill_s=cache.prefill_s,
-                decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1), generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
+                decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1),
+                generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
                 peak_memory_bytes=int(peak), wall_s=wall_s, batch_trials=len(presses), **losses,
+                **answer_metrics[trial], answer_depth=depth,
+                answer_in_window=None if position is None else position >= context_length - window,
             ))
         return results
+
+    def _teacher_force(self, sample: EvalSample, shared, presses: list, questions_ids: list[torch.Tensor],
+                       context_length: int, probe: ReconstructionProbe | None, measure_answer: bool,
+                       max_rows: int | None) -> list[dict[str, float]]:
+        """Each question and its reference answer teacher-forced on the full cache (seen by ``probe``, if any) and,
+        with ``measure_answer``, on every compressed cache; per press, its answer metrics averaged over the
+        questions ({} when not measured)."""
+        per_press: list[list[AnswerMetrics]] = [[] for _ in presses]
+        if probe is None and not measure_answer:
+            return [{} for _ in presses]
+        model = self.loaded.model
+        compressed = [trial for trial, press in enumerate(presses) if press is not None]
+        for index, question_ids in enumerate(questions_ids):
+            answer_ids = reference_ids(self.loaded.tokenizer, sample, index)
+            with probe.watching_question() if probe is not None else contextlib.nullcontext():
+                reference = answer_log_probs(model, DynamicCache(ddp_cache_data=shared.full), question_ids,
+                                             answer_ids, context_length)[0]
+            if not measure_answer:
+                continue
+            found = dict(zip(compressed, answer_metrics_batch(
+                model, [shared.pressed[trial] for trial in compressed], reference, question_ids, answer_ids,
+                context_length, max_rows=max_rows)))
+            # NOTE: the full cache is its own reference (KL exactly 0, every top-1 agreeing).
+            itself = compare_to_reference(reference, reference[None], answer_ids)[0]
+            for trial, metrics in enumerate(per_press):
+                metrics.append(found.get(trial, itself))
+        return [AnswerMetrics.mean(metrics) if metrics else {} for metrics in per_press]
 
     def evaluate_sample(self, sample: EvalSample, press_config: PressConfig,
                         measure_reconstruction: bool = True) -> SampleResult:
@@ -169,37 +226,59 @@ class Evaluator:
         if press_config.press in NOT_EAGER and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
 
-    def _reference_ids(self, sample: EvalSample, index: int) -> torch.Tensor:
-        """(1, a) the first reference answer of question ``index``, as the model would continue the answer prefix."""
-        reference = sample.references[index][0] if sample.references[index] else ""
-        separator = "" if sample.answer_prefix.endswith((" ", "\n")) or not sample.answer_prefix else " "
-        ids = self.loaded.tokenizer.encode(separator + reference, add_special_tokens=False)[:sample.max_new_tokens]
-        return torch.tensor([ids or [self.loaded.tokenizer.eos_token_id or 0]])
-
 
 def _process_peak_rss() -> int:
     # NOTE: on CPU there is no per-sample allocator peak; this is the process's high-water mark (Linux: KiB).
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def summarize(results: list[SampleResult]) -> dict:
-    """Per-task mean scores (in %), their mean over tasks, and the mean of every cost and loss."""
-    if not results:
-        return {"tasks": {}, "mean_score": None, "samples": 0}
+# Needle depths (``SampleResult.answer_depth``) are reported in these bins, each closed on the left (the last on
+# both sides).
+DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def _task_mean(results: list[SampleResult]) -> tuple[dict[str, float], float | None]:
+    """Per-task mean scores (in %) of the scored results, and their mean over tasks (None if none is scored)."""
     by_task: dict[str, list[SampleResult]] = {}
     for result in results:
         if result.score is not None:  # NOTE: screening results are unscored; their losses still count
             by_task.setdefault(result.task, []).append(result)
     task_scores = {task: 100 * statistics.fmean(r.score for r in rows) for task, rows in sorted(by_task.items())}
+    return task_scores, statistics.fmean(task_scores.values()) if task_scores else None
+
+
+def depth_bin(depth: float) -> str:
+    """The label of the ``DEPTH_BINS`` bin holding ``depth``, e.g. ``"0.2-0.4"``."""
+    for low, high in zip(DEPTH_BINS, DEPTH_BINS[1:]):
+        if depth < high or high == DEPTH_BINS[-1]:
+            return f"{low:.1f}-{high:.1f}"
+    raise AssertionError("unreachable")
+
+
+def summarize(results: list[SampleResult]) -> dict:
+    """Per-task mean scores (in %), their mean over tasks, the mean of every cost, loss and answer metric, and
+    what the score measures: the mean score of the samples whose answer lies outside the press's always-kept
+    window (``mean_score_outside_window``; those inside score at any budget) and the mean score per needle depth
+    (``depth_scores``: bin -> {"score", "samples"})."""
+    if not results:
+        return {"tasks": {}, "mean_score": None, "samples": 0}
+    task_scores, mean_score = _task_mean(results)
 
     def mean_of(name):
         values = [getattr(r, name) for r in results if getattr(r, name) is not None]
         return statistics.fmean(values) if values else None
 
     costs = {name: mean_of(name) for name in COST_METRICS}
-    mean_score = statistics.fmean(task_scores.values()) if task_scores else None
-    return {"tasks": task_scores, "mean_score": mean_score, "samples": len(results),
-            "costs": costs}
+    outside = [r for r in results if not r.answer_in_window]
+    depths: dict[str, list[float]] = {}
+    for result in results:
+        if result.score is not None and result.answer_depth is not None:
+            depths.setdefault(depth_bin(result.answer_depth), []).append(result.score)
+    return {"tasks": task_scores, "mean_score": mean_score, "samples": len(results), "costs": costs,
+            "mean_score_outside_window": _task_mean(outside)[1],
+            "window_samples": sum(1 for r in results if r.answer_in_window),
+            "depth_scores": {label: {"score": 100 * statistics.fmean(scores), "samples": len(scores)}
+                             for label, scores in sorted(depths.items())}}
 
 
 def library_versions() -> dict[str, str]:
@@ -291,7 +370,8 @@ class EvaluationSetup:
         samples = load_dataset_samples(config.dataset, tasks=config.tasks, context_length=config.context_length,
                                        samples_per_task=config.samples, seed=config.seed, data_dir=config.data_dir,
                                        tokenizer=loaded.tokenizer)
-        evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens)
+        evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens,
+                              protocol=config.protocol)
         return cls(loaded, samples, evaluator)
 
     @property

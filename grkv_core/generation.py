@@ -1,8 +1,9 @@
-"""The kvpress evaluation protocol as plain functions: compress the context alone, then answer questions.
+"""The kvpress evaluation protocols as plain functions: compress the prefill, then answer questions.
 
-The context is prefilled under the press (compression happens in its forward hooks); each question is
-appended to the compressed cache with positions continuing from the *original* context length, answered
-greedily, and the cache is cropped back so the next question sees the same compressed context.
+The prefill (the context, or under the query-aware protocol the context and its question) runs under the press
+(compression happens in its forward hooks); each question is appended to the compressed cache with positions
+continuing from the *original* prefill length, answered greedily, and the cache is cropped back so the next
+question sees the same compressed context.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from grkv_core.config import PROTOCOLS, QUERY_AWARE, QUESTION_AGNOSTIC
 from grkv_core.datasets.schema import EvalSample
 
 
@@ -50,23 +52,37 @@ def crop_cache(cache: DynamicCache, lengths: list[int]) -> None:
         layer.values = layer.values[:, :, :length]
 
 
-def append_question(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
-                    context_length: int) -> torch.Tensor:
-    """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) last logits.
+def run_tokens(model: PreTrainedModel, cache: DynamicCache, token_ids: torch.Tensor, context_length: int,
+               logits_to_keep: int = 1, one_at_a_time: bool = False) -> torch.Tensor:
+    """Run ``token_ids`` (B, t) on ``cache`` at positions continuing from ``context_length``; (B, k, vocab) logits
+    of the last ``k = logits_to_keep`` tokens. The cache grows by the t tokens.
 
     NOTE: transformers builds one causal mask for all layers from the first layer's cache length, which fails when
-    layers keep different numbers of tokens (PyramidKV's budgets). Such a cache takes the question one token at a
-    time: a single query needs no mask, and attending token by token is causal by construction.
+    layers keep different numbers of tokens (PyramidKV's budgets). Such a cache takes the tokens one at a time (as
+    does any with ``one_at_a_time``): a single query needs no mask, and attending token by token is causal by
+    construction.
     """
     device = model.device
-    question_ids = question_ids.to(device)
-    rows, length = question_ids.shape
-    chunks = [slice(0, length)] if len(set(cache_lengths(cache))) == 1 else [slice(i, i + 1) for i in range(length)]
+    token_ids = token_ids.to(device)
+    rows, length = token_ids.shape
+    if not 1 <= logits_to_keep <= length:
+        raise ValueError(f"logits_to_keep must be in [1, {length}], got {logits_to_keep}")
+    if len(set(cache_lengths(cache))) == 1 and not one_at_a_time:
+        chunks, keep = [slice(0, length)], logits_to_keep
+    else:
+        chunks, keep = [slice(i, i + 1) for i in range(length)], 1
+    kept = []
     for chunk in chunks:
         positions = torch.arange(context_length + chunk.start, context_length + chunk.stop, device=device)
-        logits = model(input_ids=question_ids[:, chunk], past_key_values=cache,
-                       position_ids=positions[None].expand(rows, -1), logits_to_keep=1).logits
-    return logits[:, -1]
+        kept.append(model(input_ids=token_ids[:, chunk], past_key_values=cache,
+                          position_ids=positions[None].expand(rows, -1), logits_to_keep=keep).logits)
+    return torch.cat(kept, dim=1)[:, -logits_to_keep:]
+
+
+def append_question(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) last logits."""
+    return run_tokens(model, cache, question_ids, context_length)[:, -1]
 
 
 def answer_question(
@@ -117,21 +133,58 @@ def answer_question(
                   decode_steps=steps)
 
 
-def tokenize_sample(tokenizer, sample: EvalSample) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Context and question token ids as kvpress's pipeline builds them (chat template split at the context).
+def render_sample(tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOSTIC) -> tuple[str, list[str]]:
+    """The prefill's text and each question's text as kvpress builds them (chat template split at the context).
 
-    Returns (1, n) context ids and one (1, q) tensor per question (question + template tail + answer prefix).
+    Question-agnostic (kvpress's pipeline): the context is the prefill, each question follows with the template's
+    tail and the answer prefix. Query-aware (kvpress's evaluation ``query_aware``): the question is appended to the
+    context and compressed with it; only the template's tail and the answer prefix follow.
+
+    Raises
+    ------
+    ValueError
+        For an unknown protocol, or a query-aware sample with several questions (each question would need its
+        own prefill; kvpress's evaluation has one question per row).
     """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    context, questions = sample.context, list(sample.questions)
+    if protocol == QUERY_AWARE:
+        if len(questions) != 1:
+            raise ValueError(f"sample {sample.sample_id!r}: the query-aware protocol compresses one question with "
+                             f"its context, this sample has {len(questions)}; split it into one sample per question")
+        context, questions = context + questions[0], [""]
     if tokenizer.chat_template is None:
-        context = (tokenizer.bos_token or "") + sample.context
-        suffix = "\n"
+        context, suffix = (tokenizer.bos_token or "") + context, "\n"
     else:
-        separator = "#" * (len(sample.context) + 10)
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + separator}],
+        separator = "#" * (len(context) + 10)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
                                                  add_generation_prompt=True, tokenize=False)
         context, suffix = rendered.split(separator)
+    return context, [question + suffix + sample.answer_prefix for question in questions]
+
+
+def tokenize_sample(tokenizer, sample: EvalSample,
+                    protocol: str = QUESTION_AGNOSTIC) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Context and question token ids under ``protocol`` (``render_sample``).
+
+    Returns (1, n) prefill ids and one (1, q) tensor per question (question + template tail + answer prefix; under
+    the query-aware protocol the template tail and answer prefix alone).
+    """
+    context, questions = render_sample(tokenizer, sample, protocol)
     encode = lambda text: torch.tensor([tokenizer.encode(text, add_special_tokens=False)])  # noqa: E731
-    return encode(context), [encode(question + suffix + sample.answer_prefix) for question in sample.questions]
+    return encode(context), [encode(question) for question in questions]
+
+
+def answer_position(tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOSTIC) -> int | None:
+    """The prefill position of the first token of the sample's first reference answer where the context holds it
+    (a RULER needle), else None: how far from the prefill's end the answer sits."""
+    context, _ = render_sample(tokenizer, sample, protocol)
+    reference = sample.references[0][0] if sample.references[0] else ""
+    offset = context.find(reference) if reference.strip() else -1
+    if offset < 0:
+        return None
+    return len(tokenizer.encode(context[:offset], add_special_tokens=False))
 
 
 def stop_token_ids(loaded) -> set[int]:

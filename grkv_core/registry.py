@@ -61,9 +61,24 @@ MERGERS: dict[str, type[BasePress] | None] = {
 }
 
 
+# NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
+MERGING_TYPES = tuple(merger for merger in MERGERS.values() if merger is not None)
+
+
 def required_attention(press_name: str) -> str | None:
     """The attention implementation a press needs ("eager"), or None when sdpa/flash work."""
     return "eager" if press_name in EAGER_ONLY else None
+
+
+def protected_window(press: BasePress | None) -> int:
+    """How many last prefill positions ``press`` always keeps: the observation window of the eviction press it is
+    or wraps (SnapKV's 32 here), 0 for a press without one and for the full cache (which keeps everything)."""
+    while press is not None:
+        window = getattr(press, "window_size", None)
+        if isinstance(window, int) and not isinstance(press, MERGING_TYPES):
+            return window
+        press = getattr(press, "press", None)
+    return 0
 
 
 def build_press(

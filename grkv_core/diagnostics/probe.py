@@ -15,8 +15,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers import DynamicCache
-
 from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.queries import surrogate_queries
 from grkv_core.shared_prefill import PressedCache, attention_modules
@@ -89,14 +87,10 @@ class ReconstructionProbe:
             if len(captured) < self.heldout_tokens:
                 captured.append(queries[row:row + 1])
 
-    def teacher_force_question(self, full: list[tuple[torch.Tensor, torch.Tensor]], question_ids: torch.Tensor,
-                               answer_ids: torch.Tensor, context_length: int) -> None:
-        """Run the question and its reference answer (1, q + a) on the full cache, keeping every position's queries."""
-        tokens = torch.cat([question_ids, answer_ids], dim=1).to(self.model.device)
-        positions = torch.arange(context_length, context_length + tokens.shape[1], device=self.model.device)[None]
-        cache = DynamicCache(ddp_cache_data=full)
-        with self._hooks(self._keep_question_queries), torch.inference_mode():
-            self.model.model(input_ids=tokens, past_key_values=cache, position_ids=positions)
+    def watching_question(self):
+        """Context for the question and its reference answer teacher-forced on the full cache (once per question):
+        keeps every position's queries."""
+        return self._hooks(self._keep_question_queries)
 
     def _keep_question_queries(self, module, args, kwargs, output):
         hidden = kwargs["hidden_states"]
