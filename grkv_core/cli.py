@@ -22,6 +22,8 @@ from grkv_core.config import (
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
     MERGER_NAMES,
+    PROTOCOLS,
+    QUESTION_AGNOSTIC,
     PressConfig,
 )
 
@@ -56,6 +58,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default=None, choices=ATTN_IMPLEMENTATIONS)
     parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--data-dir", default=None, help="folder with PaulGrahamEssays.json, squad/hotpotqa JSON")
+    parser.add_argument("--protocol", default=None, choices=PROTOCOLS, help=(
+        "question_agnostic: the context is compressed alone, then the question follows (kvpress's pipeline); "
+        "query_aware: the question is compressed with the context (kvpress's evaluation query_aware) "
+        f"(default: a press file's, else {QUESTION_AGNOSTIC})"))
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -102,10 +108,12 @@ def parse_merge_variant(text: str) -> tuple[str, str, dict]:
     return name, merge, options
 
 
-def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None):
+def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None,
+            protocol: str | None = None):
     from grkv_core.config import EvalConfig
 
     return EvalConfig(
+        protocol=args.protocol or protocol or QUESTION_AGNOSTIC,
         model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
         context_length=args.context_length if args.dataset == "ruler" else None, samples=args.samples,
         seed=args.seed,
@@ -114,29 +122,31 @@ def _config(args, press: str, ratio: float, merge: str, merge_options: dict, var
     )
 
 
-def _eval_press(args) -> PressConfig:
-    """The press ``grkv eval`` evaluates: the press file's, or the one its flags describe (defaults filled in)."""
+def _eval_press(args) -> tuple[PressConfig, str | None]:
+    """The press ``grkv eval`` evaluates and the protocol it was tuned under: the press file's, or the one its flags
+    describe (defaults filled in; no protocol)."""
     flags = {"--press": args.press, "--compression-ratio": args.compression_ratio, "--merge": args.merge,
              **{"--" + name.replace("_", "-"): value for name, value in _merge_options(args).items()}}
     if args.press_config:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
             raise ValueError(f"--press-config sets the whole press; drop {' '.join(given)}")
-        from grkv_core.registry import load_press_config
+        from grkv_core.registry import load_press_file
 
-        return load_press_config(args.press_config)
+        return load_press_file(args.press_config)
     merge = args.merge or PRESS_DEFAULTS.merge
     return PressConfig(args.press or PRESS_DEFAULTS.press,
                        PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
-                       merge, _merge_options(args) if merge != "none" else {})
+                       merge, _merge_options(args) if merge != "none" else {}), None
 
 
 def cmd_eval(args) -> int:
     _quiet_model_loading()
     from grkv_core.evaluate import format_table, run_evaluation
 
-    press = _eval_press(args)
-    config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options)
+    press, protocol = _eval_press(args)
+    config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options,
+                     protocol=protocol)
     summary = run_evaluation(config, args.output, progress=not args.no_progress)
     print(format_table([summary]))
     if args.output:

@@ -21,7 +21,7 @@ from kvpress import (
     StreamingLLMPress,
 )
 
-from grkv_core.config import PAPER_WINDOW, PressConfig
+from grkv_core.config import PAPER_WINDOW, PROTOCOLS, PressConfig
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
@@ -124,13 +124,22 @@ def build_press(
 
 
 # NOTE: a press file holds a ``PressConfig``'s fields but its display label, so the file means exactly what
-# the configuration that wrote it means; ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
-PRESS_FILE_FIELDS = tuple(item.name for item in fields(PressConfig) if item.name != "variant")
+# the configuration that wrote it means, and optionally the protocol the press was chosen under
+# (``PROTOCOL_FIELD``); ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
+PROTOCOL_FIELD = "protocol"
+PRESS_FILE_FIELDS = (*(item.name for item in fields(PressConfig) if item.name != "variant"), PROTOCOL_FIELD)
 
 
 def load_press_config(path: str | Path) -> PressConfig:
     """The press configuration of a press file (YAML: ``press``, ``compression_ratio``, ``merge``,
-    ``merge_options``), validated; a ValueError (FileNotFoundError if absent) names the file and the problem."""
+    ``merge_options``, optionally ``protocol``), validated; a ValueError (FileNotFoundError if absent) names the file
+    and the problem."""
+    return load_press_file(path)[0]
+
+
+def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
+    """A press file's press configuration and the protocol it names (None if it names none); see
+    ``load_press_config``."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"press file not found: {path}")
@@ -145,8 +154,11 @@ def load_press_config(path: str | Path) -> PressConfig:
         raise ValueError(f"{path}: unknown field(s) {unknown}; a press file has {list(PRESS_FILE_FIELDS)}")
     if not isinstance(data.get("merge_options", {}), dict):
         raise ValueError(f"{path}: merge_options must be a mapping of option: value")
+    protocol = data.pop(PROTOCOL_FIELD, None)
+    if protocol is not None and protocol not in PROTOCOLS:
+        raise ValueError(f"{path}: protocol must be one of {PROTOCOLS}, got {protocol!r}")
     try:
-        return PressConfig(**data)
+        return PressConfig(**data), protocol
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None
 

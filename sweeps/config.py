@@ -15,8 +15,11 @@ from grkv_core.config import (
     DATASETS,
     DTYPES,
     EVICTION_PRESS_NAMES,
+    HIGHER_IS_BETTER,
     MERGER_NAMES,
     OBJECTIVE_METRICS,
+    PROTOCOLS,
+    QUESTION_AGNOSTIC,
     SCREENING_METRICS,
     SEARCHABLE_SPECS,
     OptionSpec,
@@ -88,6 +91,9 @@ class DataSection(_Strict):
     samples: int = Field(default=5, ge=1, description="tuning samples per task (screening and full trials)")
     seed: int = 0
     data_dir: str | None = None
+    protocol: Literal[PROTOCOLS] = Field(default=QUESTION_AGNOSTIC, description=(
+        "question_agnostic: the context compressed alone (kvpress's pipeline); query_aware: with its question "
+        "(kvpress's evaluation query_aware)"))
     # NOTE: loaded in one call with the tuning samples and split per task, so the two sets are disjoint.
     test: TestSamplesSection = TestSamplesSection()
 
@@ -113,8 +119,21 @@ class PressSection(_Strict):
 
 
 class Objective(_Strict):
+    """A metric to optimise; its direction follows from the metric (``HIGHER_IS_BETTER``) and may be left out."""
+
     metric: Literal[OBJECTIVE_METRICS]
     direction: Literal["maximize", "minimize"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _direction(cls, data):
+        if isinstance(data, dict) and data.get("metric") in OBJECTIVE_METRICS:
+            better = "maximize" if data["metric"] in HIGHER_IS_BETTER else "minimize"
+            given = data.setdefault("direction", better)
+            if given != better:
+                raise ValueError(f"{data['metric']} is better {'higher' if better == 'maximize' else 'lower'}: "
+                                 f"direction must be {better}, got {given!r}")
+        return data
 
 
 class SamplerSection(_Strict):

@@ -41,6 +41,7 @@ def eval_config_for(config: SweepConfig) -> EvalConfig:
         press=PressConfig(config.press.name, config.press.compression_ratio),
         dtype=config.model.dtype, attn_implementation=config.model.attn_implementation,
         device="cuda" if config.workers.num_gpus > 0 else "cpu", data_dir=config.data.data_dir,
+        protocol=config.data.protocol,
     )
 
 

@@ -16,8 +16,8 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE, PressConfig
-from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS
+from grkv_core.config import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, QUESTION_AGNOSTIC, TEST_STAGE, PressConfig
+from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 
 
@@ -99,9 +99,11 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
                   f"best trial of the main study: {objective.metric} {row[objective.metric]:.4g} on the tuning samples")
 
 
-def press_file_text(press: PressConfig, comments: list[str]) -> str:
-    """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``)."""
-    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS}
+def press_file_text(press: PressConfig, comments: list[str], protocol: str = QUESTION_AGNOSTIC) -> str:
+    """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``) and the protocol it
+    was chosen under."""
+    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS if name != PROTOCOL_FIELD}
+    body[PROTOCOL_FIELD] = protocol
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(body, sort_keys=False)
 
 
@@ -130,7 +132,7 @@ def export_press(client: MlflowClient, sweep_id: str, output: str | Path | None 
         f"exported: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
         f"use: press = grkv_core.registry.press_from_file(\"{path.name}\"); with press(model): ...",
         f"or:  grkv eval --press-config {path.name}",
-    ])
+    ], runs.protocol)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     artifact_uri = None

@@ -29,6 +29,7 @@ from grkv_core.config import (
     BASELINE_TAG,
     FULL_STAGE,
     PARENT_TAG,
+    QUESTION_AGNOSTIC,
     ROLE_TAG,
     SAMPLER_PREFIX,
     SCREEN_STAGE,
@@ -163,6 +164,11 @@ class SweepRuns:
                 value = _json_or_none(text) if attribute == "choices" else parse_param(text)
                 space.setdefault(name, {})[attribute] = value
         return space
+
+    @property
+    def protocol(self) -> str:
+        """The sweep's evaluation protocol (sweeps started before protocols existed were question-agnostic)."""
+        return self.parent_params.get("data.protocol", QUESTION_AGNOSTIC)
 
     @property
     def data_seed(self) -> str:
