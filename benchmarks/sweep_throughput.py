@@ -10,10 +10,14 @@ turn, so that the shared cores' noise falls on both alike:
   trial of a sweep cost before the engine; its predictions and losses equal the earlier code's bit for bit);
 - engine: ``Evaluator.evaluate_trials`` with all trials at once, one prefill and batched decoding.
 
-Both in full mode (decoding and scoring) and in screening mode (losses only, no decoding). The script checks
-that the per-sample results are identical: predictions, scores, memory, window and question losses exactly;
-the held-out loss within 1e-5 relative (its queries come from the decoding's hidden states, which a batched
-matmul may round differently in the last bit). It exits non-zero when a check fails.
+In three modes: full (decoding and scoring, every metric), screening (reconstruction losses and answer metrics, no
+decoding) and answer (the answer metrics alone: the question and reference answer teacher-forced on each cache). The
+script checks that the per-sample results are identical: predictions, scores, memory, window and question losses
+exactly; the held-out loss within 1e-5 relative (its queries come from the decoding's hidden states, which a batched
+matmul may round differently in the last bit), and the answer metrics within 1e-5 (absolute; top-1 exactly), since
+the engine teacher-forces caches of one budget as one batch. It prints the largest answer-metric difference, and the
+throughput of answer-metric trials on the engine against full scoring trials on either path. It exits non-zero when
+a check fails.
 """
 
 from __future__ import annotations
@@ -37,8 +41,13 @@ from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator
 from grkv_core.models import load_model
 
-EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens")
+EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens",
+                "answer_top1")
 HELDOUT_RTOL = 1e-5
+ANSWER_ATOL = 1e-5
+# mode -> Evaluator.evaluate_trials arguments
+MODES = {"full": dict(decode=True), "screening": dict(decode=False),
+         "answer": dict(decode=False, measure_reconstruction=False)}
 NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
 
@@ -61,8 +70,10 @@ def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConf
             *(PressConfig(press, ratio, "grkv", options) for options in variants)]
 
 
-def mismatches(engine, alone) -> list[str]:
-    found = []
+def mismatches(engine, alone) -> tuple[list[str], float]:
+    """The differences beyond tolerance between the engine's and the per-trial results, and the largest absolute
+    difference of an answer NLL or KL."""
+    found, largest = [], 0.0
     for ours, theirs in zip(engine, alone):
         ours, theirs = asdict(ours), asdict(theirs)
         found += [f"{ours['sample_id']}: {name} {ours[name]!r} != {theirs[name]!r}"
@@ -70,7 +81,13 @@ def mismatches(engine, alone) -> list[str]:
         a, b = ours["heldout_loss"], theirs["heldout_loss"]
         if (a is None) != (b is None) or (a is not None and not math.isclose(a, b, rel_tol=HELDOUT_RTOL, abs_tol=1e-12)):
             found.append(f"{ours['sample_id']}: heldout_loss {a!r} != {b!r}")
-    return found
+        for name in ("answer_nll", "answer_kl"):
+            a, b = ours[name], theirs[name]
+            if (a is None) != (b is None) or (a is not None and abs(a - b) > ANSWER_ATOL):
+                found.append(f"{ours['sample_id']}: {name} {a!r} != {b!r}")
+            elif a is not None:
+                largest = max(largest, abs(a - b))
+    return found, largest
 
 
 def main() -> int:
@@ -84,7 +101,7 @@ def main() -> int:
     parser.add_argument("--press", default="snapkv")
     parser.add_argument("--ratio", type=float, default=0.9, help="compression ratio of the trials (0.9: keep 10%%)")
     parser.add_argument("--wider-ratio", type=float, default=0.88, help="the press alone at a larger budget b' > b")
-    parser.add_argument("--modes", nargs="+", choices=("full", "screening"), default=["full", "screening"])
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
 
@@ -96,17 +113,18 @@ def main() -> int:
     trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[:args.trials]
     evaluator = Evaluator(loaded)
     seconds = {(mode, path): 0.0 for mode in args.modes for path in ("per_trial", "engine")}
-    problems = []
+    problems, largest = [], 0.0
     for sample in tqdm(samples, desc="samples", unit="sample"):
         for mode in args.modes:
-            decode = mode == "full"
             started = time.perf_counter()
-            alone = [evaluator.evaluate_trials(sample, [trial], decode=decode)[0] for trial in trials]
+            alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in trials]
             seconds[mode, "per_trial"] += time.perf_counter() - started
             started = time.perf_counter()
-            engine = evaluator.evaluate_trials(sample, trials, decode=decode)
+            engine = evaluator.evaluate_trials(sample, trials, **MODES[mode])
             seconds[mode, "engine"] += time.perf_counter() - started
-            problems += [f"{mode}: {problem}" for problem in mismatches(engine, alone)]
+            found, difference = mismatches(engine, alone)
+            problems += [f"{mode}: {problem}" for problem in found]
+            largest = max(largest, difference)
 
     figures = {"model": args.model, "device": str(loaded.model.device), "dtype": str(loaded.dtype),
                "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
@@ -121,8 +139,16 @@ def main() -> int:
         figures["modes"][mode] = {"per_trial_s": per_trial, "engine_s": engine, "trials_per_hour_per_trial": rates[0],
                                   "trials_per_hour_engine": rates[1], "ratio": per_trial / engine}
         print(f"{mode:10s} {per_trial:11.1f} {engine:9.1f} {rates[0]:19.0f} {rates[1]:16.0f} {per_trial / engine:5.1f}x")
+    if "answer" in args.modes and "full" in args.modes:
+        answer = seconds["answer", "engine"]
+        figures["answer_vs_full"] = {path: seconds["full", path] / answer for path in ("per_trial", "engine")}
+        print(f"answer-metric trials on the engine vs full scoring trials: "
+              f"{figures['answer_vs_full']['engine']:.1f}x the engine's, "
+              f"{figures['answer_vs_full']['per_trial']:.1f}x the per-trial path's throughput")
     figures["identical"] = not problems
-    print("per-sample results identical: " + ("yes" if not problems else f"NO ({len(problems)} differences)"))
+    figures["largest_answer_difference"] = largest
+    print("per-sample results identical: " + ("yes" if not problems else f"NO ({len(problems)} differences)")
+          + f" (answer NLL/KL: largest difference {largest:.2g})")
     for problem in problems[:20]:
         print("  " + problem)
     if args.output is not None:

