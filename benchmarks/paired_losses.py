@@ -1,11 +1,13 @@
-"""Per-sample paired comparison of `grkv compare` results: how often each method beats a reference.
+"""Per-sample paired comparison of `grkv compare` (or `grkv eval`) results against a reference method.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/paired_losses.py benchmarks/results/safeguard-ablation \
-        --reference snapkv-10pct+grv
+    PYTHONPATH=. .venv/bin/python benchmarks/paired_losses.py benchmarks/results/answer-regime/question_agnostic \
+        --reference snapkv-20pct
 
-For every result file in the folder (one method each), over the samples it shares with the reference: the
-mean score and losses, and for the window and held-out losses and the score, the number of samples where the
-method is better / worse than the reference, with a two-sided exact sign test p-value (ties dropped).
+For every result file in the folder (one method each), over the samples it shares with the reference, and for each
+metric (answer NLL, KL and top-1, the score, the window and held-out losses by default): the method's mean, the mean
+paired difference (method minus reference) with its 95% percentile bootstrap CI, the samples where the method is
+better / worse with a two-sided exact sign test p-value (ties dropped). A markdown table, one row per method and
+metric.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import argparse
 import json
 from math import comb
 from pathlib import Path
+
+from grkv_core.config import ANSWER_METRICS, HIGHER_IS_BETTER
+from tracking.reports.stats import paired_bootstrap_ci
+
+DEFAULT_METRICS = (*ANSWER_METRICS, "score", "window_loss", "heldout_loss")
 
 
 def sign_test(better: int, worse: int) -> float:
@@ -29,31 +36,40 @@ def by_sample(path: Path) -> dict[str, dict]:
     return {row["sample_id"]: row for row in json.loads(path.read_text())["samples"]}
 
 
+def paired_row(method: str, metric: str, rows: dict[str, dict], reference: dict[str, dict]) -> dict | None:
+    """One table row: ``metric`` of ``rows`` against ``reference`` on the samples where both measured it."""
+    pairs = [(rows[s][metric], reference[s][metric]) for s in reference
+             if s in rows and rows[s].get(metric) is not None and reference[s].get(metric) is not None]
+    if not pairs:
+        return None
+    differences = [a - b for a, b in pairs]
+    sign = 1 if metric in HIGHER_IS_BETTER else -1
+    better = sum(1 for d in differences if sign * d > 0)
+    worse = sum(1 for d in differences if sign * d < 0)
+    ci = paired_bootstrap_ci(differences)
+    return {"method": method, "metric": metric, "n": len(pairs), "mean": sum(a for a, _ in pairs) / len(pairs),
+            "difference": ci.estimate, "low": ci.low, "high": ci.high, "better": better, "worse": worse,
+            "p": sign_test(better, worse)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--reference", required=True, help="file stem of the reference method")
+    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
     args = parser.parse_args()
     reference = by_sample(args.folder / f"{args.reference}.json")
-    print(f"{'method':30s} {'n':>3s} {'score':>6s} {'window':>8s} {'held-out':>8s}   "
-          f"{'window +/-':>10s} {'p':>7s}   {'held-out +/-':>12s} {'p':>7s}   {'score +/-':>9s} {'p':>6s}")
+    print("| method | metric | n | mean | Δ vs reference [95% CI] | better / worse | p |")
+    print("|---|---|---|---|---|---|---|")
     for path in sorted(args.folder.glob("*.json")):
+        if path.stem == args.reference:
+            continue
         rows = by_sample(path)
-        shared = [sample_id for sample_id in reference if sample_id in rows]
-        cells = []
-        for metric, lower_is_better in (("window_loss", True), ("heldout_loss", True), ("score", False)):
-            pairs = [(rows[s][metric], reference[s][metric]) for s in shared
-                     if rows[s][metric] is not None and reference[s][metric] is not None]
-            better = sum((a < b) if lower_is_better else (a > b) for a, b in pairs)
-            worse = sum((a > b) if lower_is_better else (a < b) for a, b in pairs)
-            cells.append(f"{better:>4d}/{worse:<4d} {sign_test(better, worse):8.2g}")
-
-        def mean(metric):
-            values = [rows[s][metric] for s in shared if rows[s][metric] is not None]
-            return sum(values) / len(values) if values else float("nan")
-
-        print(f"{path.stem:30s} {len(shared):3d} {100 * mean('score'):6.1f} {mean('window_loss'):8.4f} "
-              f"{mean('heldout_loss'):8.4f}   {cells[0]}   {cells[1]:>20s}   {cells[2]}")
+        for metric in args.metrics:
+            row = paired_row(path.stem, metric, rows, reference)
+            if row is not None:
+                print(f"| {row['method']} | {metric} | {row['n']} | {row['mean']:.4g} | {row['difference']:+.4f} "
+                      f"[{row['low']:+.4f}, {row['high']:+.4f}] | {row['better']} / {row['worse']} | {row['p']:.2g} |")
 
 
 if __name__ == "__main__":

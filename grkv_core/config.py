@@ -39,8 +39,9 @@ LOSS_METRICS = ("window_loss", "heldout_loss", "question_loss")
 # mean KL(full || compressed) over its positions (nats), and the fraction of its positions whose top-1 token
 # agrees with the full cache's.
 ANSWER_METRICS = ("answer_nll", "answer_kl", "answer_top1")
-# Whether a larger value of a metric is better (every metric not named here: smaller is better).
-HIGHER_IS_BETTER = frozenset({"mean_score", "answer_top1"})
+# Whether a larger value of a metric is better (every metric not named here: smaller is better); a sample's
+# ``score`` and a summary's scores, per task (``score.<task>``) too.
+HIGHER_IS_BETTER = frozenset({"score", "mean_score", "mean_score_outside_window", "answer_top1"})
 # The metrics a screening stage can rank configurations by without generating anything (all: smaller is better).
 SCREENING_METRICS = ("answer_kl", "answer_nll", "question_loss", "window_loss")
 # What a sweep may optimise: the mean score over tasks (0-100), an answer metric, or a cost.
