@@ -31,6 +31,8 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
+from grkv_core.config import PROTOCOLS  # noqa: E402 - after the environment it must not override
+
 FINISHED, INVALID_CONFIG, SERVICE_LOST, SWEEP_BUSY, STOPPED = 0, 2, 3, 4, 5
 # NOTE: a driver run by `ray job submit` finds its job's metadata here; its resume is submitted the same way.
 RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", default=None, help="override storage.state_dir (journal + trial results)")
     parser.add_argument("--storage-url", default=os.environ.get("GRKV_OPTUNA_STORAGE"),
                         help="override storage.url, the Optuna RDB (default: $GRKV_OPTUNA_STORAGE)")
+    parser.add_argument("--protocol", default=None, choices=PROTOCOLS, help="override data.protocol")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config.model_copy(update={"storage": config.storage.model_copy(update={"url": args.storage_url})})
     if args.state_dir:
         config = config.model_copy(update={"storage": config.storage.model_copy(update={"state_dir": args.state_dir})})
+    if args.protocol:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"protocol": args.protocol})})
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     from sweeps.driver import SweepDriver, SweepStopped

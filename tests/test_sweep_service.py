@@ -31,6 +31,7 @@ from grkv_core.config import (
     PAPER_DEFAULT,
     PRESS_ARTIFACT,
     PROMOTED_FROM_TAG,
+    QUERY_AWARE,
     RECOVERED_TAG,
     REUSES_ATTR,
     ROLE_TAG,
@@ -41,7 +42,7 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
-from grkv_core.registry import press_from_file
+from grkv_core.registry import load_press_file, press_from_file
 from sweeps.config import ConfigError, load_config
 from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
 from sweeps.space import press_of
@@ -225,13 +226,14 @@ def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(tmp_path):
 
 
 def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
-    """Screening (4 trials, 2 promoted), 8 full trials in batches of 2 and a test stage, through the Jobs API."""
+    """Screening (4 trials, 2 promoted), 8 full trials in batches of 2 and a test stage, through the Jobs API,
+    under the query-aware protocol (``--protocol`` overrides the config's)."""
     sweep_id = "e2e"
     state = services["state"] / "sweeps"
     submit = subprocess.run(
         ["ray", "job", "submit", "--address", services["dashboard"], "--working-dir", str(REPO), "--",
          "python", "sweep.py", "--config", "sweeps/configs/smoke.yaml", "--sweep-id", sweep_id,
-         "--tracking-uri", services["tracking_uri"], "--state-dir", str(state)],
+         "--tracking-uri", services["tracking_uri"], "--state-dir", str(state), "--protocol", QUERY_AWARE],
         cwd=REPO, env=services["env"], capture_output=True, text=True, timeout=900)
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "FINISHED" in submit.stdout
@@ -256,8 +258,10 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert [t.params for t in first[2:]] == [t.params for t in screened[:2]]
     promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_TAG in r.data.tags]
     assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [2, 3]
-    # Screening generated nothing; full trials ran in batches of 2.
+    # Screening generated nothing; full trials ran in batches of 2. Every run measured the answer metrics.
     assert all("mean_score" not in r.data.metrics for r in of_stage(children, SCREEN_STAGE))
+    assert all({"answer_nll", "answer_kl", "answer_top1"} <= set(r.data.metrics) for r in children)
+    assert parents[0].data.params["data.protocol"] == QUERY_AWARE
     assert max(r.data.metrics["batch_trials"] for r in of_stage(children, FULL_STAGE)) == 2
     # A test-stage run logs its predictions per held-out sample and question.
     client = MlflowClient(services["tracking_uri"])
@@ -272,6 +276,7 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     # parent run.
     press_file = state / sweep_id / PRESS_ARTIFACT
     assert "best of the test stage" in press_file.read_text() and press_from_file(press_file) is not None
+    assert load_press_file(press_file)[1] == QUERY_AWARE
     logged = client.download_artifacts(parents[0].info.run_id, PRESS_ARTIFACT, str(tmp_path))
     assert Path(logged).read_text() == press_file.read_text()
     # The workers' per-sample checkpoints went with their trials' results into the state directory.
