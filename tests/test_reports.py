@@ -5,9 +5,11 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
+import dataclasses
 import json
 import socket
 import statistics
+from pathlib import Path
 
 import numpy as np
 import optuna
@@ -45,6 +47,7 @@ from tracking.reports import (
     ablation_table,
     build_report,
     compare_configs,
+    finding,
     iso_resource,
     load_sweep,
     loss_performance,
@@ -529,7 +532,8 @@ def test_staged_report_says_which_samples_decide(store, staged_sweep, tmp_path):
     assert "6 configuration(s) screened on their losses alone (no decoding); 3 promoted" in summary
     assert ("The tuned winner at 10%, trial 2 (best tuning score of the confirmed merging configurations there, "
             "70.00), scores 58.33 on the held-out test samples (-11.67): worse on the held-out samples") in summary
-    assert "trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): gain +8.33" in summary
+    assert ("trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): mean_score +8.33 (higher is better), 95% CI "
+            "[+0.00, +25.00], exact p = 1, better on 1/12 samples: no significant difference") in summary
     assert "snapkv+grkv trial 2 at 10%: 58.33 vs eviction only at 12%: 66.67 (eviction +8.33)" in summary
     assert "selection bias" not in summary
     trials = pd.read_csv(tmp_path / "trials.csv")
@@ -620,3 +624,208 @@ def test_loss_performance_axis_is_logarithmic_only_when_the_losses_span_decades(
         result = LossPerformance(table, [correlate(losses, scores, "window_loss", "mean_score")], "mean_score")
         loss_performance_figure(result, {"snapkv+grkv": "tab:orange"}, tmp_path / f"{expected}.png")
         assert scales[-1] == expected
+
+
+# ---- answer metrics: a sweep whose score ties everywhere -------------------------------------------------
+# Every run answers every question right (score 1): the binary score ties. The answer metrics, logged per sample
+# through the tracker the driver uses, tell the configurations apart.
+TUNING_SAMPLES = [("niah_a", f"tune-{index}") for index in range(4)]
+HELD_OUT_SAMPLES = [("niah_a", f"test-{index}") for index in range(8)]
+# Full trial: (params, baseline, answer NLL added to every tuning sample's, window loss).
+# NOTE: both rank the trials 2 < 3 < 0 < 1, so within every tuning sample Spearman rho(window loss, NLL) = +1.
+ANSWER_FULL = {
+    0: (STAGED_FULL[0][0], "paper_default", 0.05, 0.20),
+    1: (STAGED_FULL[1][0], "eviction_only", 0.10, 0.50),
+    2: (STAGED_FULL[2][0], None, 0.02, 0.10),
+    3: (STAGED_FULL[3][0], None, 0.04, 0.15),
+}
+# Trial 2 on the held-out samples: its answer NLL minus eviction only's, per sample; every one worse (higher).
+TRIAL_2_NLL_EXCESS = [0.01, 0.02, 0.03, 0.01, 0.02, 0.03, 0.01, 0.02]
+
+
+def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float, window_loss: float,
+                  depth: float, in_window: bool):
+    """A ``SampleResult`` of one question answered right (``decoded``) or of a screening run (nothing decoded)."""
+    from grkv_core.evaluate import SampleResult
+
+    return SampleResult(
+        sample_id=sample_id, task=task, predictions=["x"] if decoded else [], scores=[1.0] if decoded else [],
+        score=1.0 if decoded else None, context_tokens=512, ttft_s=0.1, prefill_s=0.09, decode_ms_per_token=30.0,
+        generated_tokens=2 if decoded else 0, kv_bytes=KV_AT_10_PERCENT, full_kv_bytes=10 * KV_AT_10_PERCENT,
+        peak_memory_bytes=1, window_loss=window_loss, heldout_loss=None, wall_s=0.2, question_loss=window_loss,
+        answer_nll=answer_nll, answer_kl=answer_nll / 2, answer_top1=1 - answer_nll / 4, answer_depth=depth,
+        answer_in_window=in_window)
+
+
+def log_outcome(tracker: SweepTracker, config: dict, params: dict, results: list, *, stage: str,
+                number: int | None = None, test_of: str | None = None, baseline: str | None = None) -> str:
+    """A finished run written by ``SweepTracker.finish_trial`` from per-sample results and their real summary."""
+    from grkv_core.evaluate import summarize
+
+    press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
+    run_id = tracker.start_trial(number, params, baseline, stage=stage, test_of=test_of)
+    worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1,
+                            samples=len(results))
+    outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
+                           resolved_press=press.resolved(), summary=summarize(results),
+                           samples=[dataclasses.asdict(result) for result in results], stage=stage, test_of=test_of)
+    tracker.finish_trial(run_id, outcome, outcome.worker_timing())
+    return run_id
+
+
+def held_out_results(nll_excess: list[float]) -> list:
+    """The held-out samples' results: sample i has its needle at depth i/8, sample 7's in the always-kept window."""
+    return [sample_result(task, sample_id, decoded=True, answer_nll=1.0 + 0.1 * index + excess, window_loss=0.1,
+                          depth=index / 8, in_window=index == 7)
+            for index, ((task, sample_id), excess) in enumerate(zip(HELD_OUT_SAMPLES, nll_excess))]
+
+
+@pytest.fixture(scope="module")
+def answer_sweep(store):
+    """Screening (two runs, nothing decoded), four full trials on the tuning samples, and a test stage confirming
+    trial 2 and the paper default against eviction only; the score is 100 on every run."""
+    config = sweep_config("answers", STAGED_SPACE)
+    tracker = SweepTracker.open(store, EXPERIMENT, "answer-sweep", config)
+    for number in (0, 1):
+        log_outcome(tracker, config, STAGED_FULL[2 + number][0], [
+            sample_result(task, sample_id, decoded=False, answer_nll=0.5 + number, window_loss=0.1, depth=0.5,
+                          in_window=False) for task, sample_id in TUNING_SAMPLES], stage=SCREEN_STAGE, number=number)
+    for number, (params, baseline, nll, window) in ANSWER_FULL.items():
+        log_outcome(tracker, config, params, [
+            sample_result(task, sample_id, decoded=True, answer_nll=1.0 + index + nll, window_loss=window + 0.01 * index,
+                          depth=0.3, in_window=False)
+            for index, (task, sample_id) in enumerate(TUNING_SAMPLES)], stage=FULL_STAGE, number=number,
+            baseline=baseline)
+    log_outcome(tracker, config, STAGED_FULL[2][0], held_out_results(TRIAL_2_NLL_EXCESS), stage=TEST_STAGE,
+                test_of="2")
+    log_outcome(tracker, config, STAGED_FULL[0][0], held_out_results([0.01, -0.01] * 4), stage=TEST_STAGE,
+                test_of="paper_default")
+    log_outcome(tracker, config, STAGED_FULL[1][0], held_out_results([0.0] * 8), stage=TEST_STAGE,
+                test_of="eviction_only")
+    tracker.close("FINISHED")
+    return tracker
+
+
+def test_every_run_logs_its_samples_answer_metrics_and_losses(store, answer_sweep):
+    client = MlflowClient(store)
+    runs = load_sweep(client, "answer-sweep")
+    screened = runs.screen_trials.iloc[0]
+    # A screening run decoded nothing: one row per sample, without question, prediction or score.
+    rows = json.loads(Path(client.download_artifacts(screened["run_id"], "predictions.json")).read_text())
+    assert len(rows) == len(TUNING_SAMPLES)
+    assert rows[0] == {"sample_id": "tune-0", "task": "niah_a", "question": None, "prediction": None, "score": None,
+                       "answer_nll": 0.5, "answer_kl": 0.25, "answer_top1": 0.875, "answer_in_window": False,
+                       "answer_depth": 0.5, "window_loss": 0.1, "heldout_loss": None, "question_loss": 0.1}
+    # Full- and test-stage rows are loaded, one per (sample, question), with the sample's metrics.
+    assert len(runs.trial_predictions) == 4 * 4 and len(runs.test_predictions) == 3 * 8
+    trial_2 = runs.test_predictions[runs.test_predictions["run_id"] == runs.test_trials.set_index("test_of").loc[
+        "2", "run_id"]]
+    assert trial_2["answer_nll"].tolist() == pytest.approx([1.0 + 0.1 * i + e for i, e in enumerate(TRIAL_2_NLL_EXCESS)])
+    assert trial_2["answer_in_window"].tolist() == [False] * 7 + [True]
+    # The run's metrics: the score outside the window, how many samples lie inside it, and the score per depth.
+    test = runs.test_trials.set_index("test_of")
+    assert test.loc["2", "window_samples"] == 1 and test.loc["2", "mean_score_outside_window"] == 100.0
+    assert test.loc["2", "score_depth.0.0-0.2"] == 100.0 and test.loc["2", "samples_depth.0.6-0.8"] == 2
+
+
+def test_old_predictions_without_answer_metrics_still_load(store, staged_sweep):
+    predictions = load_sweep(MlflowClient(store), "staged-sweep").test_predictions
+    assert len(predictions) == 5 * 12 and predictions["score"].notna().all()
+    assert predictions[["answer_nll", "answer_kl", "answer_top1", "window_loss"]].isna().all().all()
+    assert predictions["answer_in_window"].isna().all()
+
+
+def test_correlations_with_a_tied_score_are_finite_on_the_answer_metrics(store, answer_sweep):
+    result = loss_performance(load_sweep(MlflowClient(store), "answer-sweep"))
+    by_pair = {(c.x, c.y): c for c in result.correlations}
+    # heldout_loss was never measured: only the window and question losses are correlated.
+    assert set(by_pair) == {(loss, metric) for loss in ("window_loss", "question_loss")
+                            for metric in ("mean_score", "answer_nll", "answer_kl", "answer_top1")}
+    tied = by_pair[("window_loss", "mean_score")]
+    assert np.isnan(tied.pearson_r) and tied.note == "mean_score is constant (100) over the 4 points"
+    nll = by_pair[("window_loss", "answer_nll")]
+    # Run means: window loss 0.215 + trial's, NLL 2.5 + trial's; the trials' offsets rank alike.
+    assert nll.spearman_rho == pytest.approx(1.0)
+    assert nll.pearson_r == pytest.approx(stats.pearsonr([0.20, 0.50, 0.10, 0.15], [0.05, 0.10, 0.02, 0.04]).statistic)
+    assert by_pair[("window_loss", "answer_top1")].spearman_rho == pytest.approx(-1.0)
+    within = {(w.x, w.y): w for w in result.within_sample}
+    assert (within[("window_loss", "answer_nll")].samples, within[("window_loss", "answer_nll")].mean_rho) == \
+           (4, pytest.approx(1.0))
+    tied_within = within[("window_loss", "mean_score")]
+    assert (tied_within.samples, tied_within.y_constant, tied_within.note) == \
+           (0, 4, "mean_score is constant within 4 sample(s)")
+
+
+def test_significance_on_answer_nll_has_an_interval_of_nonzero_width(store, answer_sweep):
+    runs = load_sweep(MlflowClient(store), "answer-sweep")
+    result = significance(runs, "answer_nll", n_resamples=2000)
+    by_pair = {(c.treatment, c.control): c for c in result.comparisons}
+    versus_eviction = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)")]
+    assert versus_eviction.differences == pytest.approx(tuple(TRIAL_2_NLL_EXCESS))
+    assert versus_eviction.gain == pytest.approx(statistics.fmean(TRIAL_2_NLL_EXCESS))
+    assert 0 < versus_eviction.ci.low < versus_eviction.ci.high
+    assert versus_eviction.p_value == pytest.approx(2 / 2**8)  # every difference positive: only ++..+ and --..-
+    # Lower is better: a higher NLL on every sample is worse on every sample.
+    assert (versus_eviction.better_units, versus_eviction.verdict) == (0, "worse")
+    assert not result.tied
+    # The binary score ties on every held-out sample in every comparison.
+    assert significance(runs, "mean_score", n_resamples=2000).tied
+    # Best first on the tuning samples means lowest NLL first.
+    assert list(result.held_out["configuration"]) == ["trial 2", "paper_default", "eviction_only"]
+
+
+def test_iso_memory_on_answer_nll_picks_the_lowest_as_best(store, answer_sweep):
+    result = iso_resource(load_sweep(MlflowClient(store), "answer-sweep"), "answer_nll")
+    memory = result.iso_memory.set_index("configuration")
+    assert memory.loc["best of 3", "trials"] == "2"  # the lowest NLL on the tuning samples, not the highest
+    assert memory.loc["best of 3", "gain_vs_eviction"] == pytest.approx(0.02 - 0.10)
+
+
+def test_the_finding_states_the_tuned_pick_against_eviction_on_held_out_samples(store, answer_sweep):
+    runs = load_sweep(MlflowClient(store), "answer-sweep")
+    ci = paired_bootstrap_ci(TRIAL_2_NLL_EXCESS, n_resamples=2000, seed=0)
+    # The score ties on the tuning samples; the answer NLL there picks trial 2 over the paper default.
+    assert finding(runs, n_resamples=2000) == (
+        f"snapkv+grkv (trial 2) vs snapkv at 10% on 8 held-out samples: answer NLL +0.01875 "
+        f"[{ci.low:+.4g}, {ci.high:+.4g}] (p = 0.00781), worse")
+    assert finding(runs, "mean_score", n_resamples=2000) == (
+        "snapkv+grkv (trial 2) vs snapkv at 10% on 8 held-out samples: mean score identical on every sample, "
+        "no difference.")
+
+
+def test_a_finding_whose_interval_holds_zero_says_no_significant_difference():
+    from tracking.reports.stats import BootstrapCI, PairedComparison
+
+    comparison = PairedComparison(
+        treatment="t", control="c", unit="sample", seeds=(0,), units=("a", "b"), differences=(0.1, -0.05),
+        treatment_mean=1.0, treatment_sd=float("nan"), control_mean=1.0, control_sd=float("nan"),
+        ci=BootstrapCI(0.025, -0.05, 0.1, 0.95, 100), p_value=1.0, p_exact=True, better_units=1, better_seeds=0,
+        metric="answer_nll", higher_is_better=False)
+    assert comparison.verdict == "no significant difference"
+
+
+def test_answer_report_says_ties_in_one_line_and_reports_depth(store, answer_sweep, tmp_path):
+    report = build_report(MlflowClient(store), "answer-sweep", tmp_path,
+                          options=ReportOptions(bootstrap_resamples=2000), log_artifacts=False)
+    summary = report.summary
+    assert "nan" not in summary.replace("nans", "") and "[+0.00, +0.00]" not in summary
+    # The finding comes right after the headline, before the sections.
+    lines = summary.splitlines()
+    assert lines[lines.index("[Sweep]") - 2].startswith("snapkv+grkv (trial 2) vs snapkv at 10% on 8 held-out samples")
+    tie_lines = [line for line in summary.splitlines() if "mean_score ties" in line]
+    assert [line.split(",")[0].strip() for line in tie_lines] == [
+        "mean_score ties over the 4 configurations (100.00 each)",
+        "mean_score ties within each of the 4 tuning samples across configurations",
+        "mean_score ties on every sample in each of the 3 comparisons (every paired difference is 0)"]
+    assert all("the continuous answer metrics (answer_nll, answer_kl, answer_top1) can" in line for line in tie_lines)
+    assert "window_loss vs answer_nll within samples: mean Spearman ρ = +1.000, median +1.000 over 4 sample(s)" \
+        in summary
+    assert ("trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): answer_nll +0.01875 (lower is better)"
+            in summary)
+    assert "trial 2 (snapkv+grkv, 10%): 100.00 overall, 100.00 outside the window (1 sample(s) inside it)" in summary
+    assert "Scored samples per needle depth (position / prefill length): 0.0-0.2: 2, 0.2-0.4: 2, 0.4-0.6: 1, " \
+           "0.6-0.8: 2, 0.8-1.0: 1" in summary
+    names = {path.name for path in report.files}
+    assert {"depth.md", "within_sample_correlations.md", "iso_memory_answer_nll.md", "sample_differences_answer_nll.png",
+            "significance.md"} <= names
+    assert "sample_differences.png" not in names  # the tied score has no difference to draw

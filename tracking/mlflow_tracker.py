@@ -22,9 +22,11 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import (
+    ANSWER_METRICS,
     BASELINE_TAG,
     BEST_TRIALS_TAG,
     FULL_STAGE,
+    LOSS_METRICS,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
@@ -57,6 +59,12 @@ WORKFLOW_TYPE_PARAM = "workflowType=machine_learning"
 SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 RUN_NAME_COLUMN = "attributes.`Run Name`"
 RUN_NAME_WIDTH_PX = 520
+# What a predictions.json row carries of its sample besides the question's prediction and score: the answer
+# metrics, where the needle sits (``answer_depth``, ``answer_in_window``) and the reconstruction losses.
+SAMPLE_FIELDS = (*ANSWER_METRICS, "answer_in_window", "answer_depth", *LOSS_METRICS)
+# Per needle-depth bin of ``summarize``'s ``depth_scores``: the bin's score and its scored samples, as metrics.
+DEPTH_SCORE_PREFIX = "score_depth."
+DEPTH_SAMPLES_PREFIX = "samples_depth."
 # The paper's symbols for GRKV's options in run names (README: ``GRKVPress`` options); others keep their name.
 OPTION_SYMBOLS = {"lambda_k": "λk", "lambda_v": "λv", "beta": "β", "window_size": "m", "steps": "S"}
 
@@ -92,12 +100,42 @@ def resolved_params(resolved_press: dict) -> list[Param]:
 
 
 def trial_metrics(summary: dict) -> dict[str, float]:
-    """The numbers of an evaluation summary, named for MLflow (per-task scores under ``score.<task>``)."""
-    metrics = {"mean_score": summary["mean_score"]}  # None for screening trials, then left out
+    """The numbers of an evaluation summary, named for MLflow: per-task scores under ``score.<task>``, the costs,
+    losses and answer metrics, the score outside the press's always-kept window with the count of samples inside
+    it (``window_samples``), and per needle-depth bin its score and samples (``score_depth.<bin>``,
+    ``samples_depth.<bin>``)."""
+    metrics = {"mean_score": summary["mean_score"],  # None for screening trials, then left out
+               "mean_score_outside_window": summary.get("mean_score_outside_window"),
+               "window_samples": summary.get("window_samples")}
     metrics.update({f"score.{task}": value for task, value in summary["tasks"].items()})
     metrics.update({name: value for name, value in summary.get("costs", {}).items() if value is not None})
+    for depth, scored in summary.get("depth_scores", {}).items():
+        metrics.update({DEPTH_SCORE_PREFIX + depth: scored["score"], DEPTH_SAMPLES_PREFIX + depth: scored["samples"]})
     return {name: float(value) for name, value in metrics.items()
             if isinstance(value, (int, float)) and math.isfinite(value)}
+
+
+def prediction_rows(samples: list[dict]) -> list[dict]:
+    """The rows of a run's ``predictions.json``: one per (sample, question) decoded, or one per sample (``question``,
+    ``prediction`` and ``score`` None) where nothing was decoded (screening), each with its sample's
+    ``SAMPLE_FIELDS``.
+
+    Parameters
+    ----------
+    samples : list of dict
+        ``SampleResult`` dicts (``TrialOutcome.samples``).
+
+    NOTE: the answer metrics and losses are the sample's (means over its questions), repeated on each of its rows.
+    """
+    rows = []
+    for sample in samples:
+        shared = {"sample_id": sample["sample_id"], "task": sample["task"],
+                  **{name: sample.get(name) for name in SAMPLE_FIELDS}}
+        decoded = [{"question": index, "prediction": prediction, "score": sample["scores"][index]}
+                   for index, prediction in enumerate(sample["predictions"])]
+        rows += [{**shared, **question} for question in decoded or [{"question": None, "prediction": None,
+                                                                     "score": None}]]
+    return rows
 
 
 def item_name(trial_number: int | None, stage: str, test_of: str | None, baseline: str | None) -> str:
@@ -239,19 +277,15 @@ class SweepTracker:
         return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
 
     def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
-        """Log a finished trial's press as it ran (also in its name), its metrics, timings and predictions (when
-        it generated any); close it as FINISHED."""
+        """Log a finished trial's press as it ran (also in its name), its metrics, timings and per-sample rows
+        (``prediction_rows``, screening runs included); close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
                               params=resolved_params(outcome.resolved_press),
                               tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
                                     *self._named_with_press(run_id, outcome.resolved_press)])
-        rows = [
-            {"sample_id": row["sample_id"], "task": row["task"], "question": index, "prediction": prediction,
-             "score": row["scores"][index]}
-            for row in outcome.samples for index, prediction in enumerate(row["predictions"])
-        ]
+        rows = prediction_rows(outcome.samples)
         if rows:
             self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
         self.client.set_terminated(run_id, "FINISHED")

@@ -1,5 +1,8 @@
-"""The paper's analyses over a sweep's runs: loss vs score, screening, iso-resource comparisons, ablations,
-significance.
+"""The paper's analyses over a sweep's runs: loss vs performance, screening, iso-resource comparisons, ablations,
+significance, the score per needle depth.
+
+Performance is the score and the answer metrics, which see what the binary score ties on (``PERFORMANCE_METRICS``);
+every metric's direction comes from ``grkv_core.config.HIGHER_IS_BETTER`` (``higher_is_better``).
 
 Each function takes a :class:`~tracking.reports.data.SweepRuns` and returns tables (pandas) plus the
 numbers the summary quotes; figures and files are made elsewhere. Every analysis uses the full-stage runs
@@ -15,8 +18,10 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import (
+    ANSWER_METRICS,
     EVICTION_ONLY,
     FULL_STAGE,
+    HIGHER_IS_BETTER,
     LOSS_METRICS,
     PROMOTED_FROM_TAG,
     PAPER_DEFAULT,
@@ -24,8 +29,17 @@ from grkv_core.config import (
     SCREENING_METRICS,
     TEST_STAGE,
 )
-from tracking.reports.data import SCORE_PREFIX, SweepRuns
-from tracking.reports.stats import Correlation, PairedComparison, compare_configs, correlate, pareto_front
+from tracking.mlflow_tracker import DEPTH_SAMPLES_PREFIX, DEPTH_SCORE_PREFIX, SAMPLE_FIELDS
+from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns
+from tracking.reports.stats import (
+    Correlation,
+    PairedComparison,
+    WithinSampleCorrelation,
+    compare_configs,
+    correlate,
+    pareto_front,
+    within_sample_correlation,
+)
 
 MIB = 2**20
 SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening run measured it
@@ -33,35 +47,101 @@ SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening ru
 PROMOTED_FROM_COLUMN = f"tag.{PROMOTED_FROM_TAG}"
 
 
+# What a configuration is judged by: the score (0-100), and the answer metrics, continuous and measured on every
+# run without decoding.
+PERFORMANCE_METRICS = ("mean_score", *ANSWER_METRICS)
+
+
 def _score_columns(runs: SweepRuns) -> list[str]:
     return [SCORE_PREFIX + task for task in runs.task_names]
+
+
+def higher_is_better(metric: str) -> bool:
+    """A metric's direction, from ``HIGHER_IS_BETTER`` (a per-task ``score.<task>`` is a score)."""
+    return metric in HIGHER_IS_BETTER or metric.startswith(SCORE_PREFIX)
+
+
+def performance_metrics(frame: pd.DataFrame) -> list[str]:
+    """The ``PERFORMANCE_METRICS`` that ``frame`` holds a value of, the score first."""
+    return [metric for metric in PERFORMANCE_METRICS if metric in frame and frame[metric].notna().any()]
+
+
+def _best_index(values: pd.Series, metric: str):
+    """The index of the best of ``values`` in ``metric``'s direction (the first of ties; NaN never best unless
+    all are)."""
+    oriented = values.astype(float) if higher_is_better(metric) else -values.astype(float)
+    return oriented.fillna(-np.inf).idxmax()
+
+
+def sample_table(predictions: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, sample) of per-question rows (``SweepRuns.test_predictions`` or ``trial_predictions``).
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``run_id``, ``sample`` (``<task>/<sample_id>``), ``mean_score`` (the mean score of the sample's questions in
+        points, 0-100, the scale of ``score.<task>``; NaN where nothing was decoded) and the sample's
+        ``SAMPLE_FIELDS`` (answer metrics, needle depth and window, losses).
+
+    NOTE: questions that share a context are not independent, so a sample, not a question, is the unit the tests
+    pair and resample and the within-sample correlations rank over.
+    """
+    numeric = ["mean_score", *(name for name in SAMPLE_FIELDS if name != "answer_in_window")]
+    if predictions.empty:
+        return pd.DataFrame(columns=["run_id", "sample", *numeric, "answer_in_window"])
+    keys = predictions["task"].astype(str) + "/" + predictions["sample_id"].astype(str)
+    rows = predictions.assign(sample=keys, mean_score=100 * predictions["score"].astype(float))
+    grouped = rows.groupby(["run_id", "sample"], sort=False)
+    table = grouped[numeric].mean()
+    table["answer_in_window"] = grouped["answer_in_window"].first()
+    return table.reset_index()
 
 
 # ---- loss vs performance ------------------------------------------------------------------------------
 @dataclass
 class LossPerformance:
-    """Reconstruction discrepancy against downstream score, per configuration (paper App. G).
+    """Reconstruction discrepancy against downstream performance (paper App. G).
 
-    ``table`` has one row per configuration (``trial_number``, ``configuration``, ``method``, the losses and
-    the score); ``correlations`` one entry per loss metric.
+    Attributes
+    ----------
+    table : pandas.DataFrame
+        One row per configuration: ``trial_number``, ``configuration``, ``method``, ``budget``, its searched
+        options, the losses and the performance metrics (``score`` first).
+    correlations : list[Correlation]
+        Across configurations (each run's means): one per (metric, loss), metric-major.
+    score : str
+        The first performance metric of ``table``.
+    within_sample : list[WithinSampleCorrelation]
+        Within each tuning sample across configurations (ranks), one per (metric, loss); empty without per-sample
+        rows.
     """
 
     table: pd.DataFrame
     correlations: list[Correlation]
     score: str
+    within_sample: list[WithinSampleCorrelation] = field(default_factory=list)
 
 
-def loss_performance(runs: SweepRuns, score: str = "mean_score",
+def loss_performance(runs: SweepRuns, metrics: tuple[str, ...] | None = None,
                      losses: tuple[str, ...] = LOSS_METRICS) -> LossPerformance:
-    """Correlate each reconstruction discrepancy metric with ``score`` across the full-stage runs."""
+    """Correlate each reconstruction loss with each performance metric over the full-stage runs: across the
+    configurations, and within each tuning sample (per-sample rows of ``SweepRuns.trial_predictions``).
+
+    ``metrics`` defaults to the ``PERFORMANCE_METRICS`` the runs logged.
+    """
     trials = runs.trials
+    metrics = list(metrics or performance_metrics(trials) or ["mean_score"])
     present = [loss for loss in losses if loss in trials]
     shown = ["trial_number", "configuration", "method", "budget",
              *[name for name in ("lambda_k", "lambda_v", "window_size", "steps", "components") if name in trials],
-             *present, score]
+             *present, *metrics]
     table = trials[[column for column in shown if column in trials]].reset_index(drop=True)
-    correlations = [correlate(trials[loss], trials[score], loss, score) for loss in present]
-    return LossPerformance(table, correlations, score)
+    correlations = [correlate(trials[loss], trials[metric], loss, metric)
+                    for metric in metrics if metric in trials for loss in present]
+    samples = sample_table(runs.trial_predictions)
+    within = [within_sample_correlation(samples, loss, metric)
+              for metric in metrics for loss in present if samples[[loss, metric]].notna().all(axis=1).any()]
+    return LossPerformance(table, correlations, metrics[0], within)
 
 
 # ---- screening ----------------------------------------------------------------------------------------
@@ -157,12 +237,14 @@ def _iso_row(budget: float, label: str, method: str, rows: pd.DataFrame, score: 
 
 
 def _default_and_best(merged: pd.DataFrame, score: str) -> list[tuple[str, pd.DataFrame]]:
-    """The paper-default trial among ``merged`` and the best-scoring one; one entry when they coincide."""
+    """The paper-default trial among ``merged`` and the best one on ``score``; one entry when they coincide."""
+    if score not in merged:
+        return []
     scored = merged.dropna(subset=[score])
     if scored.empty:
         return []
     default = scored[scored["baseline"] == PAPER_DEFAULT]
-    best = scored.loc[[scored[score].idxmax()]]
+    best = scored.loc[[_best_index(scored[score], score)]]
     if best["trial_number"].iloc[0] in set(default["trial_number"]):
         return [(f"paper default, best of {len(scored)}", default)]
     return ([("paper default", default)] if len(default) else []) + [(f"best of {len(scored)}", best)]
@@ -188,7 +270,8 @@ def tuning_scores(runs: SweepRuns, score: str = "mean_score") -> pd.Series:
 
 
 def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.DataFrame]:
-    """Score, KV memory and prefill time per method and budget: the points of one line per method.
+    """``score`` (any performance metric), KV memory and prefill time per method and budget: the points of one
+    line per method.
 
     On the test stage when the sweep has one (every confirmed configuration and every eviction-only run,
     ``eviction_only@<ratio>`` giving the other budgets), on the full stage otherwise (the paper default and
@@ -213,7 +296,7 @@ def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.D
         if len(eviction):
             points.append(_point(eviction.iloc[0], "eviction only", True, score))
         for _, merged in at_budget[at_budget["merge"] != "none"].groupby("merge"):
-            best = merged["_selection"].fillna(-np.inf).idxmax()
+            best = _best_index(merged["_selection"], score)
             if stage == TEST_STAGE:
                 labelled = [(row["configuration"].replace("_", " "), row) for _, row in merged.iterrows()]
             else:
@@ -286,7 +369,7 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
     ----------
     runs : SweepRuns
     score : str
-        The metric compared (higher is better).
+        The metric compared (any performance metric; its direction from ``higher_is_better``).
     ttft_tolerance : float
         Relative TTFT difference still counted as "approximately equal prefill" (0.10 = within 10%).
     """
@@ -357,7 +440,8 @@ def trade_off(runs: SweepRuns, cost: str, cost_label: str, scale: float = 1.0,
         points[cost] = np.nan
     points["cost"] = points[cost] / scale
     points["pareto"] = False
-    points.iloc[pareto_front(points, maximize=[score], minimize=["cost"]), points.columns.get_loc("pareto")] = True
+    better = {"maximize": [score], "minimize": ["cost"]} if higher_is_better(score) else {"minimize": [score, "cost"]}
+    points.iloc[pareto_front(points, **better), points.columns.get_loc("pareto")] = True
     return TradeOff(cost, cost_label, points.reset_index(drop=True), score)
 
 
@@ -536,18 +620,10 @@ def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
     return long.rename(columns={"configuration": "config"})[["config", "seed", "task", "score", "trial_number"]]
 
 
-def tidy_sample_scores(runs: SweepRuns) -> pd.DataFrame:
-    """Per-sample scores of the test-stage runs as a tidy table ``run_id, seed, sample, score``.
-
-    ``sample`` is ``<task>/<sample_id>``; ``score`` is the mean of the sample's questions in points (0-100, the
-    scale of ``score.<task>``). NOTE: questions that share a context are not independent, so a sample, not a
-    question, is the unit the tests pair and resample.
-    """
-    predictions = runs.test_predictions
-    keys = predictions["task"].astype(str) + "/" + predictions["sample_id"].astype(str)
-    per_sample = (predictions.assign(sample=keys, score=100 * predictions["score"].astype(float))
-                  .groupby(["run_id", "sample"], as_index=False)["score"].mean())
-    return per_sample.assign(seed=runs.data_seed)[["run_id", "seed", "sample", "score"]]
+def tidy_sample_scores(runs: SweepRuns, metric: str = "mean_score") -> pd.DataFrame:
+    """Per-sample ``metric`` of the test-stage runs as a tidy table ``run_id, seed, sample, <metric>``
+    (:func:`sample_table`: ``mean_score`` is the mean of the sample's questions in points, 0-100)."""
+    return sample_table(runs.test_predictions).assign(seed=runs.data_seed)[["run_id", "seed", "sample", metric]]
 
 
 @dataclass
@@ -556,6 +632,8 @@ class Significance:
 
     Attributes
     ----------
+    metric : str
+        What is compared: ``mean_score`` or an answer metric (direction from ``higher_is_better``).
     stage : str
         ``test``: every confirmed merging configuration against eviction only at its budget and against the
         paper default at its budget, paired per held-out test sample. ``full`` (no test stage): the paper
@@ -564,13 +642,14 @@ class Significance:
     comparisons : list[PairedComparison]
     held_out : pandas.DataFrame
         Test stage only: per test run that confirms a full-stage trial, ``configuration``, ``method``,
-        ``budget``, ``merge``, ``tuning_<score>`` (full stage), ``test_<score>`` and ``change`` (test minus
-        tuning), best tuning score first.
+        ``budget``, ``merge``, ``tuning_<metric>`` (full stage), ``test_<metric>`` and ``change`` (test minus
+        tuning), best tuning value first.
     test_samples : int
         Distinct held-out samples in the test runs' predictions (0 without a test stage).
     notes : list[str]
     """
 
+    metric: str
     stage: str
     comparisons: list[PairedComparison]
     held_out: pd.DataFrame
@@ -578,36 +657,58 @@ class Significance:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def tied(self) -> bool:
+        """Every comparison ties on every paired unit: no CI or p-value here says anything."""
+        return bool(self.comparisons) and all(comparison.tied for comparison in self.comparisons)
+
+    @property
     def tuned_winners(self) -> pd.DataFrame:
-        """Per budget, the confirmed merging configuration with the best tuning score (the sweep's pick there)."""
+        """Per budget, the confirmed merging configuration with the best tuning value (the pick there)."""
         if self.held_out.empty:
             return self.held_out
         merging = self.held_out[self.held_out["merge"] != "none"]
-        # NOTE: held_out is sorted by tuning score, best first, so the first row per budget is its winner.
+        # NOTE: held_out is sorted by tuning value, best first, so the first row per budget is its winner.
         return merging.drop_duplicates(subset="budget").sort_values("budget").reset_index(drop=True)
 
 
-def significance(runs: SweepRuns, score: str = "mean_score", n_resamples: int = 100_000,
+def significance(runs: SweepRuns, metric: str = "mean_score", n_resamples: int = 100_000,
                  seed: int = 0) -> Significance:
-    """Paired bootstrap CI and sign-flip test of merging against the base press, on held-out samples when
-    the sweep has a test stage.
+    """Paired bootstrap CI and sign-flip test of merging against the base press on ``metric`` (the score or an
+    answer metric), on held-out samples when the sweep has a test stage.
 
-    With one data seed the standard deviations are NaN; pass several sweeps' :func:`tidy_task_scores` to
+    Without a test stage only the score is paired (per task: the answer metrics have no per-task values). With
+    one data seed the standard deviations are NaN; pass several sweeps' :func:`tidy_task_scores` to
     :func:`compare_configs` for the paper's multi-seed version.
     """
     if runs.has_test_stage:
-        return _test_significance(runs, score, n_resamples, seed)
-    return _tuning_significance(runs, score, n_resamples, seed)
+        return _test_significance(runs, metric, n_resamples, seed)
+    return _tuning_significance(runs, metric, n_resamples, seed)
 
 
 def _test_name(run: pd.Series) -> str:
     return f"{run['configuration']} ({run['method']}, {run['budget']:.0%})"
 
 
-def _test_significance(runs: SweepRuns, score: str, n_resamples: int, seed: int) -> Significance:
+def _test_tidy(runs: SweepRuns, metric: str) -> pd.DataFrame:
+    """:func:`tidy_sample_scores` with each test run's name (``_test_name``) as its ``config``."""
+    samples = tidy_sample_scores(runs, metric)
+    names = {run["run_id"]: _test_name(run) for _, run in runs.test_trials.iterrows()}
+    return samples.assign(config=samples["run_id"].map(names))
+
+
+def _test_comparison(tidy: pd.DataFrame, treatment: pd.Series, control: pd.Series, metric: str, n_resamples: int,
+                     seed: int) -> PairedComparison:
+    """Two test runs paired per held-out sample on ``metric``."""
+    return compare_configs(tidy, _test_name(treatment), _test_name(control), unit="sample", metric=metric,
+                           higher_is_better=higher_is_better(metric), n_resamples=n_resamples, seed=seed)
+
+
+def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int) -> Significance:
     test, notes = runs.test_trials, []
-    samples = tidy_sample_scores(runs)
-    tidy = samples.assign(config=samples["run_id"].map({run["run_id"]: _test_name(run) for _, run in test.iterrows()}))
+    tidy = _test_tidy(runs, metric)
+    if tidy[metric].isna().all():
+        return Significance(metric, TEST_STAGE, [], pd.DataFrame(), runs.test_sample_count,
+                            [f"no test-stage run logged a per-sample {metric} (its predictions.json predates it)"])
     comparisons = []
     for _, treatment in test[test["merge"] != "none"].iterrows():
         same_budget = test[np.isclose(test["compression_ratio"], treatment["compression_ratio"])]
@@ -622,30 +723,33 @@ def _test_significance(runs: SweepRuns, score: str, n_resamples: int, seed: int)
                              f"{_test_name(treatment)} with")
                 continue
             try:
-                comparisons.append(compare_configs(tidy, _test_name(treatment), _test_name(controls.iloc[0]),
-                                                   unit="sample", n_resamples=n_resamples, seed=seed))
+                comparisons.append(_test_comparison(tidy, treatment, controls.iloc[0], metric, n_resamples, seed))
             except (KeyError, ValueError) as error:
                 notes.append(f"{_test_name(treatment)} vs {_test_name(controls.iloc[0])}: {error}")
     held_out = pd.DataFrame({"configuration": test["configuration"], "method": test["method"],
                              "budget": test["budget"], "merge": test["merge"],
-                             f"tuning_{score}": tuning_scores(runs, score), f"test_{score}": test.get(score, np.nan)})
-    held_out = held_out.dropna(subset=[f"tuning_{score}"]).assign(
-        change=lambda frame: frame[f"test_{score}"] - frame[f"tuning_{score}"])
-    held_out = held_out.sort_values(f"tuning_{score}", ascending=False, kind="stable").reset_index(drop=True)
-    return Significance(TEST_STAGE, comparisons, held_out, runs.test_sample_count, notes)
+                             f"tuning_{metric}": tuning_scores(runs, metric),
+                             f"test_{metric}": test.get(metric, np.nan)})
+    held_out = held_out.dropna(subset=[f"tuning_{metric}"]).assign(
+        change=lambda frame: frame[f"test_{metric}"] - frame[f"tuning_{metric}"])
+    held_out = held_out.sort_values(f"tuning_{metric}", ascending=not higher_is_better(metric),
+                                    kind="stable").reset_index(drop=True)
+    return Significance(metric, TEST_STAGE, comparisons, held_out, runs.test_sample_count, notes)
 
 
-def _tuning_significance(runs: SweepRuns, score: str, n_resamples: int, seed: int) -> Significance:
+def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int) -> Significance:
     """Without a test stage: the paper default and the best trial at the base's budget, paired per task."""
     def result(comparisons: list[PairedComparison], notes: list[str]) -> Significance:
-        return Significance(FULL_STAGE, comparisons, pd.DataFrame(), 0, notes)
+        return Significance(metric, FULL_STAGE, comparisons, pd.DataFrame(), 0, notes)
 
+    if metric != "mean_score":
+        return result([], [f"no test stage: {metric} has no per-task values to pair (only the score does)"])
     base = runs.baseline_trial(EVICTION_ONLY)
     if base is None:
         return result([], ["no eviction_only trial: nothing to test merging against"])
     if not runs.task_names:
         return result([], ["no per-task scores (score.<task> metrics) to pair"])
-    treatments = representative_trials(runs, score, base["compression_ratio"])
+    treatments = representative_trials(runs, metric, base["compression_ratio"])
     if not treatments:
         return result([], [f"no merging trial at the eviction_only trial's budget ({base['budget']:.0%})"])
     tidy = tidy_task_scores(runs)
@@ -658,3 +762,95 @@ def _tuning_significance(runs: SweepRuns, score: str, n_resamples: int, seed: in
         comparisons.append(compare_configs(pd.concat([treatment, control]), treatment_name, control_name,
                                            n_resamples=n_resamples, seed=seed))
     return result(comparisons, [])
+
+
+# ---- the headline comparison ---------------------------------------------------------------------------
+@dataclass
+class HeldOutFinding:
+    """The sweep's pick against eviction only at its budget on the held-out test samples, on one metric.
+
+    ``comparison`` is None when there is nothing to compare, and ``reason`` then says why in words.
+    """
+
+    metric: str
+    treatment: pd.Series | None
+    control: pd.Series | None
+    comparison: PairedComparison | None
+    reason: str = ""
+
+
+def tuned_winner(runs: SweepRuns, metric: str) -> pd.Series | None:
+    """The sweep's pick on the test stage: of the merging test runs at the sweep's own budget that confirm a
+    full-stage trial, the best on the tuning samples by the first objective, ties broken by ``metric`` (each in
+    its direction), then by test-run order; None without such a run.
+
+    NOTE: chosen on the tuning samples only, so its comparison on the held-out samples is free of selection bias.
+    """
+    test = runs.test_trials
+    candidates = test[(test["merge"] != "none") & test["trial_number"].notna()
+                      & ~test["test_of"].astype(str).str.contains(BUDGET_SEPARATOR, regex=False)]
+    if candidates.empty:
+        return None
+    keys = [name for name in dict.fromkeys([runs.objectives[0].metric, metric]) if name in runs.trials]
+    oriented = pd.DataFrame({name: tuning_scores(runs, name)[candidates.index] * (1 if higher_is_better(name) else -1)
+                             for name in keys}, index=candidates.index).fillna(-np.inf)
+    order = oriented.sort_values(keys, ascending=False, kind="stable").index if keys else candidates.index
+    return candidates.loc[order[0]]
+
+
+def held_out_finding(runs: SweepRuns, metric: str, n_resamples: int = 100_000, seed: int = 0) -> HeldOutFinding:
+    """:func:`tuned_winner` against the eviction-only test run at its budget, paired per held-out sample on
+    ``metric``."""
+    def nothing(reason: str, treatment: pd.Series | None = None) -> HeldOutFinding:
+        return HeldOutFinding(metric, treatment, None, None, reason)
+
+    if not runs.has_test_stage:
+        return nothing("no held-out test stage")
+    winner = tuned_winner(runs, metric)
+    if winner is None:
+        return nothing("no merging configuration was confirmed on the test stage at the sweep's budget")
+    same_budget = runs.test_trials[np.isclose(runs.test_trials["compression_ratio"], winner["compression_ratio"])]
+    eviction = _eviction_rows(same_budget, winner["compression_ratio"])
+    if eviction.empty:
+        return nothing(f"no eviction-only test run at {winner['budget']:.0%}", winner)
+    tidy = _test_tidy(runs, metric)
+    try:
+        comparison = _test_comparison(tidy, winner, eviction.iloc[0], metric, n_resamples, seed)
+    except (KeyError, ValueError):
+        return nothing(f"the test runs logged no per-sample {metric} to pair", winner)
+    return HeldOutFinding(metric, winner, eviction.iloc[0], comparison)
+
+
+# ---- needle depth and the always-kept window ------------------------------------------------------------
+@dataclass
+class DepthWindow:
+    """What the score measures: per configuration its score per needle depth, and apart the samples whose needle
+    lies in the press's always-kept window (they score at any budget, so they say nothing about compression).
+
+    Attributes
+    ----------
+    stage : str
+        ``test`` (held-out samples) when the sweep has a test stage, else ``full``.
+    table : pandas.DataFrame
+        One row per run of that stage: ``configuration``, ``method``, ``budget``, ``mean_score``,
+        ``mean_score_outside_window``, ``window_samples`` and one column per depth bin (``0.0-0.2``...: the bin's
+        score, 0-100).
+    bin_samples : dict[str, int]
+        Scored samples per depth bin (the most any run had).
+    """
+
+    stage: str
+    table: pd.DataFrame
+    bin_samples: dict[str, int]
+
+
+def depth_window(runs: SweepRuns) -> DepthWindow:
+    """The ``score_depth.<bin>``, ``mean_score_outside_window`` and ``window_samples`` metrics of each run of the
+    test stage (else the full stage); columns a sweep did not log read NaN."""
+    stage, frame = (TEST_STAGE, runs.test_trials) if runs.has_test_stage else (FULL_STAGE, runs.trials)
+    bins = sorted(column.removeprefix(DEPTH_SCORE_PREFIX) for column in frame if column.startswith(DEPTH_SCORE_PREFIX))
+    columns = ["configuration", "method", "budget", "mean_score", "mean_score_outside_window", "window_samples"]
+    table = frame.reindex(columns=columns + [DEPTH_SCORE_PREFIX + name for name in bins]).reset_index(drop=True)
+    samples = {name: frame.get(DEPTH_SAMPLES_PREFIX + name, pd.Series(dtype=float)).max() for name in bins}
+    return DepthWindow(stage, table.rename(columns=lambda column: column.removeprefix(DEPTH_SCORE_PREFIX)),
+                       {name: int(count) for name, count in samples.items() if pd.notna(count)})

@@ -40,13 +40,16 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
+from tracking.mlflow_tracker import SAMPLE_FIELDS
 
-# NOTE: a report downloads one small predictions.json per test-stage run; MLflow would draw a progress bar for each.
+# NOTE: a report downloads one small predictions.json per full- and test-stage run (never the screening runs', which
+# can be many); MLflow would draw a progress bar for each.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 SCORE_PREFIX = "score."
 PREDICTIONS_ARTIFACT = "predictions.json"
-PREDICTION_COLUMNS = ["run_id", "sample_id", "task", "question", "score"]
+# NOTE: a row is one (sample, question), or one sample where nothing was decoded; its SAMPLE_FIELDS are the sample's.
+PREDICTION_COLUMNS = ["run_id", "sample_id", "task", "question", "score", *SAMPLE_FIELDS]
 # A test-stage run of a baseline at another budget than the sweep's names it "eviction_only@0.88".
 BUDGET_SEPARATOR = "@"
 _PAGE = 1000
@@ -97,8 +100,12 @@ class SweepRuns:
         ``trial_number`` is the full-stage trial it confirms (NaN for a baseline with no full-stage run at
         that budget) and ``configuration`` that trial's, or the baseline label.
     test_predictions : pandas.DataFrame
-        The test-stage runs' per-question scores (0-1) from their ``predictions.json``: ``run_id``,
-        ``sample_id``, ``task``, ``question``, ``score``.
+        The test-stage runs' per-question rows from their ``predictions.json`` (``PREDICTION_COLUMNS``):
+        ``run_id``, ``sample_id``, ``task``, ``question``, ``score`` (0-1), and the sample's ``answer_nll``,
+        ``answer_kl``, ``answer_top1``, ``answer_in_window`` (nullable boolean), ``answer_depth``, ``window_loss``,
+        ``heldout_loss``, ``question_loss`` (NaN where a run logged them not, e.g. before they existed).
+    trial_predictions : pandas.DataFrame
+        The same rows of the full-stage runs (tuning samples): what within-sample correlations pair.
     param_names : list[str]
         The sampler's parameters of the full-stage study, as Optuna named them (their values are the
         ``optuna.<name>`` columns).
@@ -122,6 +129,7 @@ class SweepRuns:
     screen_trials: pd.DataFrame = field(default_factory=lambda: _empty_stage(SCREEN_STAGE))
     test_trials: pd.DataFrame = field(default_factory=lambda: _empty_stage(TEST_STAGE))
     test_predictions: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PREDICTION_COLUMNS))
+    trial_predictions: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PREDICTION_COLUMNS))
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -294,7 +302,9 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
         parent_status=parent.info.status, parent_params=dict(parent.data.params), trials=trials,
         param_names=param_names, task_names=task_names,
         child_status_counts=dict(Counter(run.info.status for run in children)), screen_trials=screen_trials,
-        test_trials=test_trials, test_predictions=load_predictions(client, list(test_trials["run_id"]), notes),
+        test_trials=test_trials,
+        test_predictions=load_predictions(client, list(test_trials["run_id"]), notes, "test-stage"),
+        trial_predictions=load_predictions(client, list(trials["run_id"]), notes, "full-stage"),
         notes=notes,
     )
 
@@ -366,22 +376,36 @@ def _confirming(test_trials: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame
     return test_trials
 
 
-def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str]) -> pd.DataFrame:
-    """The per-question rows of each run's ``predictions.json`` (``PREDICTION_COLUMNS``).
+def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str], stage: str) -> pd.DataFrame:
+    """The per-question rows of each run's ``predictions.json`` (``PREDICTION_COLUMNS``; a key an older artifact
+    lacks reads NaN).
 
-    A run without the artifact adds a note and no rows.
+    Runs without the artifact add no rows and one note (naming ``stage``) between them.
     """
-    frames = []
+    frames, missing = [], []
     with tempfile.TemporaryDirectory() as folder:
         for run_id in run_ids:
             try:
                 path = client.download_artifacts(run_id, PREDICTIONS_ARTIFACT, str(Path(folder) / run_id))
             except (MlflowException, OSError):
-                notes.append(f"run {run_id} has no {PREDICTIONS_ARTIFACT}; its samples cannot be paired")
+                missing.append(run_id)
                 continue
             rows = json.loads(Path(path).read_text())
-            frames.append(pd.DataFrame(rows).assign(run_id=run_id)[PREDICTION_COLUMNS])
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PREDICTION_COLUMNS)
+            frames.append(pd.DataFrame(rows).assign(run_id=run_id).reindex(columns=PREDICTION_COLUMNS))
+    if missing:
+        notes.append(f"{len(missing)} {stage} run(s) have no {PREDICTIONS_ARTIFACT} (e.g. run {missing[0]}); "
+                     "their samples cannot be paired")
+    if not frames:
+        return pd.DataFrame(columns=PREDICTION_COLUMNS)
+    return _typed_predictions(pd.concat(frames, ignore_index=True))
+
+
+def _typed_predictions(rows: pd.DataFrame) -> pd.DataFrame:
+    """Numbers as floats (None -> NaN) and ``answer_in_window`` as a nullable boolean."""
+    numeric = ["score", *(name for name in SAMPLE_FIELDS if name != "answer_in_window")]
+    rows[numeric] = rows[numeric].apply(pd.to_numeric, errors="coerce").astype(float)
+    rows["answer_in_window"] = rows["answer_in_window"].astype("boolean")
+    return rows
 
 
 def _trial_row(run, stage: str) -> dict:

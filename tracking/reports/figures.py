@@ -22,7 +22,9 @@ LABELS = {"mean_score": "mean score (0-100)", "window_loss": "window reconstruct
           "heldout_loss": "held-out reconstruction discrepancy (relative)",
           "question_loss": "question reconstruction discrepancy (relative)", "ttft_s": "TTFT (s)",
           "prefill_s": "prefill time (s)", "kv_bytes": "persistent KV cache (MiB)",
-          "decode_ms_per_token": "decode latency (ms/token)"}
+          "decode_ms_per_token": "decode latency (ms/token)", "answer_nll": "answer NLL (nats, lower is better)",
+          "answer_kl": "answer KL to the full cache (nats, lower is better)",
+          "answer_top1": "answer top-1 agreement with the full cache", "score": "score (points)"}
 
 
 def axis_label(metric: str) -> str:
@@ -84,21 +86,24 @@ def spans_decades(values: pd.Series, decades: float = 2.0) -> bool:
 
 
 def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path,
-                            title: str = "Reconstruction discrepancy vs downstream score") -> Path:
-    """One panel per discrepancy metric: score against discrepancy, with Pearson/Spearman in the title."""
+                            title: str = "Reconstruction discrepancy vs downstream performance") -> Path:
+    """One panel per correlation, a row per performance metric and a column per discrepancy: the metric against
+    the discrepancy over the configurations, with Pearson/Spearman in the title."""
     table = result.table
-    panels = len(result.correlations)
-    figure = Figure(figsize=(6.2 * panels, 5.2), layout="constrained")
-    for index, correlation in enumerate(result.correlations):
-        ax = figure.add_subplot(1, panels, index + 1)
-        _scatter_trials(ax, table, correlation.x, result.score, colors)
-        points = table[[correlation.x, result.score]].dropna()
+    columns = list(dict.fromkeys(correlation.x for correlation in result.correlations))
+    rows = list(dict.fromkeys(correlation.y for correlation in result.correlations))
+    figure = Figure(figsize=(6.2 * len(columns), 5.2 * len(rows)), layout="constrained")
+    for correlation in result.correlations:
+        ax = figure.add_subplot(len(rows), len(columns),
+                                rows.index(correlation.y) * len(columns) + columns.index(correlation.x) + 1)
+        _scatter_trials(ax, table, correlation.x, correlation.y, colors)
+        points = table[[correlation.x, correlation.y]].dropna()
         log_x = spans_decades(points[correlation.x])
         if log_x:
             # One diverged configuration would otherwise squash every other point against the axis.
             ax.set_xscale("log")
         if np.isfinite(correlation.pearson_r):
-            slope, intercept = np.polyfit(points[correlation.x], points[result.score], 1)
+            slope, intercept = np.polyfit(points[correlation.x], points[correlation.y], 1)
             span = (np.geomspace if log_x else np.linspace)(points[correlation.x].min(), points[correlation.x].max(),
                                                             50)
             ax.plot(span, slope * span + intercept, linestyle="--", color="gray", linewidth=1, zorder=2)
@@ -108,7 +113,7 @@ def loss_performance_figure(result: LossPerformance, colors: dict[str, str], pat
         else:
             ax.set_title(f"no correlation: {correlation.note}", fontsize=9)
         ax.set_xlabel(axis_label(correlation.x))
-        ax.set_ylabel(axis_label(result.score))
+        ax.set_ylabel(axis_label(correlation.y))
         ax.grid(alpha=0.3)
     _figure_legend(figure, colors, table, [Line2D([], [], linestyle="--", color="gray", label="least-squares fit")])
     figure.suptitle(f"{title} (labels: trial numbers)", fontsize=11)
@@ -189,7 +194,8 @@ MAX_LABELLED_UNITS = 30
 
 
 def paired_difference_figure(comparisons: list[PairedComparison], path: Path) -> Path:
-    """Per-unit (task or held-out sample) score difference, with the mean and its bootstrap CI."""
+    """Per-unit (task or held-out sample) difference of the compared metric, with the mean and its bootstrap CI;
+    bars green where the treatment is better (in the metric's direction)."""
     widest = max(len(comparison.units) for comparison in comparisons)
     figure = Figure(figsize=(min(max(6.0, 0.55 * widest + 2.5), 14.0), 3.6 * len(comparisons)), layout="constrained")
     for index, comparison in enumerate(comparisons):
@@ -197,7 +203,7 @@ def paired_difference_figure(comparisons: list[PairedComparison], path: Path) ->
         labelled = len(comparison.units) <= MAX_LABELLED_UNITS
         differences = comparison.differences if labelled else tuple(sorted(comparison.differences))
         ax.bar(range(len(differences)), differences,
-               color=["tab:green" if d > 0 else "tab:red" for d in differences])
+               color=["tab:green" if (d > 0) == comparison.higher_is_better else "tab:red" for d in differences])
         ax.axhline(0, color="black", linewidth=0.8)
         ax.axhline(comparison.gain, color="tab:blue", linestyle="--", label=f"mean {comparison.gain:+.2f}")
         ax.axhspan(comparison.ci.low, comparison.ci.high, color="tab:blue", alpha=0.15,
@@ -208,7 +214,7 @@ def paired_difference_figure(comparisons: list[PairedComparison], path: Path) ->
         else:
             ax.set_xticks([])
             ax.set_xlabel(f"{len(differences)} {comparison.unit}s, sorted by difference")
-        ax.set_ylabel("score difference (points)")
+        ax.set_ylabel(f"{axis_label(comparison.metric)} difference")
         test = "exact sign-flip" if comparison.p_exact else "sampled sign-flip"
         ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_units}/"
                      f"{len(differences)} {comparison.unit}s, {test} p = {comparison.p_value:.3g}", fontsize=9)

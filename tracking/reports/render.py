@@ -30,6 +30,28 @@ def p_value_text(p: float) -> str:
     return "p < 1e-300" if p == 0 else f"p = {p:.3g}"
 
 
+# How the report names the performance metrics in prose; other metrics go by their own name.
+METRIC_NAMES = {"mean_score": "mean score", "answer_nll": "answer NLL", "answer_kl": "answer KL",
+                "answer_top1": "answer top-1 agreement"}
+# The score is in points (0-100), two decimals; the answer metrics are nats or fractions, four significant digits.
+METRIC_SPECS = {"mean_score": "{:.2f}"}
+
+
+def metric_name(metric: str) -> str:
+    return METRIC_NAMES.get(metric, metric)
+
+
+def metric_spec(metric: str, signed: bool = False) -> str:
+    """The format spec of ``metric``'s values (``signed``: of differences, with their sign)."""
+    spec = METRIC_SPECS.get(metric, "{:.4g}")
+    return spec.replace("{:", "{:+") if signed else spec
+
+
+def metric_text(metric: str, value, signed: bool = False) -> str:
+    """``value`` of ``metric`` as text (``metric_spec``); NaN reads as a dash."""
+    return format_value(value, metric_spec(metric, signed))
+
+
 def formatted(frame: pd.DataFrame, formats: dict[str, str] | None = None,
               names: dict[str, str] | None = None) -> pd.DataFrame:
     """A copy of ``frame`` as text: ``formats`` per column (default ``{:.4g}``), columns renamed by ``names``."""

@@ -1,4 +1,5 @@
-"""The statistics of the paper's analyses: correlations, Pareto fronts, paired bootstrap and sign-flip tests.
+"""The statistics of the paper's analyses: correlations (pooled, and within each sample across configurations),
+Pareto fronts, paired bootstrap and sign-flip tests.
 
 Pure functions of numbers and tables, nothing about MLflow, so each can be checked on hand-made data.
 """
@@ -21,7 +22,7 @@ _SIGN_FLIP_BLOCK = 8192  # sampled sign assignments drawn at once (bounds memory
 class Correlation:
     """Pearson and Spearman correlation of ``y`` against ``x`` over ``n`` configurations.
 
-    NaN coefficients come with a ``note`` saying why (too few points, a constant column).
+    NaN coefficients come with a ``note`` saying why in words (too few points, which side is constant).
     """
 
     x: str
@@ -43,13 +44,82 @@ def correlate(x: Sequence[float], y: Sequence[float], x_name: str = "x", y_name:
     nan = float("nan")
     if n < 3:
         return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"only {n} configuration(s) with both values")
-    if np.ptp(x_values) == 0 or np.ptp(y_values) == 0:
-        constant = x_name if np.ptp(x_values) == 0 else y_name
-        return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"{constant} is constant")
+    constant = _constant_sides({x_name: x_values, y_name: y_values})
+    if constant:
+        return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"{constant} over the {n} points")
     pearson = stats.pearsonr(x_values, y_values)
     spearman = stats.spearmanr(x_values, y_values)
     return Correlation(x_name, y_name, n, float(pearson.statistic), float(pearson.pvalue),
                        float(spearman.statistic), float(spearman.pvalue))
+
+
+def _constant_sides(sides: dict[str, np.ndarray]) -> str:
+    """In words, which of the named value arrays do not vary (``"mean_score is constant (27.1)"``); "" if none."""
+    constant = [f"{name} is constant ({values[0]:.4g})" for name, values in sides.items() if np.ptp(values) == 0]
+    return " and ".join(constant)
+
+
+@dataclass(frozen=True)
+class WithinSampleCorrelation:
+    """Spearman ρ of ``y`` against ``x`` across configurations within each sample, summarised over the samples.
+
+    A per-sample ρ is free of what makes one sample harder than another for every configuration (its needle's
+    depth, its length), which a pooled correlation mixes in.
+
+    Attributes
+    ----------
+    x, y : str
+    samples : int
+        Samples with a defined ρ: at least 3 configurations with both values, neither side constant.
+    mean_rho, median_rho : float
+        Over those samples (NaN when there are none).
+    positive : int
+        Of those samples, how many have ρ > 0.
+    x_constant, y_constant : int
+        Samples (with at least 3 configurations) on which that side takes one value across configurations.
+    note : str
+        Why no ρ is defined, in words, when ``samples`` is 0.
+    """
+
+    x: str
+    y: str
+    samples: int
+    mean_rho: float
+    median_rho: float
+    positive: int
+    x_constant: int
+    y_constant: int
+    note: str = ""
+
+
+def within_sample_correlation(rows: pd.DataFrame, x: str, y: str, unit: str = "sample") -> WithinSampleCorrelation:
+    """Spearman ρ of ``y`` against ``x`` within each ``unit``, over its rows (one per configuration).
+
+    Parameters
+    ----------
+    rows : pandas.DataFrame
+        One row per (configuration, unit), with the columns ``unit``, ``x`` and ``y``; NaN pairs dropped.
+    x, y, unit : str
+        Column names.
+    """
+    rhos, x_constant, y_constant = [], 0, 0
+    for _, group in rows[[unit, x, y]].dropna().groupby(unit):
+        if len(group) < 3:
+            continue
+        x_values, y_values = group[x].to_numpy(dtype=float), group[y].to_numpy(dtype=float)
+        x_constant += int(np.ptp(x_values) == 0)
+        y_constant += int(np.ptp(y_values) == 0)
+        if np.ptp(x_values) > 0 and np.ptp(y_values) > 0:
+            rhos.append(float(stats.spearmanr(x_values, y_values).statistic))
+    values = np.asarray(rhos)
+    note = ""
+    if not rhos:
+        constant = [f"{name} is constant within {count} sample(s)" for name, count in ((x, x_constant), (y, y_constant))
+                    if count]
+        note = " and ".join(constant) or "no sample has 3 configurations with both values"
+    return WithinSampleCorrelation(x, y, len(rhos), float(values.mean()) if rhos else float("nan"),
+                                   float(np.median(values)) if rhos else float("nan"), int((values > 0).sum()),
+                                   x_constant, y_constant, note)
 
 
 def pareto_front(points: pd.DataFrame | Sequence[Mapping[str, float]], maximize: Sequence[str] = (),
@@ -190,7 +260,8 @@ class PairedComparison:
     The paired unit is a task (the paper's) or a held-out test sample (``unit`` names it). ``*_mean``/``*_sd``
     are the mean and sample standard deviation across seeds of the unit-averaged score; ``gain``, ``ci`` and
     ``p_value`` are over unit-level differences averaged over seeds; ``p_exact`` tells whether the sign-flip
-    p-value enumerated every sign assignment or sampled them.
+    p-value enumerated every sign assignment or sampled them. ``metric`` names what was compared and
+    ``higher_is_better`` its direction, which ``better_units``, ``better_seeds`` and ``verdict`` follow.
     """
 
     treatment: str
@@ -208,14 +279,31 @@ class PairedComparison:
     p_exact: bool
     better_units: int
     better_seeds: int
+    metric: str = "score"
+    higher_is_better: bool = True
 
     @property
     def gain(self) -> float:
+        """The mean paired difference, treatment minus control (not sign-flipped for lower-is-better metrics)."""
         return self.ci.estimate
+
+    @property
+    def tied(self) -> bool:
+        """Every paired unit scores the same under both configurations: the CI is [0, 0] and says nothing."""
+        return not any(self.differences)
+
+    @property
+    def verdict(self) -> str:
+        """The treatment ``better`` or ``worse`` (in the metric's direction) when the CI excludes 0, else
+        ``no significant difference``."""
+        if not self.ci.excludes_zero():
+            return "no significant difference"
+        return "better" if (self.gain > 0) == self.higher_is_better else "worse"
 
 
 def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: str = "task",
-                    n_resamples: int = 100_000, confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
+                    metric: str = "score", higher_is_better: bool = True, n_resamples: int = 100_000,
+                    confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
     """Compare two configurations across seeds and paired units, as in the paper's multi-seed evaluation.
 
     Each unit is averaged over seeds; the unit-level differences get a paired bootstrap CI and a sign-flip
@@ -225,15 +313,19 @@ def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: s
     Parameters
     ----------
     tidy : pandas.DataFrame
-        Columns ``config``, ``seed``, ``unit`` (the name given) and ``score``; repeated cells are averaged.
+        Columns ``config``, ``seed``, ``unit`` (the name given) and ``metric``; repeated cells are averaged.
     treatment, control : str
         Values of ``config`` to compare (e.g. ``paper_default`` and ``eviction_only``).
     unit : str
         The column that pairs the scores: ``task`` (the paper's) or e.g. ``sample`` (held-out test samples).
+    metric : str
+        The column compared (``score``, or e.g. ``answer_nll``).
+    higher_is_better : bool
+        The metric's direction (``grkv_core.config.HIGHER_IS_BETTER``): which sign of a difference is better.
     n_resamples, confidence, seed
         Passed to :func:`paired_bootstrap_ci` (and to :func:`sign_flip_test` beyond the exact size).
     """
-    cells = tidy.groupby(["config", "seed", unit])["score"].mean()
+    cells = tidy.groupby(["config", "seed", unit])[metric].mean()
     missing = [name for name in (treatment, control) if name not in cells.index.get_level_values("config")]
     if missing:
         raise KeyError(f"no scores for configuration(s) {missing}")
@@ -243,6 +335,7 @@ def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: s
     per_seed = paired.groupby(level="seed").mean()
     per_unit = paired.groupby(level=unit).mean()
     differences = (per_unit["treatment"] - per_unit["control"]).to_numpy()
+    sign = 1.0 if higher_is_better else -1.0  # NOTE: better means sign * (treatment - control) > 0
     return PairedComparison(
         treatment=treatment, control=control, unit=unit, seeds=tuple(per_seed.index), units=tuple(per_unit.index),
         differences=tuple(float(d) for d in differences),
@@ -251,6 +344,7 @@ def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: s
         ci=paired_bootstrap_ci(differences, n_resamples=n_resamples, confidence=confidence, seed=seed),
         p_value=sign_flip_test(differences, n_resamples=n_resamples, seed=seed),
         p_exact=len(differences) <= MAX_EXACT_SIGN_FLIP_UNITS,
-        better_units=int((differences > 0).sum()),
-        better_seeds=int((per_seed["treatment"] > per_seed["control"]).sum()),
+        better_units=int((sign * differences > 0).sum()),
+        better_seeds=int((sign * (per_seed["treatment"] - per_seed["control"]) > 0).sum()),
+        metric=metric, higher_is_better=higher_is_better,
     )
