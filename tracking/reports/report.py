@@ -612,25 +612,30 @@ def _importance_line(importance: Importance, top: int = 3) -> str:
 
 
 def headline(runs: SweepRuns, score: str = "mean_score") -> str:
-    """The sweep in a few lines: its id and status, the anchors (base press, paper default) and best trial, then
-    every configuration's score on the held-out test samples when the sweep has a test stage."""
+    """The sweep in a few lines: its id and status, the anchors (base press, paper default) and best trial on the
+    first objective, then every configuration's objective and ``score`` on the held-out test samples when the sweep
+    has a test stage."""
     lines = [f"GRKV sweep {runs.sweep_id} ({runs.parent_status}, {len(runs.trials)} finished trial(s))"]
     trials = runs.trials
-    if trials.empty or score not in trials:
+    objective = runs.objectives[0].metric if runs.objectives[0].metric in trials else score
+    if trials.empty or objective not in trials:
         return "\n".join(lines)
     anchors = []
     for name in (EVICTION_ONLY, PAPER_DEFAULT):
         row = runs.baseline_trial(name)
         if row is not None:
-            anchors.append(f"{name} (trial {int(row['trial_number'])}) {row[score]:.2f}")
-    best = trials.loc[trials[score].idxmax()]
+            anchors.append(f"{name} (trial {int(row['trial_number'])}) {metric_text(objective, row[objective])}")
+    values = trials[objective]
+    best = trials.loc[values.idxmax() if higher_is_better(objective) else values.idxmin()]
     searched = ["merge", *runs.search_space]
     settings = ", ".join(f"{p}={format_value(best[p], '{:.3g}')}" for p in searched if pd.notna(best.get(p)))
-    anchors.append(f"best trial {int(best['trial_number'])} {best[score]:.2f} ({settings})")
-    lines.append(f"{score}: " + "; ".join(anchors))
-    if runs.has_test_stage and score in runs.test_trials:
-        lines.append(f"{score} on {runs.test_sample_count} held-out test samples: " + "; ".join(
-            f"{row['configuration']} ({row['budget']:.0%}) {row[score]:.2f}" for _, row in runs.test_trials.iterrows()))
+    anchors.append(f"best trial {int(best['trial_number'])} {metric_text(objective, best[objective])} ({settings})")
+    lines.append(f"{objective}: " + "; ".join(anchors))
+    for metric in dict.fromkeys([objective, score]):
+        if runs.has_test_stage and metric in runs.test_trials:
+            lines.append(f"{metric} on {runs.test_sample_count} held-out test samples: " + "; ".join(
+                f"{row['configuration']} ({row['budget']:.0%}) {metric_text(metric, row[metric])}"
+                for _, row in runs.test_trials.iterrows()))
     return "\n".join(lines)
 
 
