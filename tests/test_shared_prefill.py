@@ -39,7 +39,8 @@ def sample():
 
 def configs_of(press: str) -> list[PressConfig]:
     """The full cache, the press alone, behind every merger, and behind GRKVs that differ in window, ridge, budget."""
-    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in MERGER_NAMES),
+    mergers = [merge for merge in MERGER_NAMES if not (merge == "kvpress_merging" and press in MASKING)]  # Scorer only
+    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers),
             PressConfig(press, RATIO, "grkv", {"window_size": 16, "lambda_k": 1.0, "safeguard": False}),
             PressConfig(press, 0.5, "grkv", {"steps": 2})]
 
