@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -131,6 +131,19 @@ def test_a_press_that_changes_the_layer_output_is_prefilled_alone(sample):
     assert torch.equal(shared.pressed[1].cache.layers[last].keys, alone.layers[last].keys)
     assert torch.equal(shared.pressed[0].cache.layers[last].keys, plain.layers[last].keys)
     assert not torch.equal(alone.layers[last].keys, plain.layers[last].keys)  # the odd press did change the forward
+
+
+def test_an_empty_context_is_refused_in_one_line(sample):
+    loaded = tiny_model("tiny-llama")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    presses = [None, PressConfig("snapkv", RATIO, "grkv").build()]
+    with pytest.raises(ValueError, match=r"^context_ids must be \(1, n\) with n >= 1 \(an empty context"):
+        prefill_shared(loaded.model, empty, presses)
+    with pytest.raises(ValueError, match=r"^context_ids must be \(batch, n\) with n >= 1 \(an empty context"):
+        prefill(loaded.model, empty, presses[1])
+    for config in (PressConfig("full", 0.0), PressConfig("snapkv", RATIO, "grkv")):
+        with pytest.raises(ValueError, match=r"^sample '.*' \(niah_single_1\) has an empty context: nothing to "):
+            Evaluator(loaded).evaluate_trials(replace(sample, context=" \n"), [config])
 
 
 def test_screening_measures_losses_without_generating(sample):
