@@ -17,9 +17,9 @@ import torch
 from kvpress import SnapKVPress
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import mergers_over, tiny_model
 from grkv_core.batched_decoding import answer_batch
-from grkv_core.config import EVICTION_PRESS_NAMES, MERGER_NAMES, PressConfig
+from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator, summarize
 from grkv_core.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
@@ -39,8 +39,7 @@ def sample():
 
 def configs_of(press: str) -> list[PressConfig]:
     """The full cache, the press alone, behind every merger, and behind GRKVs that differ in window, ridge, budget."""
-    mergers = [merge for merge in MERGER_NAMES if not (merge == "kvpress_merging" and press in MASKING)]  # Scorer only
-    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers),
+    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers_over(press)),
             PressConfig(press, RATIO, "grkv", {"window_size": 16, "lambda_k": 1.0, "safeguard": False}),
             PressConfig(press, 0.5, "grkv", {"steps": 2})]
 
