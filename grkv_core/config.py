@@ -20,7 +20,7 @@ from typing import Any
 EVICTION_PRESS_NAMES = ("snapkv", "pyramidkv", "streamingllm", "h2o", "expected_attention", "knorm", "criticalkv",
                         "adakv", "criticaladakv")
 FULL_CACHE = "full"
-MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger")
+MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger", "kvpress_merging")
 # "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
 # copies pinned to a revision).
 DATASETS = ("ruler", "ruler-hub", "longbench")

@@ -33,8 +33,9 @@ class Answer:
 
 def prefill(model: PreTrainedModel, context_ids: torch.Tensor, press=None) -> DynamicCache:
     """Run the decoder over ``context_ids`` (1, n) under ``press`` and return the (compressed) cache."""
-    if context_ids.ndim != 2:
-        raise ValueError(f"context_ids must be (batch, n), got shape {tuple(context_ids.shape)}")
+    if context_ids.ndim != 2 or context_ids.shape[1] == 0:
+        raise ValueError(f"context_ids must be (batch, n) with n >= 1 (an empty context has nothing to prefill), got "
+                         f"shape {tuple(context_ids.shape)}")
     cache = DynamicCache()
     with press(model) if press is not None else contextlib.nullcontext(), torch.inference_mode():
         model.model(input_ids=context_ids.to(model.device), past_key_values=cache)
@@ -171,6 +172,8 @@ def tokenize_sample(tokenizer, sample: EvalSample,
     Returns (1, n) prefill ids and one (1, q) tensor per question (question + template tail + answer prefix; under
     the query-aware protocol the template tail and answer prefix alone).
     """
+    if not sample.context.strip():
+        raise ValueError(f"sample {sample.sample_id!r} ({sample.task}) has an empty context: nothing to compress")
     context, questions = render_sample(tokenizer, sample, protocol)
     encode = lambda text: torch.tensor([tokenizer.encode(text, add_special_tokens=False)])  # noqa: E731
     return encode(context), [encode(question) for question in questions]

@@ -17,11 +17,13 @@ from kvpress import (
     KnormPress,
     ObservedAttentionPress,
     PyramidKVPress,
+    ScorerPress,
     SnapKVPress,
     StreamingLLMPress,
 )
+from kvpress import MergingPress as KVPressMergingPress
 
-from grkv_core.config import PAPER_WINDOW, PROTOCOLS, PressConfig
+from grkv_core.config import PAPER_WINDOW, PROTOCOLS, OptionSpec, PressConfig
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
@@ -58,11 +60,30 @@ MERGERS: dict[str, type[BasePress] | None] = {
     "d2o": D2OPress,
     "asymkv": AsymKVPress,
     "kvmerger": KVMergerPress,
+    # NOTE: kvpress's own merger (0.5.4+): each evicted value folded into its most key-similar survivor, keys kept.
+    "kvpress_merging": KVPressMergingPress,
+}
+
+# NOTE: kvpress's MergingPress checks its options with asserts and takes a ScorerPress only; these specs (and
+# build_press's base check) refuse bad values in one line, as our mergers do.
+MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
+    "kvpress_merging": {
+        "similarity_threshold": OptionSpec("minimum key cosine similarity of an evicted token to its survivor for its "
+                                           "value to be merged", float, low=0.0, high=1.0),
+        "merge_fraction": OptionSpec("fraction of the evicted tokens, most similar first, whose values are merged",
+                                     float, low=0.0, high=1.0, low_open=True),
+    },
 }
 
 
 # NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
 MERGING_TYPES = tuple(merger for merger in MERGERS.values() if merger is not None)
+
+
+def merger_option_names(merge: str) -> list[str]:
+    """The options of a merger by name: its fields but the base press and the budget (the base press's)."""
+    merger = MERGERS[merge]
+    return [item.name for item in fields(merger) if item.name not in ("press", "compression_ratio")] if merger else []
 
 
 def required_attention(press_name: str) -> str | None:
@@ -116,10 +137,16 @@ def build_press(
         if merge_options:
             raise ValueError(f"merge 'none' takes no options, got {sorted(merge_options)}")
         return base
-    allowed = {f.name for f in fields(merger)} - {"press"}
+    allowed = set(merger_option_names(merge))
     unknown = set(merge_options) - allowed
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {merge!r}; valid: {sorted(allowed)}")
+    for name, spec in MERGER_OPTION_SPECS.get(merge, {}).items():
+        if name in merge_options:
+            spec.check(name, merge_options[name])
+    if merger is KVPressMergingPress and not isinstance(base, ScorerPress):
+        raise ValueError(f"merge {merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press {press!r} "
+                         f"({type(base).__name__}) is not one")
     return merger(press=base, **merge_options)
 
 

@@ -149,8 +149,9 @@ def prefill_shared(model: PreTrainedModel, context_ids: torch.Tensor,
 
     NOTE: memory holds the full cache plus every press's compressed cache at once.
     """
-    if context_ids.ndim != 2 or context_ids.shape[0] != 1:
-        raise ValueError(f"context_ids must be (1, n), got shape {tuple(context_ids.shape)}")
+    if context_ids.ndim != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
+        raise ValueError(f"context_ids must be (1, n) with n >= 1 (an empty context has nothing to prefill), got shape "
+                         f"{tuple(context_ids.shape)}")
     if not presses:
         raise ValueError("prefill_shared needs at least one press (None for the full cache)")
     shared = [index for index, press in enumerate(presses) if shares_prefill(press)]

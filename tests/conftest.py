@@ -5,9 +5,12 @@ import socket
 from pathlib import Path
 
 import torch
+from kvpress import ScorerPress
 
+from grkv_core.config import MERGER_NAMES
 from grkv_core.generation import prefill
 from grkv_core.models import LoadedModel, load_model
+from grkv_core.registry import EVICTION_PRESSES
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,3 +65,10 @@ def sqlite_tracking_store(root: Path, experiment: str) -> str:
     uri = f"sqlite:///{root}/mlflow.db"
     MlflowClient(uri).create_experiment(experiment, artifact_location=(Path(root) / "artifacts").as_uri())
     return uri
+
+
+def mergers_over(press: str) -> list[str]:
+    """The merger names that take the eviction press ``press`` as their base: every one, but kvpress's own
+    ``kvpress_merging`` takes a ScorerPress only (not AdaKV or CriticalAdaKV)."""
+    return [merge for merge in MERGER_NAMES
+            if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press](0.5), ScorerPress)]

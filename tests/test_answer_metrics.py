@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import mergers_over, tiny_model
 from grkv_core.answer_metrics import reference_ids, reference_text
-from grkv_core.config import EVICTION_PRESS_NAMES, MERGER_NAMES, PROTOCOLS, QUERY_AWARE, EvalConfig, PressConfig
+from grkv_core.config import EVICTION_PRESS_NAMES, PROTOCOLS, QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples
 from grkv_core.evaluate import Evaluator, SampleResult, depth_bin, summarize
 from grkv_core.generation import answer_position, prefill, render_sample, tokenize_sample
@@ -97,7 +97,7 @@ def test_answer_metrics_match_a_float64_teacher_forced_reference(samples, float6
 
 
 def configs_of(press: str) -> list[PressConfig]:
-    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in MERGER_NAMES),
+    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers_over(press)),
             PressConfig(press, 0.5, "grkv", {"window_size": 16})]
 
 

@@ -303,14 +303,49 @@ def test_baselines_are_registered_and_take_their_options_by_name():
         build_press("snapkv", 0.5, merge="kvmerger", treshold=0.3)
 
 
-@pytest.mark.parametrize("press_class,field,value", [
+BAD_OPTIONS = [
     (CaMPress, "merge_budget", 0), (CaMPress, "window_size", 1.5), (D2OPress, "threshold", 1.5),
     (D2OPress, "threshold", float("nan")), (D2OPress, "candidate_range", 0), (KVMergerPress, "threshold", -2),
     (KVMergerPress, "sigma", 0.0),
-])
+]
+
+
+@pytest.mark.parametrize("press_class,field,value", BAD_OPTIONS)
 def test_bad_options_raise_value_error_naming_the_field(press_class, field, value):
     with pytest.raises(ValueError, match=field):
         press_class(press=base(), **{field: value})
+
+
+@pytest.mark.parametrize("press_class,field,value", BAD_OPTIONS)
+def test_bad_options_set_after_construction_are_refused_when_the_press_compresses(press_class, field, value):
+    model = tiny_model("tiny-llama").model
+    press = press_class(press=base())
+    setattr(press, field, value)
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        prefill(model, context_ids(model.config.vocab_size), press)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("merge", ["grkv", *BASELINES])
+def test_a_non_finite_cache_row_leaves_its_head_unmerged_and_merges_the_others(merge, bad):
+    """A NaN or inf in one evicted row of one head: that head keeps the base press's rows as eviction leaves them
+    (a merge would spread the entry over kept rows), with a warning; the other heads merge as without it."""
+    model = tiny_model("tiny-llama").model
+    press = build_press("snapkv", RATIO, merge=merge, **MERGE_ALL.get(merge, {"target_from_forward": False}))
+    calls = record_compress(press)
+    prefill(model, context_ids(model.config.vocab_size, seed=5), press)
+    (module, hidden_states, keys, values, attentions, kwargs), (clean_keys, clean_values) = calls[0]
+    evicted = next(position for position in range(CONTEXT) if position not in module.kept_positions[0, 1].tolist())
+    keys = keys.clone()
+    keys[0, 1, evicted, 0] = bad
+    with pytest.warns(RuntimeWarning, match=rf"^{type(press).__name__}: some \(batch, head\) caches hold a NaN"):
+        merged_keys, merged_values = press.compress(module, hidden_states, keys, values, attentions, kwargs)
+    kept = module.kept_positions  # NOTE: the base press's choice for the bad head may change (SnapKV scores it NaN)
+    assert torch.equal(merged_keys[0, 1], keys[0, 1, kept[0, 1]])
+    assert torch.equal(merged_values[0, 1], values[0, 1, kept[0, 1]])
+    torch.testing.assert_close(merged_keys[0, 0], clean_keys[0, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged_values[0, 0], clean_values[0, 0], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(merged_values[0, 0], values[0, 0, kept[0, 0]]), "the finite head is merged"
 
 
 @pytest.mark.parametrize("press_class", [CaMPress, D2OPress, AsymKVPress, KVMergerPress])

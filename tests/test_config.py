@@ -61,10 +61,12 @@ def test_grkv_press_fields_are_exactly_the_options():
     from dataclasses import fields
 
     from grkv_core.presses.grkv import GRKVPress
+    from grkv_core.registry import merger_option_names
 
     press_fields = {f.name: f.default for f in fields(GRKVPress)}
     assert {name: press_fields[name] for name in GRKV_OPTION_SPECS} == GRKV_DEFAULTS
-    assert set(press_fields) - set(GRKV_OPTION_SPECS) == {"press"}
+    assert set(press_fields) - set(GRKV_OPTION_SPECS) == {"press", "compression_ratio"}  # the base press, its budget
+    assert merger_option_names("grkv") == list(GRKV_OPTION_SPECS)
 
 
 @pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))

@@ -164,7 +164,7 @@ def test_cli_bad_arguments_end_in_one_line(arguments, message):
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-@pytest.mark.parametrize("merge", ["cam", "d2o", "asymkv", "kvmerger"])
+@pytest.mark.parametrize("merge", ["cam", "d2o", "asymkv", "kvmerger", "kvpress_merging"])
 def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     result = Evaluator(tiny, heldout_tokens=2).evaluate_sample(samples[0], PressConfig("snapkv", 0.75, merge))
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None

@@ -1,22 +1,26 @@
 """Every merger at home in kvpress: its pipeline, ``model.generate``, its wrappers, its cache order, and the press
-properties kvpress checks for its own presses, over every merger (registry) × several base presses."""
+properties kvpress checks for its own presses, over every merger (registry, kvpress's own MergingPress included) ×
+several base presses, and every kvpress wrapper around our mergers."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import re
 import statistics
 
 import pytest
 import torch
-from kvpress import (ChunkKVPress, ChunkPress, ComposedPress, CriticalKVPress, AdaKVPress, DecodingPress,
-                     KeyRerotationPress, KnormPress, PerLayerCompressionPress, PrefillDecodingPress,
-                     ThinKPress)
+from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
+                     CriticalKVPress, DecodingPress, DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress,
+                     PrefillDecodingPress, SnapKVPress, ThinKPress)
+from kvpress import MergingPress as KVPressMergingPress
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache, pipeline
 
 from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill
+from grkv_core.presses import MergingPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
 from grkv_core.shared_prefill import attention_modules
@@ -24,7 +28,18 @@ from conftest import assert_batch_elements_compressed_independently, tiny_model
 from test_baselines import MERGE_ALL
 
 MERGER_NAMES = [name for name, merger in MERGERS.items() if merger is not None]
+# Ours: the mergers built on grkv_core's MergingPress template (all but kvpress's own, "kvpress_merging").
+OUR_MERGERS = [name for name in MERGER_NAMES if issubclass(MERGERS[name], MergingPress)]
 BASE_PRESSES = ["snapkv", "pyramidkv", "adakv", "criticalkv", "streamingllm", "knorm", "expected_attention"]
+
+
+def bases_of(name, bases=BASE_PRESSES):
+    """The base presses a merger takes among ``bases``: kvpress's MergingPress takes a ScorerPress only (no AdaKV)."""
+    return [base for base in bases if name in OUR_MERGERS or base not in NOT_EAGER]
+
+
+def merger_base_pairs(bases=BASE_PRESSES):
+    return [(name, base) for name in MERGER_NAMES for base in bases_of(name, bases)]
 CONTEXT, QUESTION, RATIO = 160, 32, 0.75
 
 
@@ -119,7 +134,7 @@ def test_model_generate_decodes_over_the_merged_prompt_cache(name):
 # ------------------------------------------------------------------------------------------------ wrappers
 
 
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name", OUR_MERGERS)
 def test_per_layer_ratios_are_honoured_by_the_merger(name):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=1)
@@ -144,7 +159,7 @@ def test_a_layer_whose_ratio_is_zero_keeps_its_full_cache():
     assert cache_lengths(merged)[1] == compute_n_kept(CONTEXT, 0.75)
 
 
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name", OUR_MERGERS)
 def test_chunk_press_keeps_the_tokens_kvpress_keeps(name):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=2)
@@ -172,7 +187,7 @@ def test_a_merger_first_in_kvpress_compositions_merges_as_alone(name):
     assert cache_lengths(prefill(model, ids, then_knorm)) == [compute_n_kept(compute_n_kept(CONTEXT, RATIO), 0.5)] * 2
 
 
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name", OUR_MERGERS)
 def test_a_merger_after_another_press_is_refused_at_its_first_layer(name):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=3)
@@ -181,7 +196,7 @@ def test_a_merger_after_another_press_is_refused_at_its_first_layer(name):
         prefill(model, ids, press)
 
 
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name", OUR_MERGERS)
 @pytest.mark.parametrize("base,reason", [
     (lambda: DecodingPress(base_press=KnormPress()), "compresses while decoding"),
     (lambda: PrefillDecodingPress(prefilling_press=KnormPress(0.5)), "compose the other way round"),
@@ -196,26 +211,108 @@ def test_unsupported_base_presses_are_refused_with_the_reason(name, base, reason
         MERGERS[name](press=base())
 
 
-@pytest.mark.parametrize("wrapper", [
-    lambda press: PerLayerCompressionPress(press=press, compression_ratios=[0.5, 0.5]),
-    lambda press: DecodingPress(base_press=press),
-    lambda press: KeyRerotationPress(press=press),
-    lambda press: ChunkPress(press=press),
-    lambda press: ChunkKVPress(press=press),
-    lambda press: CriticalKVPress(press=press),
-    lambda press: AdaKVPress(press=press),
-], ids=["per_layer", "decoding", "key_rerotation", "chunk", "chunkkv", "criticalkv", "adakv"])
-def test_kvpress_wrappers_refuse_a_merger_when_built(wrapper):
-    """kvpress's wrappers take a ScorerPress and check it when built, so none can silently evict without merging;
-    the merger wraps them instead (the tests above)."""
-    with pytest.raises(AssertionError):
-        wrapper(merger("grkv"))
+@pytest.mark.parametrize("ratios", [[0.5, 0.5], [0.5, 0.75], [0.0, 0.9]])
+@pytest.mark.parametrize("name", OUR_MERGERS)
+def test_per_layer_compression_press_around_a_merger_merges_to_each_layers_budget(name, ratios):
+    """kvpress's PerLayerCompressionPress sets the merger's ratio (its base press's) layer by layer and runs the
+    merger's own hook: the cache of the other spelling, the wrapper inside the merger, up to float rounding."""
+    model = tiny_model("tiny-llama").model
+    ids = token_ids(model.config.vocab_size, seed=1)
+    around = PerLayerCompressionPress(exact_merger_over(name, SnapKVPress(compression_ratio=0.5)),
+                                      compression_ratios=ratios)
+    cache = prefill(model, ids, around)
+    assert cache_lengths(cache) == [compute_n_kept(CONTEXT, ratio) for ratio in ratios]
+    assert around.press.compression_ratio == 0.5, "the wrapper puts the merger's own ratio back"
+    inside = exact_merger_over(name, PerLayerCompressionPress(press=SnapKVPress(), compression_ratios=ratios))
+    assert_same_caches(cache, prefill(model, ids, inside))
+    evicted = prefill(model, ids, PerLayerCompressionPress(press=SnapKVPress(), compression_ratios=ratios))
+    assert not torch.equal(cache.layers[1].values.sort(dim=2).values, evicted.layers[1].values.sort(dim=2).values)
+
+
+@pytest.mark.parametrize("name", OUR_MERGERS)
+def test_a_layer_given_ratio_one_keeps_no_token_as_kvpress_does(name):
+    """kvpress keeps no token of a layer whose ratio is 1 (``compute_n_kept``); a merger has nothing to merge into
+    there and leaves the layer empty too, under either spelling. A question is still answered over such a cache."""
+    model = tiny_model("tiny-llama").model
+    ids = token_ids(model.config.vocab_size, seed=1)
+    ratios = [1.0, 0.75]
+    evicted = prefill(model, ids, PerLayerCompressionPress(press=SnapKVPress(), compression_ratios=ratios))
+    around = PerLayerCompressionPress(merger_over(name, SnapKVPress(compression_ratio=0.5)), compression_ratios=ratios)
+    inside = merger_over(name, PerLayerCompressionPress(press=SnapKVPress(), compression_ratios=ratios))
+    for press in (around, inside):
+        cache = prefill(model, ids, press)
+        assert cache_lengths(cache) == cache_lengths(evicted) == [0, compute_n_kept(CONTEXT, 0.75)]
+        assert torch.isfinite(question_logits(model, cache, ids[:, :QUESTION])).all()
+
+
+@pytest.mark.parametrize("value", [1.5, -0.5, "0.5"])
+@pytest.mark.parametrize("name", OUR_MERGERS)
+def test_a_base_ratio_outside_zero_one_is_refused_in_one_line(name, value):
+    model = tiny_model("tiny-llama").model
+    ids = token_ids(model.config.vocab_size, seed=1)
+    press = merger(name)
+    with pytest.raises(ValueError, match=r"^[A-Za-z0-9]+Press\.compression_ratio must be a number in \[0, 1\]") as error:
+        press.compression_ratio = value
+    assert "\n" not in str(error.value)
+    press.press.compression_ratio = value  # set on the base press itself: refused when the merger compresses
+    with pytest.raises(ValueError, match=r"^SnapKVPress\.compression_ratio must be a number in \[0, 1\]"):
+        prefill(model, ids, press)
+
+
+def test_a_merger_takes_its_budget_as_a_keyword_and_shares_it_with_its_base_press():
+    base = SnapKVPress()
+    press = MERGERS["grkv"](base, compression_ratio=0.6)
+    assert press.compression_ratio == base.compression_ratio == 0.6
+    press.compression_ratio = 0.25
+    assert base.compression_ratio == 0.25
+    assert "compression_ratio" not in repr(press).replace(repr(base), "")
+
+
+# kvpress's wrappers that select tokens from the inner press's ``score`` (or call its ``compress`` while decoding),
+# and the spelling the refusal names: the wrapper inside the merger where that works, else why it does not.
+SELECTING_WRAPPERS = [
+    (lambda press: ChunkPress(press=press, chunk_length=48), "use {merger}(ChunkPress(...))"),
+    (lambda press: AdaKVPress(press=press), "use {merger}(AdaKVPress(...))"),
+    (lambda press: CriticalKVPress(press=press), "use {merger}(CriticalKVPress(...))"),
+    (lambda press: CriticalAdaKVPress(press=press), "use {merger}(CriticalAdaKVPress(...))"),
+    (lambda press: DMSPress(press=press, threshold=0.0, sliding_window_size=32), "{merger} cannot wrap it either"),
+    (lambda press: BlockPress(press=press, block_size=32), "{merger} cannot wrap it either"),
+    (lambda press: KeyRerotationPress(press=press), "moves the kept keys to new positions"),
+    (lambda press: ChunkKVPress(press=press), "ChunkPress is supported"),
+    (lambda press: KVPressMergingPress(press=press), "a merger cannot wrap another merger"),
+]
+
+
+@pytest.mark.parametrize("wrapper,advice", SELECTING_WRAPPERS,
+                         ids=["chunk", "adakv", "criticalkv", "criticaladakv", "dms", "block", "key_rerotation",
+                              "chunkkv", "kvpress_merging"])
+@pytest.mark.parametrize("name", OUR_MERGERS)
+def test_kvpress_wrappers_that_would_select_without_merging_are_refused_in_one_line(name, wrapper, advice):
+    model = tiny_model("tiny-llama").model
+    press = wrapper(merger(name, ratio=0.5))
+    merger_class, wrapper_class = type(press.press).__name__, type(press).__name__
+    with pytest.raises(ValueError) as error:
+        prefill(model, token_ids(model.config.vocab_size), press)
+    message = str(error.value)
+    assert message.startswith(f"{wrapper_class}({merger_class}(...)) would select tokens itself, without merging them;")
+    assert advice.format(merger=merger_class) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name", OUR_MERGERS)
+def test_decoding_press_around_a_merger_is_refused_naming_prefill_decoding_press(name):
+    model = tiny_model("tiny-llama").model
+    press = DecodingPress(base_press=merger(name), compression_interval=2, target_size=24)
+    with pytest.raises(ValueError, match=re.escape(f"DecodingPress({type(press.base_press).__name__}(...)) would "
+                                                   "compress the cache while decoding") + ".*use PrefillDecodingPress"):
+        with torch.inference_mode(), press(model):
+            model.generate(token_ids(model.config.vocab_size), past_key_values=DynamicCache(), max_new_tokens=4,
+                           min_new_tokens=4, do_sample=False)
 
 
 # ------------------------------------------------------------------------------------------------- order
 
 
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name", OUR_MERGERS)
 def test_merged_rows_come_in_position_order_and_attention_ignores_the_order(name):
     loaded = tiny_model("tiny-llama")
     model = loaded.model
@@ -254,8 +351,7 @@ def test_cam_keeps_kvpress_keys_once_rows_are_aligned_by_position():
 # ---------------------------------------------------------------------- press properties, merger × base press
 
 
-@pytest.mark.parametrize("base", BASE_PRESSES)
-@pytest.mark.parametrize("name", MERGER_NAMES)
+@pytest.mark.parametrize("name,base", merger_base_pairs())
 def test_merging_keeps_the_base_budget_and_changes_the_cache(name, base):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=5)
@@ -318,8 +414,10 @@ def heldout_discrepancy(model, context_ids, press, heldout):
 # architectures): GRKV 0.03-0.72 and D2O (every token merged) 0.08-0.30, below eviction every time; AsymKV and
 # KVMerger 0.08-1.14, below on most base presses but not all (averaging a gap into a neighbour can move a kept
 # token away from what the queries need); CaM 2.9-14: it adds attention-scaled evicted values onto the kept ones
-# without renormalising, which inflates the outputs where attention is spread out, as on random models.
-BELOW_EVICTION = {"grkv": max, "d2o": max, "asymkv": statistics.median, "kvmerger": statistics.median, "cam": max}
+# without renormalising, which inflates the outputs where attention is spread out, as on random models. kvpress's
+# MergingPress (6 ScorerPress bases, tiny-llama): 0.27-0.33, below eviction every time.
+BELOW_EVICTION = {"grkv": max, "d2o": max, "asymkv": statistics.median, "kvmerger": statistics.median, "cam": max,
+                  "kvpress_merging": max}
 
 
 @pytest.mark.parametrize("name", [
@@ -335,9 +433,10 @@ def test_merging_preserves_more_than_eviction_on_held_out_queries(name):
     ids = token_ids(model.config.vocab_size, length=CONTEXT + QUESTION, seed=6)
     heldout = heldout_question_set(model, ids, CONTEXT)
     context_ids = ids[:, :CONTEXT]
+    bases = bases_of(name)
     ratios = [heldout_discrepancy(model, context_ids, merger(name, base), heldout)
-              / heldout_discrepancy(model, context_ids, build_press(base, RATIO), heldout) for base in BASE_PRESSES]
-    assert BELOW_EVICTION[name](ratios) < 1, dict(zip(BASE_PRESSES, ratios))
+              / heldout_discrepancy(model, context_ids, build_press(base, RATIO), heldout) for base in bases]
+    assert BELOW_EVICTION[name](ratios) < 1, dict(zip(bases, ratios))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -345,7 +444,7 @@ def test_merging_preserves_more_than_eviction_on_held_out_queries(name):
 def test_half_precision_merges_stay_finite(name, dtype):
     model = tiny_model("tiny-llama", "sdpa", dtype).model
     ids = token_ids(model.config.vocab_size, seed=7)
-    for base in ["snapkv", "adakv"]:
+    for base in bases_of(name, ["snapkv", "adakv"]):
         cache = prefill(model, ids, merger(name, base))
         try:
             for layer in cache.layers:
@@ -358,8 +457,8 @@ def test_half_precision_merges_stay_finite(name, dtype):
                 module.masked_key_indices = None
 
 
-@pytest.mark.parametrize("base", sorted(set(BASE_PRESSES) - {"snapkv"}))  # SnapKV: test_press, test_baselines
-@pytest.mark.parametrize("name", MERGER_NAMES)
+# SnapKV: test_press, test_baselines
+@pytest.mark.parametrize("name,base", merger_base_pairs(sorted(set(BASE_PRESSES) - {"snapkv"})))
 def test_batch_elements_are_merged_independently_over_every_base(name, base):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, batch=2, seed=8)

@@ -1,6 +1,7 @@
 """GRKVPress over every supported base press on tiny random Llama, Mistral and Qwen3 models with GQA."""
 
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -8,8 +9,10 @@ import warnings
 
 import pytest
 import torch
+from kvpress import ComposedPress
 from kvpress.utils import compute_n_kept
 
+from grkv_core.config import GRKV_OPTION_SPECS
 from grkv_core.diagnostics.losses import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
@@ -195,6 +198,22 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
 def test_bad_press_options_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         GRKVPress(press=build_press("snapkv", RATIO), **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("window_size", 0), ("max_rel_update_k", -1.0), ("beta", 5), ("n_sink", -3), ("layers_per_solve", 0),
+    ("accept", "best"),
+])
+def test_options_changed_after_construction_are_refused_when_the_press_is_used(field, value):
+    model = tiny_model("tiny-llama").model
+    ids = context_ids(model.config.vocab_size)
+    press = GRKVPress(press=build_press("snapkv", RATIO))
+    setattr(press, field, value)
+    expected = "^" + re.escape(f"{field} must be {GRKV_OPTION_SPECS[field].describe()}, got {value!r}") + "$"
+    with pytest.raises(ValueError, match=expected):  # its own context manager, before any layer runs
+        prefill(model, ids, press)
+    with pytest.raises(ValueError, match=expected):  # inside a kvpress wrapper: when it compresses
+        prefill(model, ids, ComposedPress(presses=[press]))
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "0.5", None])

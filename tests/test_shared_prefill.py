@@ -10,16 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 from kvpress import SnapKVPress
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import mergers_over, tiny_model
 from grkv_core.batched_decoding import answer_batch
-from grkv_core.config import EVICTION_PRESS_NAMES, MERGER_NAMES, PressConfig
+from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator, summarize
 from grkv_core.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
@@ -39,7 +39,7 @@ def sample():
 
 def configs_of(press: str) -> list[PressConfig]:
     """The full cache, the press alone, behind every merger, and behind GRKVs that differ in window, ridge, budget."""
-    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in MERGER_NAMES),
+    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers_over(press)),
             PressConfig(press, RATIO, "grkv", {"window_size": 16, "lambda_k": 1.0, "safeguard": False}),
             PressConfig(press, 0.5, "grkv", {"steps": 2})]
 
@@ -130,6 +130,19 @@ def test_a_press_that_changes_the_layer_output_is_prefilled_alone(sample):
     assert torch.equal(shared.pressed[1].cache.layers[last].keys, alone.layers[last].keys)
     assert torch.equal(shared.pressed[0].cache.layers[last].keys, plain.layers[last].keys)
     assert not torch.equal(alone.layers[last].keys, plain.layers[last].keys)  # the odd press did change the forward
+
+
+def test_an_empty_context_is_refused_in_one_line(sample):
+    loaded = tiny_model("tiny-llama")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    presses = [None, PressConfig("snapkv", RATIO, "grkv").build()]
+    with pytest.raises(ValueError, match=r"^context_ids must be \(1, n\) with n >= 1 \(an empty context"):
+        prefill_shared(loaded.model, empty, presses)
+    with pytest.raises(ValueError, match=r"^context_ids must be \(batch, n\) with n >= 1 \(an empty context"):
+        prefill(loaded.model, empty, presses[1])
+    for config in (PressConfig("full", 0.0), PressConfig("snapkv", RATIO, "grkv")):
+        with pytest.raises(ValueError, match=r"^sample '.*' \(niah_single_1\) has an empty context: nothing to "):
+            Evaluator(loaded).evaluate_trials(replace(sample, context=" \n"), [config])
 
 
 def test_screening_measures_losses_without_generating(sample):

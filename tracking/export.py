@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +17,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, QUESTION_AGNOSTIC, TEST_STAGE, PressConfig
-from grkv_core.registry import MERGERS, PRESS_FILE_FIELDS, PROTOCOL_FIELD
+from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD, merger_option_names
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 
 
@@ -43,9 +43,8 @@ def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
     """The press configuration a finished trial or test run ran, from its params (every field of its merger)."""
     params = {name: parse_param(text) for name, text in client.get_run(run_id).data.params.items()}
     merge = params["merge"]
-    option_names = [item.name for item in fields(MERGERS[merge]) if item.name != "press"] if MERGERS[merge] else []
     return PressConfig(params["press"], params["compression_ratio"], merge,
-                       {name: params[name] for name in option_names})
+                       {name: params[name] for name in merger_option_names(merge)})
 
 
 def _ranked(frame: pd.DataFrame, metric: str, maximize: bool, tie_break: pd.Series | None = None) -> pd.DataFrame:

@@ -55,8 +55,7 @@ class CaMPress(LocalMergePress):
     merge_budget: int = 32
     window_size: int = 32
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_options(self) -> None:
         for name in ("merge_budget", "window_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -53,8 +53,7 @@ class D2OPress(LocalMergePress):
     threshold: float = 0.5
     candidate_range: int | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_options(self) -> None:
         check_threshold("threshold", self.threshold)
         if self.candidate_range is not None and (
             not isinstance(self.candidate_range, int) or isinstance(self.candidate_range, bool)

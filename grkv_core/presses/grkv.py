@@ -91,7 +91,6 @@ class GRKVPress(GRKVOptions, MergingPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.check_options()
         # NOTE: the window's attention outputs and q_proj outputs, per layer, kept on the press itself (never on the
         # shared attention modules), so that several GRKV presses can share one prefill without reading each other's.
         self._window_outputs: dict[int, torch.Tensor] = {}

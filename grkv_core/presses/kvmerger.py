@@ -57,8 +57,7 @@ class KVMergerPress(LocalMergePress):
     threshold: float = 0.75
     sigma: float | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_options(self) -> None:
         check_threshold("threshold", self.threshold)
         if self.sigma is not None and not (
             isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0

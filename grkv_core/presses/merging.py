@@ -7,30 +7,41 @@ with per-head budgets (kvpress masks the evicted entries; the merged kept rows a
 A press supplies only ``merge_selected`` and, when its merge reads more than the cache (surrogate queries,
 attention weights), ``layer_context`` and ``head_context``.
 
-Composition with kvpress's wrappers: a merger wraps its base press, never the other way round (kvpress's
-wrappers accept only a ``ScorerPress`` and refuse a merger when they are built). As the base,
-``PerLayerCompressionPress`` (per-layer ratios) and ``ChunkPress`` work; around a merger,
-``ComposedPress([merger, ...])`` (the merger first) and ``PrefillDecodingPress(prefilling_press=merger, ...)``
-work. The other wrappers are refused with the reason (``selection.unsupported_base_press_reason``).
+Composition with kvpress's wrappers. A merger is a ``ScorerPress`` (kvpress's wrappers accept only those) whose
+budget, ``compression_ratio``, is its base press's. Wrappers that run a press through its own hook or ``compress``
+work around a merger: ``PerLayerCompressionPress`` (it sets the ratio layer by layer), ``ComposedPress([merger,
+...])`` (the merger first) and ``PrefillDecodingPress(prefilling_press=merger, ...)``. Wrappers that ask a press for
+its ``score`` and select the tokens themselves (``ChunkPress``, ``AdaKVPress``, ``DMSPress``, ``KeyRerotationPress``,
+...) would evict without merging, and so would ``DecodingPress``, which calls ``compress`` while decoding: the
+merger refuses them at their first layer, naming the spelling that works (``ChunkPress`` and ``AdaKVPress`` work as
+the base press, inside the merger). Other base presses are refused with the reason
+(``selection.unsupported_base_press_reason``).
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvpress import BasePress
+from kvpress import BasePress, ScorerPress
+from kvpress import MergingPress as KVPressMergingPress
+from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from grkv_core.config import is_number
-from grkv_core.presses.selection import (SUPPORTED_BASE_PRESSES, TokenSelection, compression_ratio_of, select_tokens,
+from grkv_core.presses.selection import (MASKING_PRESSES, SELECTION_WRAPPERS, SUPPORTED_BASE_PRESSES, TokenSelection,
+                                         check_compression_ratio, compression_ratio_of, select_tokens,
                                          unsupported_base_press_reason)
+
+# kvpress's own merger: like ours, it keeps a ScorerPress's tokens and merges the evicted ones into them.
+KVPRESS_MERGERS = (KVPressMergingPress,)
 
 
 @dataclass
-class MergingPress(BasePress):
+class MergingPress(ScorerPress):
     """Base of every press that keeps a base eviction press's tokens and merges the evicted ones into them.
 
     It owns the base press (validates it, forwards model set-up, exposes its ``compression_ratio``) and the
@@ -49,30 +60,56 @@ class MergingPress(BasePress):
     and keep what they observe on the press, not on the shared modules. The trial engine relies on it to let
     several presses share one prefill (``grkv_core.shared_prefill``).
 
+    NOTE: options are checked when the press is built and again whenever it compresses (``check_options``), so an
+    option changed after construction is refused in one line instead of failing deep in a merge.
+
     Parameters
     ----------
     press : BasePress
         The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
         CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
         first seven. Its ``compression_ratio`` sets the budget.
+    compression_ratio : float, optional
+        The base press's ``compression_ratio``, read and written through (keyword only); given, it sets the base
+        press's. A number in [0, 1]: 1 keeps no token of a layer, as in kvpress.
     """
 
     press: BasePress = None
+    # NOTE: ScorerPress's field, redeclared keyword-only so that ``press`` stays the first positional argument; the
+    # property assigned after the class replaces it as an attribute (kvpress's PerLayerCompressionPress looks for
+    # the parameter, then sets the attribute layer by layer).
+    compression_ratio: float | None = field(default=None, kw_only=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.press, MergingPress):
-            reason = "a merger keeps the tokens an eviction press selects, and a merger selects none"
-        else:
-            reason = unsupported_base_press_reason(self.press)
+        inner, reason = self.press, None
+        while inner is not None and reason is None:
+            if isinstance(inner, (MergingPress, KVPRESS_MERGERS)):
+                reason = "a merger keeps the tokens an eviction press selects, and a merger selects none"
+            inner = getattr(inner, "press", None)
+        reason = reason or unsupported_base_press_reason(type(self.press))
         if reason is not None:
             raise ValueError(f"press must be {SUPPORTED_BASE_PRESSES}; got {type(self.press).__name__}: {reason}")
+        requested_ratio = vars(self).pop("_requested_compression_ratio", None)
+        if requested_ratio is not None:
+            self.compression_ratio = requested_ratio
+        self.check_options()
+
+    def check_options(self) -> None:
+        """Raise a ValueError naming the first option whose value is not accepted (none here; subclasses add theirs)."""
 
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
 
+    def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Refused: only a kvpress wrapper that selects tokens itself asks a press for scores, which would evict
+        without merging (a merger's choice is its base press's; wrap that instead)."""
+        raise ValueError(_wrapper_refusal(self, "would select tokens itself, without merging them"))
+
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager, refusing padded batches before any layer runs."""
+        """kvpress's context manager, refusing bad options and padded batches before any layer runs."""
+        self.check_options()
         language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
         guard = language_model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
         try:
@@ -146,24 +183,53 @@ class MergingPress(BasePress):
         Returns (B, H_kv, c, d) tensors for a uniform budget, rows in increasing position order, else
         (B, H_kv, n, d) with the kept rows merged (evicted rows stay in place, masked by kvpress's attention patch).
         """
+        self.check_options()
+        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            raise ValueError(_wrapper_refusal(self, "would compress the cache while decoding, and a merger merges "
+                                                    "the prefill"))
         if self.compression_ratio == 0:
             return keys, values
         if keys.shape[2] != hidden_states.shape[1]:
             raise ValueError(
                 f"{type(self).__name__} merges the whole prompt's cache, but layer {module.layer_idx} caches "
                 f"{keys.shape[2]} entries for {hidden_states.shape[1]} prompt tokens: a press before it already "
-                "compressed the cache (put the merger first in a ComposedPress) or it was called while decoding"
+                "compressed the cache (put the merger first in a ComposedPress)"
             )
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
         if selection.uniform_budget is not None:
             module.kept_positions = selection.kept_positions()
         if bool(selection.kept_mask.all()):  # nothing evicted at this layer (e.g. its per-layer ratio is 0)
             return keys, values
+        if selection.uniform_budget == 0:
+            # NOTE: a ratio of 1 keeps no token (kvpress empties the layer): there is nothing to merge into.
+            return keys[:, :, :0], values[:, :, :0]
         context = self.layer_context(module, hidden_states, keys, kwargs)
         if selection.uniform_budget is not None:
             merged_keys, merged_values = self.merge_selected(keys, values, selection, context)
-            return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
-        return self._merge_per_head(keys, values, selection, context)
+        else:
+            merged_keys, merged_values = self._merge_per_head(keys, values, selection, context)
+        self._unmerge_non_finite_heads(keys, values, selection, merged_keys, merged_values)
+        return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
+
+    def _unmerge_non_finite_heads(self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,
+                                  merged_keys: torch.Tensor, merged_values: torch.Tensor) -> None:
+        """Give every (batch, head) whose cache holds a NaN or inf its kept rows unmerged (what eviction leaves), in
+        place, with a warning: a merge would spread the bad entry over the kept rows (CaM: over 32 of them).
+
+        ``merged_keys``/``merged_values`` are (B, H_kv, c, d) for a uniform budget, else (B, H_kv, n, d).
+        NOTE: in place, because GRKV may hand back rows that it merges later, in place (``layers_per_solve``).
+        """
+        finite = _finite_heads(keys, values)
+        if bool(finite.all()):
+            return
+        # NOTE: one message per press class (not per layer or head), so Python's warning filter shows it once.
+        warnings.warn(f"{type(self).__name__}: some (batch, head) caches hold a NaN or inf; those heads keep the base "
+                      "press's rows unmerged, as eviction leaves them", RuntimeWarning, stacklevel=3)
+        if selection.uniform_budget is not None:
+            kept = selection.kept_positions()[..., None].expand(-1, -1, -1, keys.shape[-1])
+            keys, values = keys.gather(2, kept), values.gather(2, kept)
+        merged_keys[~finite] = keys[~finite].to(merged_keys.dtype)
+        merged_values[~finite] = values[~finite].to(merged_values.dtype)
 
     def _merge_per_head(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: Any
@@ -181,15 +247,56 @@ class MergingPress(BasePress):
                 merged_values[b, h, kept] = new_values[0, 0].to(values.dtype)
         return merged_keys, merged_values
 
-    @property
-    def compression_ratio(self) -> float:
+    def _base_compression_ratio(self) -> float:
         return compression_ratio_of(self.press)
 
-    @compression_ratio.setter
-    def compression_ratio(self, value: float) -> None:
-        if not is_number(value) or not 0 <= value < 1:
-            raise ValueError(f"compression_ratio must be a number in [0, 1), got {value!r}")
-        self.press.compression_ratio = value
+    def _set_base_compression_ratio(self, value: float | None) -> None:
+        if self.press is None:
+            # NOTE: the dataclass __init__ assigns this field (ScorerPress's, hence first) before ``press``:
+            # ``__post_init__`` applies a requested ratio once the base press is in place.
+            vars(self)["_requested_compression_ratio"] = value
+            return
+        self.press.compression_ratio = check_compression_ratio(value, type(self).__name__)
+
+
+MergingPress.compression_ratio = property(MergingPress._base_compression_ratio,
+                                          MergingPress._set_base_compression_ratio)
+
+
+def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv) bool: every key and value of that (batch, head) is finite (a NaN or inf propagates into the sum)."""
+    return torch.isfinite(keys.sum(dim=(-2, -1), dtype=torch.float32) + values.sum(dim=(-2, -1), dtype=torch.float32))
+
+
+def _calling_press(merger: MergingPress) -> BasePress | None:
+    """The press whose method called into ``merger``: the nearest caller frame whose ``self`` is another press.
+
+    NOTE: read only to name the wrapper in a refusal; kvpress's wrappers call ``press.score``/``press.compress``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, BasePress) and caller is not merger:
+            return caller
+        frame = frame.f_back
+    return None
+
+
+def _wrapper_refusal(merger: MergingPress, what: str) -> str:
+    """One line: the kvpress wrapper that called ``merger`` ``what``, and the spelling that works instead."""
+    name = type(merger).__name__
+    wrapper = _calling_press(merger)
+    if wrapper is None:
+        return (f"a press around {name} {what}; wrap the eviction press instead: "
+                f"{name}(<wrapper>(<eviction press>))")
+    kind = type(wrapper).__name__
+    if isinstance(wrapper, (MergingPress, KVPRESS_MERGERS)):
+        advice = "a merger cannot wrap another merger"
+    elif isinstance(wrapper, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
+        advice = f"use {name}({kind}(...))"
+    else:
+        advice = f"{name} cannot wrap it either: {unsupported_base_press_reason(type(wrapper))}"
+    return f"{kind}({name}(...)) {what}; {advice}"
 
 
 def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:

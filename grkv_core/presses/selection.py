@@ -22,6 +22,8 @@ from kvpress import (AdaKVPress, BasePress, ChunkKVPress, ChunkPress, ComposedPr
 from kvpress.utils import compute_n_kept
 from torch import nn
 
+from grkv_core.config import is_number
+
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 # NOTE: wrappers whose token selection is reproduced here around their inner ScorerPress (kvpress asserts it is one).
 SELECTION_WRAPPERS = (PerLayerCompressionPress, ChunkPress)
@@ -129,18 +131,28 @@ def forced_score_positions(press: BasePress, length: int, device: torch.device |
     return forced | forced_score_positions(inner, length, device) if inner is not None else forced
 
 
-def unsupported_base_press_reason(press: BasePress | None) -> str | None:
-    """Why ``press`` cannot be the base press of a merger, or None when it can (see ``SUPPORTED_BASE_PRESSES``)."""
-    if isinstance(press, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
+def unsupported_base_press_reason(kind: type) -> str | None:
+    """Why a press of class ``kind`` cannot be the base press of a merger, or None when it can (see
+    ``SUPPORTED_BASE_PRESSES``)."""
+    if issubclass(kind, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
         return None
-    for kind, reason in _REFUSED_BASE_PRESSES:
-        if isinstance(press, kind):
+    for refused, reason in _REFUSED_BASE_PRESSES:
+        if issubclass(kind, refused):
             return reason
-    return "a merger reads its base press's token selection as data, which only these presses expose"
+    return "it does not expose its token selection as data, which a merger reads"
 
 
 def compression_ratio_of(press: BasePress) -> float:
     return float(getattr(press, "compression_ratio", 0.0))
+
+
+def check_compression_ratio(value, owner: str) -> float:
+    """``value`` if it is a compression ratio in [0, 1] (1 keeps no token, as kvpress's ``compute_n_kept``), else a
+    one-line ValueError naming ``owner``'s ``compression_ratio``."""
+    if not is_number(value) or not 0 <= value <= 1:
+        raise ValueError(f"{owner}.compression_ratio must be a number in [0, 1] (1 keeps no token, as in kvpress), "
+                         f"got {value!r}")
+    return value
 
 
 def select_tokens(
@@ -168,6 +180,7 @@ def select_tokens(
     TokenSelection
     """
     batch, heads, length, _ = keys.shape
+    check_compression_ratio(press.compression_ratio, type(press).__name__)
     if isinstance(press, PerLayerCompressionPress):
         # NOTE: kvpress's own PerLayerCompressionPress sets its inner press's ratio for the layer the same way.
         inner_ratio = press.press.compression_ratio
@@ -189,7 +202,7 @@ def select_tokens(
             batch_index, head_index, position_index = (index.to(keys.device) for index in masked)
             kept_mask[batch_index, head_index, position_index] = False
         return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=None)
-    reason = unsupported_base_press_reason(press)
+    reason = unsupported_base_press_reason(type(press))
     if reason is not None:
         raise ValueError(f"{type(press).__name__} is not supported as a base press ({reason}): use "
                          f"{SUPPORTED_BASE_PRESSES}")
@@ -198,7 +211,7 @@ def select_tokens(
         budget = press.get_layer_budget(module, length)
     else:
         budget = compute_n_kept(length, press.compression_ratio)
-    budget = min(max(budget, 1), length)
+    budget = min(budget, length)  # NOTE: 0 at a ratio of 1, as kvpress (``compute_n_kept``)
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
     kept_mask.scatter_(-1, scores.topk(budget, dim=-1).indices, True)
     return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=budget)
