@@ -93,7 +93,8 @@ def answer_log_probs(model: PreTrainedModel, cache: DynamicCache, question_ids: 
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
 
-def compare_to_reference(reference: torch.Tensor, log_probs: torch.Tensor, answer_ids: torch.Tensor) -> list[AnswerMetrics]:
+def compare_to_reference(reference: torch.Tensor, log_probs: torch.Tensor,
+                         answer_ids: torch.Tensor) -> list[AnswerMetrics]:
     """The metrics of each row of ``log_probs`` (B, a, vocab) against the full cache's ``reference`` (a, vocab), for
     the answer tokens ``answer_ids`` (1, a)."""
     reference = reference.to(log_probs.device)

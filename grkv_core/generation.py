@@ -82,7 +82,8 @@ def run_tokens(model: PreTrainedModel, cache: DynamicCache, token_ids: torch.Ten
 
 def append_question(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
                     context_length: int) -> torch.Tensor:
-    """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) last logits."""
+    """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) logits of
+    the last token."""
     return run_tokens(model, cache, question_ids, context_length)[:, -1]
 
 
