@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-
 from transformers import DynamicCache
 
 from grkv_core.answer_metrics import (
