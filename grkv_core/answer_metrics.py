@@ -128,10 +128,9 @@ def answer_metrics_batch(model: PreTrainedModel, caches: list[PressedCache], ref
         # NOTE: kvpress hides a masking press's evicted keys (AdaKV) behind one fake key per head that must score
         # below every query of the forward; for the q + a queries of a whole answer it often finds none, so
         # masked caches take the tokens one at a time.
-        masked = any(state.get("masked_key_indices") is not None for state in members[0].module_state)
         with module_state_of(model, members):
             log_probs = answer_log_probs(model, stacked_cache(members), question_ids, answer_ids, context_length,
-                                         one_at_a_time=masked)
+                                         one_at_a_time=members[0].masked)
         for index, found in zip(rows, compare_to_reference(reference, log_probs, answer_ids)):
             metrics[index] = found
     return metrics

@@ -66,8 +66,7 @@ def cache_batches(caches: list[PressedCache], max_rows: int | None = None) -> li
     # the queries of every row of a batch once any row is masked, and may find none for a row that needs none.
     groups: dict[tuple, list[int]] = {}
     for index, cache in enumerate(caches):
-        masked = any(state.get("masked_key_indices") is not None for state in cache.module_state)
-        groups.setdefault((cache.lengths(), masked), []).append(index)
+        groups.setdefault((cache.lengths(), cache.masked), []).append(index)
     batches = []
     for members in groups.values():
         step = max_rows or len(members)

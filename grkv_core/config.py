@@ -225,6 +225,10 @@ GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
 # it first (the searched options among these) so every sweep is anchored to the paper.
 PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
 
+# What a prefill holds (``PROTOCOLS``): checked wherever a protocol enters (configs, the evaluator, press files).
+PROTOCOL_SPEC = OptionSpec("the evaluation protocol: the context compressed alone (kvpress's pipeline) or with "
+                           "its question (kvpress's evaluation query_aware)", str, choices=PROTOCOLS)
+
 # A sweep searches the budget and every GRKV option.
 COMPRESSION_RATIO_SPEC = OptionSpec("fraction of the context's KV pairs removed", float, low=0.0, high=1.0,
                                     high_open=True)
@@ -317,8 +321,7 @@ class EvalConfig:
     protocol: str = QUESTION_AGNOSTIC
 
     def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        PROTOCOL_SPEC.check("protocol", self.protocol)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,7 +35,7 @@ from grkv_core.answer_metrics import (
     reference_ids,
 )
 from grkv_core.batched_decoding import answer_batch
-from grkv_core.config import COST_METRICS, PAPER_WINDOW, PROTOCOLS, QUESTION_AGNOSTIC, EvalConfig, PressConfig
+from grkv_core.config import COST_METRICS, PAPER_WINDOW, PROTOCOL_SPEC, QUESTION_AGNOSTIC, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.diagnostics.probe import ReconstructionProbe
 from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
@@ -95,8 +95,7 @@ class Evaluator:
 
     def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8,
                  protocol: str = QUESTION_AGNOSTIC):
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        PROTOCOL_SPEC.check("protocol", protocol)
         self.loaded = loaded
         self.loss_window = loss_window
         self.heldout_tokens = heldout_tokens

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from grkv_core.config import PROTOCOLS, QUERY_AWARE, QUESTION_AGNOSTIC
+from grkv_core.config import PROTOCOL_SPEC, QUERY_AWARE, QUESTION_AGNOSTIC
 from grkv_core.datasets.schema import EvalSample
 
 
@@ -148,8 +148,7 @@ def render_sample(tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOST
         For an unknown protocol, or a query-aware sample with several questions (each question would need its
         own prefill; kvpress's evaluation has one question per row).
     """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    PROTOCOL_SPEC.check("protocol", protocol)
     context, questions = sample.context, list(sample.questions)
     if protocol == QUERY_AWARE:
         if len(questions) != 1:

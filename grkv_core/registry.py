@@ -23,7 +23,7 @@ from kvpress import (
 )
 from kvpress import MergingPress as KVPressMergingPress
 
-from grkv_core.config import PAPER_WINDOW, PROTOCOLS, OptionSpec, PressConfig
+from grkv_core.config import PAPER_WINDOW, PROTOCOL_SPEC, OptionSpec, PressConfig
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
@@ -182,9 +182,9 @@ def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
     if not isinstance(data.get("merge_options", {}), dict):
         raise ValueError(f"{path}: merge_options must be a mapping of option: value")
     protocol = data.pop(PROTOCOL_FIELD, None)
-    if protocol is not None and protocol not in PROTOCOLS:
-        raise ValueError(f"{path}: protocol must be one of {PROTOCOLS}, got {protocol!r}")
     try:
+        if protocol is not None:
+            PROTOCOL_SPEC.check(PROTOCOL_FIELD, protocol)
         return PressConfig(**data), protocol
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None

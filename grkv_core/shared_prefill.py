@@ -72,6 +72,11 @@ class PressedCache:
     def lengths(self) -> tuple[int, ...]:
         return tuple(layer.keys.shape[2] for layer in self.cache.layers)
 
+    @property
+    def masked(self) -> bool:
+        """Whether a masking press (AdaKV) left evicted entries in place for kvpress's attention patch to hide."""
+        return any(state.get("masked_key_indices") is not None for state in self.module_state)
+
     def nbytes(self) -> int:
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
 
