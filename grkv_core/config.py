@@ -72,8 +72,8 @@ REQUEUE_OF_ATTR = "grkv.requeue_of"  # on a re-enqueued copy: the number of the 
 # a proposal is not evaluated: told as failed (so a sampler never counts one configuration twice), no MLflow run,
 # not counted against the budget.
 REUSES_ATTR = "grkv.reuses"
-# Which stage of a sweep a child run belongs to: screening (losses only, no decoding), full scoring on the
-# tuning samples, or the held-out test stage; a test-stage run names what it confirms (a trial number or a
+# Which stage of a sweep a child run belongs to: screening (losses and answer metrics, no decoding), full scoring
+# on the tuning samples, or the held-out test stage; a test-stage run names what it confirms (a trial number or a
 # baseline name) in TEST_OF_TAG.
 STAGE_TAG = "grkv.stage"
 SCREEN_STAGE = "screen"

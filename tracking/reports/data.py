@@ -4,9 +4,9 @@ Everything here comes from the tags, params, metrics and ``predictions.json`` ar
 :mod:`tracking.mlflow_tracker` writes, so a sweep can be reported while it runs, after it finished, or long
 after its Optuna storage is gone.
 
-A sweep has up to three stages (tag ``grkv.stage``): screening (losses only, no score), full scoring on the
-tuning samples, and the held-out test stage. Runs without the tag are full-stage runs (sweeps logged before
-stages existed).
+A sweep has up to three stages (tag ``grkv.stage``): screening (losses and answer metrics, no score), full
+scoring on the tuning samples, and the held-out test stage. Runs without the tag are full-stage runs (sweeps
+logged before stages existed).
 """
 
 from __future__ import annotations
