@@ -80,6 +80,13 @@ def _add_grkv_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=name, type=spec.kind, metavar=spec.kind.__name__.upper(), help=text)
 
 
+def _add_kvpress_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kvpress-dir", default=None, metavar="DIR",
+                        help="also write the results in kvpress's evaluation layout under DIR "
+                             "(dataset__data_dir__model__press__ratio[__query_aware]/ with predictions.csv, "
+                             "metrics.json, config.yaml; grkv leaderboard reads them)")
+
+
 def _quiet_model_loading() -> None:
     import transformers
 
@@ -147,10 +154,12 @@ def cmd_eval(args) -> int:
     press, protocol = _eval_press(args)
     config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options,
                      protocol=protocol)
-    summary = run_evaluation(config, args.output, progress=not args.no_progress)
+    summary = run_evaluation(config, args.output, progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
     print(format_table([summary]))
     if args.output:
         print(f"results: {args.output}")
+    for folder in summary.get("kvpress_folders", []):
+        print(f"kvpress layout: {folder}")
     return 0
 
 
@@ -168,11 +177,11 @@ def cmd_compare(args) -> int:
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
     names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
     summaries = run_evaluations(configs, [output_dir / f"{name}.json" for name in names], setup=setup,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
     table = format_table(summaries)
     (output_dir / "table.md").write_text(table + "\n")
     print(table)
-    print(f"results: {output_dir}/")
+    print(f"results: {output_dir}/" + (f"; in kvpress's layout: {args.kvpress_dir}/" if args.kvpress_dir else ""))
     return 0
 
 
@@ -203,6 +212,21 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_leaderboard(args) -> int:
+    from grkv_core.kvpress_layout import leaderboard_figure, leaderboard_table, read_runs
+
+    rows = read_runs(*args.folders)
+    table = leaderboard_table(rows)
+    print(table)
+    if args.output_dir:
+        output_dir = Path(args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "leaderboard.md").write_text(table + "\n")
+        print(f"table and figure: {output_dir / 'leaderboard.md'}, "
+              f"{leaderboard_figure(rows, output_dir / 'leaderboard.png')}")
+    return 0
+
+
 def _add_library_commands(commands) -> None:
     evaluate = add_command(commands, "eval", "evaluate one press configuration",
                            "grkv eval --press snapkv --compression-ratio 0.9 --merge grkv --samples 3 "
@@ -219,6 +243,7 @@ def _add_library_commands(commands) -> None:
                                "GRKV options")
     _add_grkv_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
+    _add_kvpress_dir(evaluate)
     evaluate.set_defaults(handler=cmd_eval)
 
     compare = add_command(commands, "compare", "full cache vs an eviction press vs the press + GRKV",
@@ -230,6 +255,7 @@ def _add_library_commands(commands) -> None:
     compare.add_argument("--merge-variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
                          help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
     compare.add_argument("--output-dir", default="outputs/compare")
+    _add_kvpress_dir(compare)
     compare.set_defaults(handler=cmd_compare)
 
     analyze = add_command(commands, "analyze", "carrier concentration of eviction presses, merge maps, "
@@ -245,6 +271,16 @@ def _add_library_commands(commands) -> None:
                          help="local matching rule: carriers at most this many positions away")
     analyze.add_argument("--output-dir", default="outputs/analyze")
     analyze.set_defaults(handler=cmd_analyze)
+
+    leaderboard = add_command(commands, "leaderboard", "results in kvpress's evaluation layout (kvpress's own, "
+                                                       "grkv eval --kvpress-dir, a sweep's kvpress/ folder) as one "
+                                                       "table and a score-vs-compression figure",
+                              "grkv leaderboard ~/kvpress/evaluation/results ~/.grkv/sweeps/demo/kvpress "
+                              "--output-dir leaderboard/")
+    leaderboard.add_argument("folders", nargs="+", metavar="FOLDER",
+                             help="run folders, or folders holding them at any depth")
+    leaderboard.add_argument("--output-dir", default=None, help="also write leaderboard.md and leaderboard.png here")
+    leaderboard.set_defaults(handler=cmd_leaderboard)
 
 
 def build_parser(*extensions: Callable[[argparse._SubParsersAction], None],

@@ -39,6 +39,7 @@ from grkv_core.config import COST_METRICS, PAPER_WINDOW, PROTOCOL_SPEC, QUESTION
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.diagnostics.probe import ReconstructionProbe
 from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
+from grkv_core.kvpress_layout import kvpress_runs, write_run
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.registry import NOT_EAGER, protected_window, required_attention
 from grkv_core.shared_prefill import prefill_shared
@@ -384,13 +385,16 @@ def run_evaluation(
     *,
     setup: EvaluationSetup | None = None,
     progress: bool = True,
+    kvpress_dir: str | Path | None = None,
 ) -> dict:
     """Evaluate ``config`` end to end; with ``output``, resume from and write to that JSON file.
 
     ``setup`` (loaded from a config that differs at most in its press) saves reloading the model and samples.
-    Returns the summary dict (per-task scores, their mean, mean costs) with the config and versions.
+    With ``kvpress_dir``, the results are also written there in kvpress's evaluation layout
+    (``grkv_core.kvpress_layout``). Returns the summary dict (per-task scores, their mean, mean costs) with the
+    config, versions and the kvpress folders written (``kvpress_folders``).
     """
-    return run_evaluations([config], [output], setup=setup, progress=progress)[0]
+    return run_evaluations([config], [output], setup=setup, progress=progress, kvpress_dir=kvpress_dir)[0]
 
 
 def run_evaluations(
@@ -399,12 +403,13 @@ def run_evaluations(
     *,
     setup: EvaluationSetup | None = None,
     progress: bool = True,
+    kvpress_dir: str | Path | None = None,
 ) -> list[dict]:
     """Evaluate several configurations (differing at most in their press) sample by sample, sharing each prefill.
 
     Each configuration resumes from and writes to its own output file (or None); a sample is evaluated for the
     configurations whose files lack it, all in one ``Evaluator.evaluate_trials``. Returns one summary per
-    configuration, as ``run_evaluation``.
+    configuration, as ``run_evaluation`` (``kvpress_dir`` too).
     """
     if len(configs) != len(outputs):
         raise ValueError(f"{len(configs)} configurations but {len(outputs)} outputs")
@@ -414,8 +419,14 @@ def run_evaluations(
     label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
     results = evaluate_samples(setup.evaluator, setup.samples, [config.press for config in configs], stores,
                                progress=label if progress else None)
-    return [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
-             **summarize(rows)} for config, rows in zip(configs, results)]
+    summaries = [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
+                  **summarize(rows)} for config, rows in zip(configs, results)]
+    if kvpress_dir is not None:
+        for config, rows, summary in zip(configs, results, summaries):
+            runs = kvpress_runs(config, setup.samples, rows, str(config.press.build()),
+                                {"summary": summary, "versions": summary["versions"]})
+            summary["kvpress_folders"] = [str(write_run(kvpress_dir, run)) for run in runs]
+    return summaries
 
 
 def evaluate_samples(

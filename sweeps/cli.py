@@ -36,6 +36,7 @@ from grkv_core.config import (  # noqa: E402
     TEST_OF_TAG,
     TRIAL_TAG,
 )
+from grkv_core.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
@@ -305,9 +306,16 @@ def cmd_sweep(args) -> int:
               + ("" if status == "FINISHED" else f"; resume with --sweep-id {sweep_id}"))
         if (press_file := stack.sweeps_dir / sweep_id / PRESS_ARTIFACT).is_file():
             print(f"recommended press configuration: {press_file} (also on the parent run, {PRESS_ARTIFACT})")
+        _print_kvpress_folder(stack.sweeps_dir / sweep_id / KVPRESS_FOLDER)
     finally:
         _leave_or_stop(stack, args.stop)
     return 0 if status == "FINISHED" else EXIT_SWEEP_FAILED
+
+
+def _print_kvpress_folder(folder: Path) -> None:
+    if folder.is_dir():
+        print(f"the test stage in kvpress's evaluation layout: {folder} (beside kvpress's results: "
+              f"grkv leaderboard {folder} KVPRESS_RESULTS_DIR)")
 
 
 def _reads_a_sweep(handler):
@@ -408,6 +416,7 @@ def cmd_demo(args) -> int:
         print(f"use it:\n  from grkv_core.registry import press_from_file\n"
               f"  with press_from_file(\"{press_file}\")(model): ...\n"
               f"  or: grkv eval --press-config {press_file}")
+        _print_kvpress_folder(stack.sweeps_dir / sweep_id / KVPRESS_FOLDER)
         print(f"grkv demo: done in {(time.monotonic() - began) / 60:.1f} min")
     finally:
         _leave_or_stop(stack, args.stop)

@@ -35,6 +35,7 @@ from grkv_core.config import (
     TEST_STAGE,
     PressConfig,
 )
+from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
 from sweeps.space import make_sampler, press_of, suggest_press
@@ -177,12 +178,20 @@ class StateDir:
     def path(self, stage: str, key: str) -> Path:
         return self.root / self.FOLDERS[stage] / f"{key}.json"
 
+    @property
+    def kvpress(self) -> Path:
+        """The test stage's results in kvpress's evaluation layout, a folder per test item (``kvpress/<test_of>/``;
+        ``grkv leaderboard`` reads them beside kvpress's own)."""
+        return self.root / KVPRESS_FOLDER
+
     def save(self, outcome: TrialOutcome) -> None:
         path = self.path(outcome.stage, outcome.key)
         temporary = path.with_suffix(".tmp")
         try:
             temporary.write_text(json.dumps(outcome.to_dict()))
             os.replace(temporary, path)
+            for run in outcome.kvpress_runs:
+                write_run(self.kvpress / outcome.key, KvpressRun.from_dict(run))
         except OSError as error:
             temporary.unlink(missing_ok=True)
             raise StateDirError(self.unwritable(error)) from None

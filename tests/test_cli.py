@@ -21,7 +21,7 @@ from grkv_core.config import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 from sweeps.cli import DEMO_CONFIG, build_service_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ("eval", "compare", "analyze", "sweep", "report", "export", "demo")
+COMMANDS = ("eval", "compare", "analyze", "leaderboard", "sweep", "report", "export", "demo")
 SHARED_FLAGS = {"sweep_id": "--sweep-id", "tracking_uri": "--tracking-uri", "config": "--config",
                 "state_dir": "--state-dir"}
 
@@ -58,7 +58,7 @@ def test_the_library_command_line_stands_alone():
             "print(sorted(parser._subparsers._group_actions[0].choices))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['analyze', 'compare', 'eval']"
+    assert result.stdout.strip() == "['analyze', 'compare', 'eval', 'leaderboard']"
 
 
 def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys):

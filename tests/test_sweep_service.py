@@ -42,6 +42,7 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
+from grkv_core.kvpress_layout import read_runs
 from grkv_core.registry import load_press_file, press_from_file
 from sweeps.config import ConfigError, load_config
 from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
@@ -180,7 +181,7 @@ def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
     return {*best, *config.baselines, *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios)}
 
 
-def assert_one_finished_test_run_each(children, expected: set[str], state: Path):
+def assert_one_finished_test_run_each(children, expected: set[str], state: Path, tracking_uri: str):
     finished = of_stage(children, TEST_STAGE, "FINISHED")
     labels = [r.data.tags[TEST_OF_TAG] for r in finished]
     assert sorted(labels) == sorted(expected), "exactly one FINISHED test-stage run per tested configuration"
@@ -189,6 +190,10 @@ def assert_one_finished_test_run_each(children, expected: set[str], state: Path)
         assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
         assert "compression_ratio" in run.data.params and TRIAL_TAG not in run.data.tags
         assert (state / "test" / f"{run.data.tags[TEST_OF_TAG]}.json").is_file()
+        # Its results in kvpress's layout, in the state directory and beside the run's other artifacts.
+        (row,) = read_runs(state / "kvpress" / run.data.tags[TEST_OF_TAG])
+        logged = MlflowClient(tracking_uri).list_artifacts(run.info.run_id, "kvpress")
+        assert row.rows and f"kvpress/{Path(row.path).name}" in {artifact.path for artifact in logged}
 
 
 def test_invalid_config_gives_one_line_error_naming_the_field(tmp_path):
@@ -247,7 +252,8 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert_each_configuration_evaluated_once(children, screen, SMOKE, SCREEN_STAGE)
     assert_one_finished_child_per_complete_trial(children, study)
     assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
-    assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id)
+    assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id,
+                                      services["tracking_uri"])
     assert len(children) == 8 + 4 + 5
     # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
     first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
@@ -415,7 +421,7 @@ def test_sigkilled_driver_resumes_every_stage_with_one_finished_run_each(service
     assert len(complete_trials(study)) == 6 and len(complete_trials(screen)) == 4
     assert_one_finished_child_per_complete_trial(runs, study)
     assert_one_finished_child_per_complete_trial(runs, screen, SCREEN_STAGE)
-    assert_one_finished_test_run_each(runs, expected_tests(config, study), state / sweep_id)
+    assert_one_finished_test_run_each(runs, expected_tests(config, study), state / sweep_id, services["tracking_uri"])
     assert {PAPER_DEFAULT, EVICTION_ONLY} <= {r.data.tags[TEST_OF_TAG] for r in of_stage(runs, TEST_STAGE)}
     after = finished_runs()
     for before in (before_first_kill, before_second_kill):

@@ -8,7 +8,9 @@ import pytest
 
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from workers.protocol import TrialRequest
+from grkv_core.kvpress_layout import read_runs
+from sweeps.ledger import StateDir
+from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, split_samples
 
 CONFIG = EvalConfig(model="tiny-llama", dataset="ruler", tasks=("niah_single_1", "niah_single_2"), context_length=512,
@@ -56,11 +58,24 @@ def test_a_batch_evaluates_together_and_screening_generates_nothing(worker):
     assert outcomes[0].started_at == outcomes[1].started_at and outcomes[0].finished_at == outcomes[1].finished_at
 
 
-def test_the_test_stage_runs_on_the_held_out_samples(worker):
+def test_the_test_stage_runs_on_the_held_out_samples_and_in_kvpress_layout(worker, tmp_path):
     (outcome,) = worker.evaluate_batch([TrialRequest(None, EVICTION, TEST_STAGE, "eviction_only")])
     assert outcome.ok and outcome.test_of == "eviction_only"
     assert [row["sample_id"] for row in outcome.samples] == [s.sample_id for s in worker.samples[TEST_STAGE]]
     assert outcome.summary["mean_score"] is not None and all(row["predictions"] for row in outcome.samples)
+    # In kvpress's layout too: the held-out samples' rows, which the driver writes to its state directory.
+    (run,) = outcome.kvpress_runs
+    assert run["name"] == "ruler__512__tiny-llama__snapkv__0.75"
+    assert [row["sample_id"] for row in run["rows"]] == [s.sample_id for s in worker.samples[TEST_STAGE]]
+    assert [row["predicted_answer"] for row in run["rows"]] == [row["predictions"][0] for row in outcome.samples]
+    assert TrialOutcome.from_dict(json.loads(json.dumps(outcome.to_dict()))) == outcome
+    state = StateDir(tmp_path, "sweep")
+    state.create()
+    state.save(outcome)
+    (row,) = read_runs(state.kvpress / "eviction_only")
+    assert row.method == "snapkv" and row.rows == len(worker.samples[TEST_STAGE]) and row.answer_nll is not None
+    full_stage = worker.evaluate_batch([TrialRequest(5, EVICTION)])[0]
+    assert full_stage.ok and full_stage.kvpress_runs == []
 
 
 def test_a_batch_of_mixed_stages_is_refused(worker):

@@ -123,6 +123,9 @@ class TrialOutcome:
         ``grkv_core.evaluate.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
     samples : list of dict
         One ``SampleResult`` as a dict per evaluated sample (predictions, scores, costs).
+    kvpress_runs : list of dict
+        A test-stage evaluation's results in kvpress's evaluation layout (``grkv_core.kvpress_layout.KvpressRun``
+        as dicts), which the driver writes to its state directory and MLflow; empty in the other stages.
     """
 
     trial_number: int | None
@@ -138,6 +141,7 @@ class TrialOutcome:
     stage: str = FULL_STAGE
     test_of: str | None = None
     batch_trials: int = 1
+    kvpress_runs: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_identity(self.trial_number, self.stage, self.test_of)

@@ -15,6 +15,7 @@ import torch
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.evaluate import EvaluationSetup, ResultStore, evaluate_samples, summarize
+from grkv_core.kvpress_layout import kvpress_runs
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
@@ -122,8 +123,17 @@ class TrialWorker:
         identity = self.identity()
         return [TrialOutcome.of(request, OK, started_at=started, finished_at=finished, batch_trials=len(requests),
                                 worker=identity, resolved_press=press, summary=summarize(results),
-                                samples=[asdict(result) for result in results])
+                                samples=[asdict(result) for result in results],
+                                kvpress_runs=self._kvpress_runs(request, results))
                 for request, press, results in zip(requests, resolved, per_trial)]
+
+    def _kvpress_runs(self, request: TrialRequest, results: list) -> list[dict]:
+        """A test-stage evaluation's results in kvpress's layout (the test samples' texts are the worker's)."""
+        if request.stage != TEST_STAGE:
+            return []
+        config = replace(self.config, press=request.press)
+        return [run.to_dict() for run in kvpress_runs(config, self.samples[TEST_STAGE], results,
+                                                      str(request.press.build()), {"summary": summarize(results)})]
 
     def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
         """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""

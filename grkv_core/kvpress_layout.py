@@ -1,0 +1,392 @@
+"""Results in kvpress's evaluation layout, written beside kvpress's own and read back with them.
+
+kvpress's ``evaluation/evaluate.py`` (0.5.5) writes one folder per run, named
+``dataset__data_dir__model__press__ratio[__query_aware]``, holding ``predictions.csv`` (the dataset's rows but
+the context, with ``predicted_answer`` and ``compression_ratio``), ``metrics.json`` (its scorer's output: for
+RULER ``{task: {"string_match": score}}``, for a LongBench subset one number) and ``config.yaml`` (its
+``EvaluationConfig``); its leaderboard takes rows of (dataset, data_dir, model, method, compression_ratio,
+score). ``write_run`` writes that layout for a ``grkv eval`` or a sweep's test-stage evaluation; what kvpress has
+no field for sits beside it: per-question columns after kvpress's in ``predictions.csv`` (sample id, score, the
+answer metrics and losses) and ``grkv.json`` (our configuration, resolved press, summary). ``read_runs`` reads
+any such folders, ours or kvpress's, as ``LeaderboardRow``s.
+
+Names: the dataset is kvpress's (``ruler`` for the offline generator and the hub copy alike; ``data_dir`` the
+context length, or the LongBench subset, one folder per subset as kvpress runs them). The method is the press's
+name here (``snapkv``, ``grkv_snapkv``, ``merging_snapkv`` for kvpress's MergingPress, ``no_press`` for the full
+cache), not a promise that kvpress's registry entry of that name is the same press (ours uses the paper's
+SnapKV window of 32, kvpress's 64): ``config.yaml``'s ``press_init_command`` holds the press that ran. The model
+is the name it was loaded by (``smollm2-135m`` is a dequantised GGUF, not the hub's weights).
+
+NOTE: imports nothing heavy; the CSV and YAML are written with the standard library and PyYAML.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grkv_core.config import ANSWER_METRICS, FULL_CACHE, LOSS_METRICS, QUERY_AWARE, EvalConfig
+
+PREDICTIONS_FILE = "predictions.csv"
+METRICS_FILE = "metrics.json"
+CONFIG_FILE = "config.yaml"
+EXTRAS_FILE = "grkv.json"
+# Where a sweep keeps its test stage's runs in this layout: ``<state>/<sweep>/kvpress/<test_of>/`` and each test
+# run's MLflow artifacts ``kvpress/``.
+KVPRESS_FOLDER = "kvpress"
+# kvpress's EvaluationConfig fields, in its order (``asdict``), as ``EvaluationConfig.save_config`` writes them
+# for a press with a compression ratio (it drops ``threshold`` and ``head_compression_ratio`` when unset).
+KVPRESS_CONFIG_FIELDS = ("dataset", "data_dir", "model", "device", "press_name", "compression_ratio",
+                         "key_channel_compression_ratio", "fraction", "max_new_tokens", "max_context_length",
+                         "query_aware", "needle_depth", "compression_interval", "target_size",
+                         "hidden_states_buffer_size", "output_dir", "log_level", "model_kwargs", "press_init_command",
+                         "seed", "fp8")
+# The fields kvpress's other presses carry instead of ``compression_ratio`` (DMSPress, DuoAttentionPress).
+KVPRESS_RATIO_STANDINS = ("threshold", "head_compression_ratio")
+# Our per-question columns after kvpress's in predictions.csv.
+EXTRA_COLUMNS = ("sample_id", "score", *ANSWER_METRICS, *LOSS_METRICS, "answer_depth", "answer_in_window")
+KVPRESS_DATASETS = {"ruler": "ruler", "ruler-hub": "ruler", "longbench": "longbench"}
+# kvpress's name for the mergers whose press is kvpress's own (its registry's ``merging_<press>``).
+KVPRESS_MERGER_PREFIXES = {"kvpress_merging": "merging"}
+
+
+def method_name(press: str, merge: str) -> str:
+    """The leaderboard's method of a press: ``snapkv``, ``grkv_snapkv``, ``merging_snapkv``, ``no_press``."""
+    if press == FULL_CACHE:
+        return "no_press"
+    return press if merge == "none" else f"{KVPRESS_MERGER_PREFIXES.get(merge, merge)}_{press}"
+
+
+def run_name(config: EvalConfig, data_dir: str) -> str:
+    """kvpress's folder name of a run (``EvaluationConfig.get_results_dir``)."""
+    components = [KVPRESS_DATASETS[config.dataset], data_dir, config.model.replace("/", "--"),
+                  method_name(config.press.press, config.press.merge), f"{config.press.compression_ratio:.2f}"]
+    if config.protocol == QUERY_AWARE:
+        components.append("query_aware")
+    return "__".join(filter(None, components))
+
+
+@dataclass(frozen=True)
+class KvpressRun:
+    """One folder of kvpress's layout, ready to write: its name, config.yaml, rows and metrics.json."""
+
+    name: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    metrics: Any
+    extras: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KvpressRun:
+        return cls(**data)
+
+
+def _percent(scores: Sequence[float]) -> float:
+    return round(100 * statistics.fmean(scores), 2)
+
+
+def kvpress_runs(config: EvalConfig, samples: Sequence, results: Sequence, press_init_command: str,
+                 extras: dict[str, Any] | None = None) -> list[KvpressRun]:
+    """The kvpress folders of an evaluation: one for RULER, one per task for LongBench (kvpress's subsets).
+
+    Parameters
+    ----------
+    config : EvalConfig
+        The evaluation (dataset, model, press, protocol).
+    samples : sequence of EvalSample
+        The evaluated samples (their questions, references and answer prefixes fill predictions.csv).
+    results : sequence of SampleResult
+        The results of the samples that were decoded; a sample without a result is left out.
+    press_init_command : str
+        ``str(press)`` of the press that ran (kvpress records it; ``"None"`` for the full cache).
+    extras : dict, optional
+        More of our fields for ``grkv.json`` (e.g. the summary, versions).
+
+    Raises
+    ------
+    ValueError
+        If no result was decoded (screening results have no predictions to write).
+    """
+    by_id = {sample.sample_id: sample for sample in samples}
+    decoded = [result for result in results if result.score is not None]
+    if not decoded:
+        raise ValueError("kvpress's layout holds decoded predictions; these results have none")
+    longbench = config.dataset == "longbench"
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for result in decoded:
+        sample = by_id[result.sample_id]
+        data_dir = sample.task if longbench else str(config.context_length or 4096)
+        groups.setdefault(data_dir, []).extend(_rows(config, sample, result, longbench))
+    runs = []
+    for data_dir, rows in groups.items():
+        kvpress_config = {
+            "dataset": KVPRESS_DATASETS[config.dataset], "data_dir": data_dir, "model": config.model,
+            "device": config.device, "press_name": method_name(config.press.press, config.press.merge),
+            "compression_ratio": config.press.compression_ratio, "key_channel_compression_ratio": None,
+            "fraction": 1.0, "max_new_tokens": None, "max_context_length": None,
+            "query_aware": config.protocol == QUERY_AWARE, "needle_depth": None, "compression_interval": None,
+            "target_size": None, "hidden_states_buffer_size": None, "output_dir": ".", "log_level": "INFO",
+            "model_kwargs": {}, "press_init_command": press_init_command, "seed": config.seed, "fp8": False}
+        by_task: dict[str, list[float]] = {}
+        for row in rows:
+            by_task.setdefault(row["task"], []).append(row["score"])
+        metrics = (_percent([score for scores in by_task.values() for score in scores]) if longbench
+                   else {task: {"string_match": _percent(scores)} for task, scores in sorted(by_task.items())})
+        # NOTE: JSON-native (lists, not tuples), so a run crosses Ray and the sweep's state files unchanged.
+        ours = json.loads(json.dumps({"config": config.to_dict(), "label": config.press.label,
+                                      "protocol": config.protocol, **(extras or {})}))
+        runs.append(KvpressRun(run_name(config, data_dir), kvpress_config, rows, metrics, ours))
+    return runs
+
+
+def _rows(config: EvalConfig, sample, result, longbench: bool) -> list[dict[str, Any]]:
+    """predictions.csv's rows of one sample: one per question, kvpress's columns then ours."""
+    rows = []
+    query_aware = config.protocol == QUERY_AWARE
+    for index, question in enumerate(sample.questions):
+        row: dict[str, Any] = {"task": sample.task,
+                               # NOTE: kvpress's query_aware moves the question into the context and leaves it empty
+                               "question": "" if query_aware else question,
+                               "answer_prefix": sample.answer_prefix,
+                               "answers" if longbench else "answer": list(sample.references[index]),
+                               "max_new_tokens": sample.max_new_tokens}
+        if longbench:
+            row["all_classes"] = list(sample.extra.get("all_classes") or [])
+        row.update(predicted_answer=result.predictions[index], compression_ratio=config.press.compression_ratio,
+                   sample_id=sample.sample_id, score=result.scores[index])
+        row.update({name: getattr(result, name) for name in EXTRA_COLUMNS if name not in ("sample_id", "score")})
+        rows.append(row)
+    return rows
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_run(output_dir: str | Path, run: KvpressRun) -> Path:
+    """Write ``run`` under ``output_dir`` as kvpress does: ``<output_dir>/<name>/``, or ``<name>/1``, ``/2``...
+    when that folder holds another configuration's results (kvpress never overwrites); the same configuration's
+    folder is rewritten. Returns the folder.
+
+    The columns of predictions.csv are kvpress's, then ours (``EXTRA_COLUMNS``); a list (the references) is
+    written as a Python list literal.
+    """
+    folder = Path(output_dir) / run.name
+    if _holds_other(folder, run):
+        index = 1
+        while (folder / str(index)).exists() and _holds_other(folder / str(index), run):
+            index += 1
+        folder = folder / str(index)
+    folder.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(key for row in run.rows for key in row))
+    temporary = folder / (PREDICTIONS_FILE + ".tmp")
+    with open(temporary, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns)
+        writer.writeheader()
+        for row in run.rows:
+            writer.writerow({key: repr(value) if isinstance(value, list) else _cell(value)
+                             for key, value in row.items()})
+    os.replace(temporary, folder / PREDICTIONS_FILE)
+    _write_text(folder / METRICS_FILE, json.dumps(run.metrics, indent=4))
+    config = dict(run.config, output_dir=str(Path(output_dir)))
+    _write_text(folder / CONFIG_FILE, yaml.safe_dump(config, default_flow_style=False, indent=2, sort_keys=False))
+    _write_text(folder / EXTRAS_FILE, json.dumps(run.extras, indent=1))
+    return folder
+
+
+def _cell(value):
+    return "" if value is None else value
+
+
+def _holds_other(folder: Path, run: KvpressRun) -> bool:
+    """Whether ``folder`` holds results that are not ``run``'s configuration (kvpress's, or ours of another)."""
+    if not (folder / METRICS_FILE).exists():
+        return False
+    extras = folder / EXTRAS_FILE
+    if not extras.exists():
+        return True
+    stored = json.loads(extras.read_text()).get("config")
+    return stored is None or EvalConfig.from_dict(stored).resume_key() != EvalConfig.from_dict(
+        run.extras["config"]).resume_key()
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    """One run of kvpress's layout, ours or kvpress's: kvpress's leaderboard columns, then what ``grkv.json`` and
+    our predictions.csv columns add (None for kvpress's runs).
+
+    ``compression_ratio`` is the press's ``threshold`` or ``head_compression_ratio`` for the presses that have
+    one of those instead (``ratio_field`` says which). ``score`` is metrics.json's mean over its tasks (RULER),
+    or its one number (a LongBench subset).
+    """
+
+    dataset: str
+    data_dir: str
+    model: str
+    method: str
+    compression_ratio: float
+    score: float
+    query_aware: bool
+    path: str
+    ratio_field: str = "compression_ratio"
+    label: str | None = None
+    rows: int | None = None
+    answer_nll: float | None = None
+    answer_kl: float | None = None
+    answer_top1: float | None = None
+
+
+def _score(metrics: Any, path: Path) -> float:
+    """metrics.json's one number: itself, or the mean over its tasks of each task's number (a task's
+    ``{"string_match": x}`` counts as x)."""
+    if isinstance(metrics, (int, float)):
+        return float(metrics)
+    if isinstance(metrics, dict) and metrics:
+        values = [_score(value, path) for value in metrics.values()]
+        return statistics.fmean(values)
+    raise ValueError(f"{path}: metrics.json holds no score ({metrics!r})")
+
+
+def _mean_column(path: Path, column: str) -> float | None:
+    with open(path, newline="") as file:
+        values = [float(row[column]) for row in csv.DictReader(file) if row.get(column) not in (None, "")]
+    values = [value for value in values if math.isfinite(value)]
+    return statistics.fmean(values) if values else None
+
+
+def _row_count(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    with open(path, newline="") as file:
+        return sum(1 for _ in csv.DictReader(file))
+
+
+def read_run(folder: str | Path) -> LeaderboardRow:
+    """The leaderboard row of one folder of kvpress's layout (metrics.json and config.yaml; predictions.csv and
+    grkv.json where present).
+
+    Raises
+    ------
+    ValueError
+        If a file is missing or does not hold what kvpress writes (the message names the file).
+    """
+    folder = Path(folder)
+    for name in (METRICS_FILE, CONFIG_FILE):
+        if not (folder / name).is_file():
+            raise ValueError(f"{folder}: no {name}; not a finished kvpress evaluation folder")
+    try:
+        config = yaml.safe_load((folder / CONFIG_FILE).read_text()) or {}
+        metrics = json.loads((folder / METRICS_FILE).read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder}: unreadable results ({error})") from None
+    missing = [name for name in ("dataset", "model", "press_name") if name not in config]
+    ratio_field = next((name for name in ("compression_ratio", *KVPRESS_RATIO_STANDINS) if name in config), None)
+    if missing or ratio_field is None:
+        raise ValueError(f"{folder / CONFIG_FILE}: lacks {', '.join(missing or ['compression_ratio'])}")
+    predictions = folder / PREDICTIONS_FILE
+    ours = folder / EXTRAS_FILE
+    extras = json.loads(ours.read_text()) if ours.exists() else {}
+    answer = ({name: _mean_column(predictions, name) for name in ANSWER_METRICS}
+              if ours.exists() and predictions.exists() else {})
+    return LeaderboardRow(
+        dataset=str(config["dataset"]), data_dir=str(config.get("data_dir") or ""), model=str(config["model"]),
+        method=str(config["press_name"]), compression_ratio=float(config[ratio_field]),
+        score=_score(metrics, folder / METRICS_FILE), query_aware=bool(config.get("query_aware", False)),
+        path=str(folder), ratio_field=ratio_field, label=extras.get("label"), rows=_row_count(predictions),
+        **answer)
+
+
+def read_runs(*roots: str | Path) -> list[LeaderboardRow]:
+    """Every finished run under ``roots`` (each a run folder or a folder of them, at any depth: kvpress's
+    ``output_dir``, a sweep's ``kvpress/`` folder), sorted by dataset, data_dir, model, method and ratio. A folder
+    with metrics.json but no config.yaml (kvpress writes config.yaml last: an unfinished run) is skipped with a
+    warning.
+
+    Raises
+    ------
+    ValueError
+        If a root does not exist or holds no run.
+    """
+    found = []
+    for root in map(Path, roots):
+        if not root.exists():
+            raise ValueError(f"{root}: no such folder")
+        folders = sorted({path.parent for path in root.rglob(METRICS_FILE)})
+        if not folders:
+            raise ValueError(f"{root}: holds no kvpress results (no {METRICS_FILE} below it)")
+        for folder in folders:
+            if not (folder / CONFIG_FILE).exists():
+                warnings.warn(f"{folder}: metrics.json without config.yaml (an unfinished kvpress run); skipped",
+                              stacklevel=2)
+                continue
+            found.append(read_run(folder))
+    return sorted(found, key=lambda row: (row.dataset, row.data_dir, row.model, row.method, row.compression_ratio,
+                                          row.query_aware, row.path))
+
+
+
+def leaderboard_table(rows: Sequence[LeaderboardRow]) -> str:
+    """A markdown table of ``rows``: kvpress's leaderboard columns, then the answer metrics where a run has them."""
+
+    def number(value, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    lines = ["| dataset | data_dir | model | method | compression ratio | query-aware | score | answer NLL | answer KL "
+             "| top-1 | rows | configuration | folder |", "|" + "---|" * 13]
+    for row in rows:
+        ratio = number(row.compression_ratio, ".3g") + ("" if row.ratio_field == "compression_ratio"
+                                                       else f" ({row.ratio_field})")
+        lines.append(f"| {row.dataset} | {row.data_dir} | {row.model} | {row.method} | {ratio} | "
+                     f"{'yes' if row.query_aware else 'no'} | {row.score:.2f} | {number(row.answer_nll, '.4f')} | "
+                     f"{number(row.answer_kl, '.4f')} | {number(row.answer_top1, '.3f')} | {number(row.rows, 'd')} | "
+                     f"{row.label or ''} | {row.path} |")
+    return "\n".join(lines)
+
+
+def leaderboard_figure(rows: Sequence[LeaderboardRow], path: str | Path) -> Path:
+    """Score against compression ratio, a line per method (and protocol), a panel per (dataset, data_dir, model);
+    the presses whose budget is a threshold are left out (their axis is another)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plotted = [row for row in rows if row.ratio_field == "compression_ratio"]
+    if not plotted:
+        raise ValueError("no run with a compression ratio to plot")
+    panels = sorted({(row.dataset, row.data_dir, row.model) for row in plotted})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        lines: dict[str, list[LeaderboardRow]] = {}
+        for row in plotted:
+            if (row.dataset, row.data_dir, row.model) == panel:
+                lines.setdefault(row.method + (" (query-aware)" if row.query_aware else ""), []).append(row)
+        for method, points in sorted(lines.items()):
+            points.sort(key=lambda row: row.compression_ratio)
+            ax.plot([row.compression_ratio for row in points], [row.score for row in points], marker="o",
+                    linestyle="--" if "query-aware" in method else "-", label=method)
+        ax.set_title(" / ".join(filter(None, panel)), fontsize=10)
+        ax.set_xlabel("compression ratio (fraction of the KV pairs removed)")
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
