@@ -166,6 +166,19 @@ class TestSection(_Strict):
     top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
     eviction_ratios: list[float] = Field(default_factory=list, description=(
         "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"))
+    mergers: list[str] = Field(default_factory=list, description=(
+        "other mergers behind the base press at the sweep's budget, with their defaults (e.g. kvpress_merging: "
+        "kvpress's own MergingPress)"))
+
+    @field_validator("mergers")
+    @classmethod
+    def _other_mergers(cls, mergers):
+        unknown = [name for name in mergers if name not in MERGER_NAMES or name == "none"]
+        if unknown:
+            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(set(MERGER_NAMES) - {'none'})}")
+        if len(set(mergers)) != len(mergers):
+            raise ValueError(f"mergers must differ, got {mergers}")
+        return mergers
 
     @field_validator("eviction_ratios")
     @classmethod
@@ -262,8 +275,9 @@ class SweepConfig(_Strict):
         if screening.trials and screening.promote + len(self.baselines) > self.trials:
             raise ValueError(f"screening.promote: {screening.promote} promoted plus {len(self.baselines)} baseline(s) "
                              f"exceed trials ({self.trials})")
-        if self.test.eviction_ratios and not self.data.test.samples:
-            raise ValueError("test.eviction_ratios: a test stage needs held-out samples; set data.test.samples")
+        for field_name in ("eviction_ratios", "mergers"):
+            if getattr(self.test, field_name) and not self.data.test.samples:
+                raise ValueError(f"test.{field_name}: a test stage needs held-out samples; set data.test.samples")
         no_larger_budget = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
         if no_larger_budget:
             raise ValueError(f"test.eviction_ratios: {no_larger_budget} must be below press.compression_ratio "

@@ -49,6 +49,9 @@ def smoke_with(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
     ({"test.eviction_ratios": [1.5]}, (), "test.eviction_ratios"),
     ({"test.eviction_ratios": [0.5, 0.5]}, (), "test.eviction_ratios"),
     ({}, ("data.test",), "test.eviction_ratios"),  # eviction ratios but no held-out samples
+    ({"test.mergers": ["none"]}, (), "test.mergers"),
+    ({"test.mergers": ["cam", "cam"]}, (), "test.mergers"),
+    ({"test.eviction_ratios": []}, ("data.test",), "test.mergers"),  # other mergers but no held-out samples
     ({"search_space.compression_ratio": {"type": "categorical", "choices": [0.5, 0.6]}}, (),
      "press.compression_ratio"),
 ])
@@ -117,7 +120,7 @@ def test_the_best_distinct_screened_configurations_are_promoted():
 
 
 def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(tmp_path):
-    config = load_config(SMOKE)  # one objective (mean_score, maximised), top_k 2, eviction ratio 0.5
+    config = load_config(SMOKE)  # one objective (mean_score, maximised), top_k 2, eviction ratio 0.5, kvpress's
     study = optuna.create_study(direction="maximize")
     add(study, grkv(0.01), [90.0], **{BASELINE_TAG: PAPER_DEFAULT})
     add(study, {"merge": "none"}, [80.0], **{BASELINE_TAG: EVICTION_ONLY})
@@ -125,11 +128,14 @@ def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(t
         add(study, grkv(lambda_k), [score])
     assert [trial.number for trial in best_trials(study, config)] == [3, 4]  # baselines and duplicate left out
     presses = dict(presses_to_test(study, config))
-    assert list(presses) == ["3", "4", PAPER_DEFAULT, EVICTION_ONLY, "eviction_only@0.5"]
+    assert list(presses) == ["3", "4", PAPER_DEFAULT, EVICTION_ONLY, "eviction_only@0.5", "kvpress_merging"]
     assert presses["3"].merge_options["lambda_k"] == 0.2
     assert presses[PAPER_DEFAULT].merge_options["lambda_k"] == 0.01
     assert (presses[EVICTION_ONLY].merge, presses[EVICTION_ONLY].compression_ratio) == ("none", 0.75)
     assert (presses["eviction_only@0.5"].merge, presses["eviction_only@0.5"].compression_ratio) == ("none", 0.5)
+    merging = presses["kvpress_merging"]
+    assert (merging.press, merging.compression_ratio, merging.merge, merging.merge_options) == (
+        "snapkv", 0.75, "kvpress_merging", {})
 
 
 def test_several_objectives_test_the_pareto_set(tmp_path):

@@ -169,7 +169,7 @@ def assert_one_finished_child_per_complete_trial(children, study, stage: str = F
 
 def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
     """What the test stage confirms, worked out here from the study: the best non-baseline trials (one
-    objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget."""
+    objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget, the other mergers."""
     config = load_config(config_path)
     ranked = sorted((t for t in complete_trials(study) if BASELINE_TAG not in t.user_attrs),
                     key=lambda t: (-t.value, t.number))
@@ -178,7 +178,8 @@ def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
         if trial.params not in seen and len(best) < config.test.top_k:
             seen.append(trial.params)
             best.append(str(trial.number))
-    return {*best, *config.baselines, *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios)}
+    return {*best, *config.baselines, *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios),
+            *config.test.mergers}
 
 
 def assert_one_finished_test_run_each(children, expected: set[str], state: Path, tracking_uri: str):
@@ -254,7 +255,7 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
     assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id,
                                       services["tracking_uri"])
-    assert len(children) == 8 + 4 + 5
+    assert len(children) == 8 + 4 + 6  # the test stage: 2 best, 2 baselines, 1 larger budget, kvpress's merger
     # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
     first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
     assert first[0].params["merge"] == "grkv" and first[0].params["lambda_k"] == 1e-2
