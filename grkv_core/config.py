@@ -103,6 +103,7 @@ COMPONENTS = ("kv", "k", "v")
 RIDGE_SCALES = ("absolute", "relative")
 QUERY_POLICIES = ("window", "stratified")
 ACCEPT_RULES = ("always", "objective")
+HEAD_WEIGHTINGS = ("uniform", "o_proj")
 
 
 def is_number(value) -> bool:
@@ -211,6 +212,9 @@ class GRKVOptions:
         "float rounding; more layers keep more cores busy)", int, low=1))
     target_from_forward: bool = _option(True, OptionSpec(
         "take the regression target from the prefill's own attention outputs instead of recomputing it", bool))
+    head_weighting: str = _option("uniform", OptionSpec(
+        "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
+        "next layer sees of its error), 'uniform' alike (paper)", str, choices=HEAD_WEIGHTINGS))
 
     def check_options(self) -> None:
         """Raise a ValueError naming the first option whose value is not accepted."""

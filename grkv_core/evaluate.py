@@ -35,7 +35,15 @@ from grkv_core.answer_metrics import (
     reference_ids,
 )
 from grkv_core.batched_decoding import answer_batch
-from grkv_core.config import COST_METRICS, PAPER_WINDOW, PROTOCOL_SPEC, QUESTION_AGNOSTIC, EvalConfig, PressConfig
+from grkv_core.config import (
+    COST_METRICS,
+    GRKV_DEFAULTS,
+    PAPER_WINDOW,
+    PROTOCOL_SPEC,
+    QUESTION_AGNOSTIC,
+    EvalConfig,
+    PressConfig,
+)
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.diagnostics.probe import ReconstructionProbe
 from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
@@ -310,6 +318,12 @@ class ResultStore:
             # library's defaults, which a newer version may change. Files written before the resolved settings
             # were recorded carry none and resume as before.
             stored_press = stored.get("resolved_press")
+            if stored_press is not None:
+                # NOTE: an option added since the file was written is absent from it; at its default it does what
+                # the version that wrote the file did.
+                stored_press = {**{name: value for name, value in self.resolved_press.items()
+                                   if name not in stored_press and GRKV_DEFAULTS.get(name, ...) == value},
+                                **stored_press}
             if stored_press is not None and stored_press != self.resolved_press:
                 changed = ", ".join(f"{name}: {stored_press.get(name)!r} -> {self.resolved_press.get(name)!r}"
                                     for name in sorted(stored_press.keys() | self.resolved_press.keys())

@@ -122,6 +122,15 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
     output.write_text(json.dumps(written))
     with pytest.raises(ValueError, match=rf"other press settings \(cg_max_iter: {default + 2} -> {default}\)"):
         run_evaluation(config, output, setup=setup, progress=False)
+    # A file written before an option existed resumes while the option is at its default (the old behaviour).
+    written["resolved_press"]["cg_max_iter"] = default
+    del written["resolved_press"]["head_weighting"]
+    output.write_text(json.dumps(written))
+    assert run_evaluation(config, output, setup=setup, progress=False)["samples"] == 4
+    config_weighted = EvalConfig(**{**config.__dict__, "press": PressConfig(
+        "snapkv", 0.5, "grkv", {"lambda_k": 0.1, "head_weighting": "o_proj"})})
+    with pytest.raises(ValueError, match="different configuration"):
+        run_evaluation(config_weighted, output, setup=setup, progress=False)
     assert stored["model_dtype"] == "float32"
     stored["model_dtype"] = "bfloat16"  # as written by an earlier run whose dtype="auto" meant bfloat16
     output.write_text(json.dumps(stored))

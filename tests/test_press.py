@@ -143,7 +143,7 @@ def test_batch_elements_are_compressed_independently(architecture):
 @pytest.mark.parametrize("options", [
     dict(components="k"), dict(components="v"), dict(steps=3), dict(lambda_k=0.0, lambda_v=0.0),
     dict(query_policy="stratified"), dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
-    dict(accept="objective"), dict(beta=0.0),
+    dict(accept="objective"), dict(beta=0.0), dict(head_weighting="o_proj"),
     pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
 ])
 def test_press_options_run_and_keep_the_budget(options):
@@ -193,7 +193,7 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
     ("lambda_k", -1.0), ("lambda_v", float("inf")), ("beta", 1.5), ("beta", "0.1"), ("window_size", 0),
     ("steps", 0), ("steps", True), ("n_sink", -1), ("components", "kq"), ("query_policy", "random"),
     ("max_rel_update_k", 0.0), ("accept", "sometimes"), ("cg_rtol", -1), ("cg_rtol", "1e-6"),
-    ("safeguard", "yes"), ("ridge_scale", "per-head"), ("target_from_forward", 1),
+    ("safeguard", "yes"), ("ridge_scale", "per-head"), ("target_from_forward", 1), ("head_weighting", "o-proj"),
 ])
 def test_bad_press_options_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -428,6 +428,43 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert not reusing._window_outputs, "the window outputs it kept are released on exit"
+
+
+@pytest.mark.filterwarnings("ignore:GRKV refits nothing")  # AdaKV leaves some heads only fixed rows
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
+def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projection(architecture, press_name,
+                                                                                    monkeypatch):
+    from grkv_core.solver.regression import KeptRegression
+
+    model = tiny_model(architecture).model
+    ids = context_ids(model.config.vocab_size, batch=2, seed=10)
+    given = []
+    reduce = KeptRegression.of
+    monkeypatch.setattr(KeptRegression, "of", classmethod(lambda cls, *args, **kwargs: (
+        given.append(kwargs["row_weights"]), reduce(*args, **kwargs))[1]))
+    weighted = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", head_weighting="o_proj"))
+    config, layers = model.config, model.model.layers
+    groups = config.num_attention_heads // config.num_key_value_heads
+    expected = []  # per layer: (H_kv, groups) query-head weights, ‖W_o^h‖²_F over the layer's mean, in float64
+    for layer in layers:
+        weight, head_dim = layer.self_attn.o_proj.weight.double(), layer.self_attn.head_dim
+        norms = torch.stack([weight[:, h * head_dim:(h + 1) * head_dim].square().sum()
+                             for h in range(config.num_attention_heads)])
+        expected.append((norms / norms.mean()).view(config.num_key_value_heads, groups))
+    # SnapKV merges a layer at once ((B, H_kv, groups·m) weights); AdaKV head by head ((1, 1, groups·m) each,
+    # batch-major then KV heads, as MergingPress visits them).
+    per_head = [(layer, batch, kv_head) for layer in range(len(layers)) for batch in range(2)
+                for kv_head in range(config.num_key_value_heads)]
+    assert len(given) == (len(layers) if press_name == "snapkv" else len(per_head))
+    for index, row_weights in enumerate(given):
+        window = row_weights.shape[-1] // groups
+        blocks = row_weights.double().unflatten(-1, (groups, window))  # (B, H, groups, m)
+        assert torch.equal(blocks, blocks[..., :1].expand_as(blocks)), "one weight per query head"
+        layer, heads = (index, slice(None)) if press_name == "snapkv" else (per_head[index][0], per_head[index][2])
+        torch.testing.assert_close(blocks[..., 0], expected[layer][heads].expand_as(blocks[..., 0]))
+    uniform = prefill(model, ids, build_press(press_name, RATIO, merge="grkv"))
+    assert any(not torch.allclose(a.values, b.values) for a, b in zip(weighted.layers, uniform.layers))
 
 
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")

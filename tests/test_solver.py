@@ -67,6 +67,41 @@ def test_matches_float64_reference(causal, components, steps, safeguard):
             assert torch.equal(fast_v, gather(problem["values"], problem["kept"]))
 
 
+@pytest.mark.parametrize("ridge_scale", ["absolute", "relative"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("components", ["kv", "k", "v"])
+@pytest.mark.parametrize("safeguard", [False, True], ids=["paper", "safeguard"])
+def test_weighted_rows_match_the_float64_reference(causal, components, safeguard, ridge_scale):
+    for trial in range(2):
+        problem = random_problem(seed=7000 + 100 * trial + 10 * causal + len(components), causal=causal)
+        generator = torch.Generator().manual_seed(trial)
+        weights = torch.rand(2, 2, 12, generator=generator) * 3
+        weights[0, 0, :4] = 0.0  # rows that count for nothing
+        options = dict(lambda_k=0.05, lambda_v=1e-2, steps=2, components=components, ridge_scale=ridge_scale,
+                       query_positions=problem["query_positions"], safeguard=safeguard, row_weights=weights)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
+        as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+        ref_k, ref_v = grkv_merge_reference(**as64, **options)
+        assert relative_update_error(fast_k, ref_k, gather(as64["keys"], as64["kept"])) < 1e-4
+        assert relative_update_error(fast_v, ref_v, gather(as64["values"], as64["kept"])) < 1e-4
+
+
+def test_unit_row_weights_are_the_unweighted_merge_and_weights_change_it():
+    problem = random_problem(seed=77, causal=True)
+    unweighted = grkv_merge(**problem, steps=2)
+    ones = grkv_merge(**problem, steps=2, row_weights=torch.ones(2, 2, 12))
+    torch.testing.assert_close(ones, unweighted, rtol=1e-6, atol=1e-6)
+    weights = torch.ones(2, 2, 12)
+    weights[..., 6:] = 10.0
+    weighted = grkv_merge(**problem, steps=2, row_weights=weights)
+    assert not torch.allclose(weighted[1], unweighted[1], atol=1e-4)
+    # Weighting every row alike by w is the unweighted problem with the ridges divided by w.
+    scaled = grkv_merge(**problem, steps=2, lambda_k=0.5, lambda_v=0.5, row_weights=torch.full((2, 2, 12), 5.0))
+    torch.testing.assert_close(scaled, grkv_merge(**problem, steps=2, lambda_k=0.1, lambda_v=0.1),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_value_step_with_zero_ridge_matches_minimum_norm_reference():
     problem = random_problem(seed=7, n_queries=6, budget=20, length=60, fixed_fraction=0.0)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
@@ -165,14 +200,16 @@ def test_stacked_regressions_are_solved_as_if_alone():
     problems = [random_problem(seed=40 + layer, batch=1, heads=2, causal=True) for layer in range(4)]
     positions = problems[0]["query_positions"]
     problems[2]["keys"][0, 1, 5, 0] = float("nan")
+    weights = [torch.rand(1, 2, 12, generator=torch.Generator().manual_seed(layer)) + 0.5 for layer in range(4)]
     regressions = [KeptRegression.of(p["queries"], p["keys"], p["values"], p["kept"], p["fixed"],
-                                     query_positions=positions) for p in problems]
+                                     query_positions=positions, row_weights=w) for p, w in zip(problems, weights)]
     options = dict(steps=2, lambda_k=1e-3)
     stacked_k, stacked_v = solve_regression(KeptRegression.stack(regressions), **options)
     assert stacked_k.shape == (4, 2, 12, 8)
     for layer, problem in enumerate(problems):
         alone_k, alone_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],
-                                      problem["fixed"], query_positions=positions, **options)
+                                      problem["fixed"], query_positions=positions, row_weights=weights[layer],
+                                      **options)
         torch.testing.assert_close(stacked_k[layer:layer + 1], alone_k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(stacked_v[layer:layer + 1], alone_v, rtol=1e-5, atol=1e-5)
     evicted = gather(problems[2]["keys"], problems[2]["kept"])[0]
@@ -191,6 +228,8 @@ def test_only_regressions_of_one_shape_positions_and_scale_stack():
         "positions": KeptRegression.of(*tensors, query_positions=problem["query_positions"] - 1),
         "causality": KeptRegression.of(*tensors),
         "scale": KeptRegression.of(*tensors, query_positions=problem["query_positions"], scale=0.5),
+        "row weights": KeptRegression.of(*tensors, query_positions=problem["query_positions"],
+                                         row_weights=torch.ones(1, 2, 12)),
     }
     for name, other in others.items():
         assert not base.stacks_with(other), name
@@ -287,6 +326,8 @@ BAD_ARGUMENTS = [
     ("safeguard", lambda p: p.update(safeguard="yes"), "safeguard must be True or False"),
     ("ridge_scale", lambda p: p.update(ridge_scale="per-head"), "ridge_scale must be one of"),
     ("lambda_k", lambda p: p.update(lambda_k="0.1"), "lambda_k must be a finite number"),
+    ("row_weights", lambda p: p.update(row_weights=torch.ones(2, 2, 11)), "row_weights must have shape"),
+    ("row_weights", lambda p: p.update(row_weights=-torch.ones(2, 2, 12)), "row_weights must be finite"),
 ]
 
 

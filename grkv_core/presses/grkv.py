@@ -87,6 +87,10 @@ class GRKVPress(GRKVOptions, MergingPress):
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
         it again (in float32) over the whole cache. It saves one attention pass per layer; the target then
         carries the model's dtype (bf16 rounding, ~0.4% per entry, on half-precision models).
+    head_weighting : {"uniform", "o_proj"}
+        "uniform" (the paper): every query head's error counts alike. "o_proj": each query head's rows of the loss
+        are weighted by ‖W_o^h‖²_F, the squared norm of its block of the output projection, over the layer's mean
+        (so λ keeps its scale): the error that reaches the residual stream, with the heads' cross terms left out.
     """
 
     def __post_init__(self) -> None:
@@ -178,7 +182,8 @@ class GRKVPress(GRKVOptions, MergingPress):
         full_outputs = _stack_by_kv_head(self._window_outputs.pop(module.layer_idx, None), surrogate)
         deferrable = (self._pending is not None and self.accept == "always"
                       and _keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
-        return _WindowRegression(surrogate, full_outputs, module.scaling, deferrable)
+        row_weights = _output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
+        return _WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
     def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:
         head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
@@ -187,7 +192,8 @@ class GRKVPress(GRKVOptions, MergingPress):
             surrogate.queries[head], surrogate.positions, surrogate.token_positions, surrogate.loss_weight
         )
         full_outputs = context.full_outputs[head] if context.full_outputs is not None else None
-        return _WindowRegression(head_queries, full_outputs, context.scale, deferrable=False)
+        row_weights = context.row_weights[head] if context.row_weights is not None else None
+        return _WindowRegression(head_queries, full_outputs, context.scale, deferrable=False, row_weights=row_weights)
 
     def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
@@ -226,7 +232,8 @@ class GRKVPress(GRKVOptions, MergingPress):
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
                                               scale=scale)
         regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
-                                       query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs)
+                                       query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs,
+                                       row_weights=context.row_weights)
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
             self._defer(regression, options)
@@ -299,12 +306,15 @@ class _WindowRegression:
         The layer's softmax scale.
     deferrable : bool
         Whether the layer's merge may wait for the rest of its group of ``layers_per_solve`` layers.
+    row_weights : torch.Tensor or None
+        (B, H_kv, M) weights of the query rows in the loss (``head_weighting``); None: all 1.
     """
 
     surrogate: SurrogateQueries
     full_outputs: torch.Tensor | None
     scale: float
     deferrable: bool
+    row_weights: torch.Tensor | None = None
 
 
 def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
@@ -318,6 +328,21 @@ def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries)
         return None  # not this forward's window: the solver computes the target itself
     per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
     return per_query_head.reshape(batch, kv_heads, rows, head_dim)
+
+
+def _output_projection_weights(module: nn.Module, surrogate: SurrogateQueries) -> torch.Tensor:
+    """(B, H_kv, groups·m) row weights: query head h's rows weigh ‖W_o[:, h·d:(h+1)·d]‖²_F over the layer's mean.
+
+    NOTE: ``o_proj`` reads the heads' outputs concatenated head-major (column h·d + j is head h's j-th channel),
+    and the surrogate rows stack the query heads of a KV head group-major, so a view and a repeat line them up.
+    """
+    batch, kv_heads, rows, head_dim = surrogate.queries.shape
+    window = surrogate.token_positions.numel()
+    weight = module.o_proj.weight.detach().float()
+    per_head = weight.view(weight.shape[0], -1, head_dim).square().sum(dim=(0, 2))  # (H_q,)
+    per_head = per_head / per_head.mean()
+    row_weights = per_head.view(kv_heads, rows // window).repeat_interleave(window, dim=-1)
+    return row_weights.to(surrogate.queries.device).expand(batch, kv_heads, rows)
 
 
 def _keeps_returned_rows(cache, layer_idx: int) -> bool:

@@ -31,7 +31,7 @@ def key_step(
     if problem.free_width == 0:
         return problem.keys0, problem.window_error(attention, values)
     jacobian = _AttentionJacobian.at(problem, attention, values)
-    rhs = problem.target - jacobian.output
+    rhs = problem.weighted(problem.target - jacobian.output)
     error = _head_dot(rhs, rhs).flatten()
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
@@ -70,9 +70,12 @@ class _AttentionJacobian:
     product runs over F ≤ c columns; both row sums ride along in the matrix products through a column of
     minus ones appended to V (``values_centring`` = [V | −1] on the free rows).
 
+    With row weights (``MergeProblem.row_scale``, √w per query row, or None) J is the weighted Jacobian
+    diag(√w) J: its output rows are scaled on the way out (``jvp``) and its cotangent rows on the way in (``vjp``).
+
     Shapes (P = B·H, as in ``MergeProblem``): ``queries_scaled`` (P, M, d), ``attention_free``
     (P, M, F), ``values_centring`` (P, F, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
-    (P, M, M).
+    (P, M, M), ``row_scale`` (P, M, 1) or None.
     """
 
     queries_scaled: torch.Tensor
@@ -80,6 +83,7 @@ class _AttentionJacobian:
     values_centring: torch.Tensor
     output: torch.Tensor
     query_gram: torch.Tensor
+    row_scale: torch.Tensor | None
 
     @classmethod
     def at(cls, problem: MergeProblem, attention: torch.Tensor, values: torch.Tensor) -> _AttentionJacobian:
@@ -93,12 +97,13 @@ class _AttentionJacobian:
                                       dim=-1),
             output=torch.bmm(attention, values),
             query_gram=torch.bmm(queries_scaled, queries_scaled.transpose(-1, -2)),
+            row_scale=problem.row_scale,
         )
 
     def jvp(self, delta_keys: torch.Tensor) -> torch.Tensor:
         """(P, F, d) perturbation of the free keys -> (P, M, d) output perturbation."""
         logit_change = torch.bmm(self.queries_scaled, delta_keys.transpose(-1, -2))
-        return self._output_change(logit_change.mul_(self.attention_free))
+        return self._scaled(self._output_change(logit_change.mul_(self.attention_free)))
 
     def vjp(self, cotangent: torch.Tensor) -> torch.Tensor:
         """(P, M, d) output cotangent -> (P, F, d) cotangent of the free keys (zero on padding)."""
@@ -111,7 +116,7 @@ class _AttentionJacobian:
         two M×F×d products by one M×M×F product.
         """
         logit_change = torch.bmm(self.query_gram, self._vjp_weights(cotangent))
-        output_change = self._output_change(logit_change.mul_(self.attention_free))
+        output_change = self._scaled(self._output_change(logit_change.mul_(self.attention_free)))
         if isinstance(ridge, torch.Tensor):
             return output_change.addcmul_(cotangent, ridge)
         return output_change.add_(cotangent, alpha=ridge) if ridge else output_change
@@ -126,13 +131,19 @@ class _AttentionJacobian:
         moments = torch.bmm(squared, self.values_centring)  # [Σ A² v | −Σ A²]
         spread = (torch.bmm(squared, self.values_centring[..., :-1].square()) - 2 * self.output * moments[..., :-1]
                   - self.output.square() * moments[..., -1:])
-        return self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
+        diagonal = self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
+        return diagonal if self.row_scale is None else diagonal * self.row_scale.square()
 
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ."""
+        """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ (U the
+        cotangent scaled by the row weights' roots)."""
+        cotangent = self._scaled(cotangent)
         row_dots = torch.linalg.vecdot(cotangent, self.output).unsqueeze(-1)
         centred = torch.bmm(torch.cat([cotangent, row_dots], dim=-1), self.values_centring.transpose(-1, -2))
         return centred.mul_(self.attention_free)
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.row_scale is None else rows * self.row_scale
 
     def _output_change(self, change: torch.Tensor) -> torch.Tensor:
         """W V − rowsum(W) ⊙ F for (P, M, F) logit-weighted attention changes W on the free rows."""

@@ -38,6 +38,7 @@ def grkv_merge(
     full_outputs: torch.Tensor | None = None,
     safeguard: bool = GRKV_DEFAULTS["safeguard"],
     ridge_scale: str = GRKV_DEFAULTS["ridge_scale"],
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the evicted part of a KV cache into the kept entries by global ridge regression.
 
@@ -79,6 +80,9 @@ def grkv_merge(
     ridge_scale : {"absolute", "relative"}
         "absolute" (the paper): λ_k and λ_v are used as given. "relative": each is multiplied, per head and
         round, by the mean diagonal of its system (X_G X_Gᵀ for values, J Jᵀ for keys).
+    row_weights : torch.Tensor, optional
+        (B, H_kv, M) non-negative weights w of the query rows: the loss becomes Σ_r w_r ‖y_r − a_r V‖² (the
+        ridge terms unweighted), in both steps and in the safeguard's test. None (the paper): every row 1.
 
     Returns
     -------
@@ -88,7 +92,7 @@ def grkv_merge(
         get the plain evicted cache back, with a warning.
     """
     regression = KeptRegression.of(queries, keys, values, kept, fixed, query_positions=query_positions, scale=scale,
-                                   full_outputs=full_outputs)
+                                   full_outputs=full_outputs, row_weights=row_weights)
     return solve_regression(regression, lambda_k=lambda_k, lambda_v=lambda_v, steps=steps, components=components,
                             cg_max_iter=cg_max_iter, cg_rtol=cg_rtol, safeguard=safeguard, ridge_scale=ridge_scale)
 
@@ -144,6 +148,7 @@ def solve_regression(
     # NOTE: the regression sees the full cache only through `target`. A head whose queries, target or kept
     # rows hold a NaN/inf (a NaN or +inf anywhere in the full cache reaches `target`) is solved on zeros, so
     # batched linear algebra never meets a non-finite matrix, and is then handed back unmerged.
+    row_scale = None if regression.row_weights is None else regression.row_weights.flatten(0, 1).sqrt().unsqueeze(-1)
     regression_inputs = [queries_scaled, target, evicted_keys.float(), evicted_values.float()]
     finite_inputs = functools.reduce(torch.logical_and, map(_finite_per_head, regression_inputs))
     if not bool(finite_inputs.all()):
@@ -158,6 +163,7 @@ def solve_regression(
         free_valid=solver_order.free_valid,
         logit_mask=logit_mask,
         sees_nothing=sees_nothing,
+        row_scale=row_scale,
     )
 
     new_keys, new_values = problem.keys0, problem.values0

@@ -44,7 +44,11 @@ class MergeProblem:
     ``keys0``/``values0`` (P, c, d) in ``SolverOrder`` (the free rows of each head first); ``free_valid``
     (P, 1, F), see ``SolverOrder``; ``logit_mask`` (P, M, c) float, 0 where a query may see a kept key and
     −inf where not (None without causal positions); ``sees_nothing`` (P, M, 1) bool, rows that see no kept key
-    at all (None when there is none).
+    at all (None when there is none); ``row_scale`` (P, M, 1) the square roots of the query rows' weights in the
+    loss Σ_r w_r ‖y_r − a_r V‖² (None: every row weighs 1).
+
+    NOTE: a weighted least-squares problem is the unweighted one on rows scaled by √w: the steps scale the
+    residual rows (and the Jacobian's output rows) by ``row_scale`` and leave everything else as it is.
 
     NOTE: every product is a ``bmm`` on 3-D tensors: 4-D ``matmul`` re-plans (expands and reshapes, copies
     a transposed operand) on every call, which costs as much as the arithmetic at these sizes.
@@ -57,6 +61,7 @@ class MergeProblem:
     free_valid: torch.Tensor
     logit_mask: torch.Tensor | None
     sees_nothing: torch.Tensor | None
+    row_scale: torch.Tensor | None = None
 
     @property
     def free_width(self) -> int:
@@ -91,9 +96,13 @@ class MergeProblem:
         """``tensor`` (P, c, X) with ``change`` (P, F, X), zero on padding rows, added to its free rows."""
         return torch.cat([tensor[:, :self.free_width] + change, tensor[:, self.free_width:]], dim=1)
 
+    def weighted(self, rows: torch.Tensor) -> torch.Tensor:
+        """(P, M, X) rows scaled by ``row_scale`` (themselves when every row weighs 1)."""
+        return rows if self.row_scale is None else rows * self.row_scale
+
     def window_error(self, attention: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """(P,) Σ‖Y − A V‖² over the window for attention weights ``attention`` and ``values``."""
-        return torch.baddbmm(self.target, attention, values, alpha=-1.0).square_().sum(dim=(-2, -1))
+        """(P,) Σ_r w_r ‖y_r − a_r V‖² over the window for attention weights ``attention`` and ``values``."""
+        return self.weighted(torch.baddbmm(self.target, attention, values, alpha=-1.0)).square_().sum(dim=(-2, -1))
 
 
 def gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ def grkv_merge_reference(
     scale: float | None = None,
     safeguard: bool = True,
     ridge_scale: str = "absolute",
+    row_weights: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``grkv_merge`` (minus the CG knobs); returns tensors in ``dtype``."""
@@ -42,16 +43,21 @@ def grkv_merge_reference(
     merged_values = torch.empty_like(merged_keys)
     for b in range(batch):
         for h in range(heads):
+            weights = (torch.ones(queries.shape[2], dtype=dtype) if row_weights is None
+                       else row_weights[b, h].to(dtype))
             merged_keys[b, h], merged_values[b, h] = _merge_one_head(
                 queries[b, h].to(dtype), keys[b, h].to(dtype), values[b, h].to(dtype), kept[b, h], fixed[b, h],
-                lambda_k, lambda_v, steps, components, query_positions, scale, safeguard, ridge_scale,
+                lambda_k, lambda_v, steps, components, query_positions, scale, safeguard, ridge_scale, weights,
             )
     return merged_keys, merged_values
 
 
 def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components,
-                    query_positions, scale, safeguard, ridge_scale):
+                    query_positions, scale, safeguard, ridge_scale, weights):
+    """One head; the loss is Σ_r w_r ‖y_r − a_r V‖², i.e. every row of the regression multiplied by √w_r."""
     n_queries, head_dim = queries.shape
+    root = weights.sqrt()[:, None]  # (M, 1): scales a query row (of attention weights or outputs)
+    root_flat = weights.sqrt().repeat_interleave(head_dim)  # (M·d,): scales the Jacobian's rows
     if query_positions is None:
         full_visible = kept_visible = None
     else:
@@ -69,8 +75,8 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
         k_old, v_old = k_t, v_t
         if components in ("kv", "v"):
             x = masked_softmax(scale * queries @ k_t.T, kept_visible)
-            x_free = x[:, free]
-            residual = target - x @ values0
+            x_free = root * x[:, free]
+            residual = root * (target - x @ values0)
             ridge = lambda_v * ((x_free**2).sum() / n_queries if ridge_scale == "relative" else 1.0)
             gram = x_free @ x_free.T + ridge * torch.eye(n_queries, dtype=x.dtype)
             z = torch.linalg.lstsq(gram, residual).solution if ridge == 0 else torch.linalg.solve(gram, residual)
@@ -84,8 +90,8 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
                 k[free] = free_keys
                 return attend(k, v_new, kept_visible)
 
-            jacobian = jacrev(f_free)(k_t[free]).reshape(n_queries * head_dim, -1)
-            error = (target - attend(k_t, v_new, kept_visible)).reshape(-1)
+            jacobian = root_flat[:, None] * jacrev(f_free)(k_t[free]).reshape(n_queries * head_dim, -1)
+            error = root_flat * (target - attend(k_t, v_new, kept_visible)).reshape(-1)
             offset = (k_t[free] - keys0[free]).reshape(-1)
             rhs = error + jacobian @ offset
             ridge = lambda_k * ((jacobian**2).sum() / jacobian.shape[0] if ridge_scale == "relative" else 1.0)
@@ -95,7 +101,7 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             k_new[free] = keys0[free] + (jacobian.T @ alpha).reshape(-1, head_dim)
             if safeguard:
                 def window_error(k):
-                    return (target - attend(k, v_new, kept_visible)).square().sum()
+                    return (root * (target - attend(k, v_new, kept_visible))).square().sum()
 
                 bar = window_error(k_t)
                 lengths = [0.5**i for i in range(MAX_HALVINGS + 1)]

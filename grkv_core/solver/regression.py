@@ -31,6 +31,8 @@ class KeptRegression:
         (M,) long positions of the query rows (causal attention), None for none.
     scale : float
         Softmax scale.
+    row_weights : torch.Tensor or None
+        (B, H_kv, M) float32 weights of the query rows in the loss (None: every row weighs 1).
 
     NOTE: the full cache enters only through ``target``, so a regression holds c + M rows per head, not n. Every
     step of the solver is per head (batch and heads are one axis to it), so regressions of the same shape, such
@@ -46,6 +48,7 @@ class KeptRegression:
     fixed: torch.Tensor
     query_positions: torch.Tensor | None
     scale: float
+    row_weights: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -59,6 +62,7 @@ class KeptRegression:
         query_positions: torch.Tensor | None = None,
         scale: float | None = None,
         full_outputs: torch.Tensor | None = None,
+        row_weights: torch.Tensor | None = None,
     ) -> KeptRegression:
         """Check the inputs of one cache and reduce it to its regression (arguments as ``grkv_merge`` takes them).
 
@@ -67,7 +71,7 @@ class KeptRegression:
         ValueError
             Naming the argument, for any malformed input.
         """
-        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs)
+        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights)
         scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
         if query_positions is not None:
             query_positions = query_positions.to(device=keys.device, dtype=torch.long)
@@ -78,20 +82,22 @@ class KeptRegression:
         kept = kept.long()
         return cls(queries=queries, target=target, kept_keys=gather_rows(keys, kept),
                    kept_values=gather_rows(values, kept), kept=kept, fixed=fixed, query_positions=query_positions,
-                   scale=scale)
+                   scale=scale, row_weights=None if row_weights is None else row_weights.float())
 
     @property
     def batch(self) -> int:
         return self.kept.shape[0]
 
     def stacks_with(self, other: KeptRegression) -> bool:
-        """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale."""
+        """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale, and
+        row weights on both or neither."""
         same_positions = (self.query_positions is None and other.query_positions is None) or (
             self.query_positions is not None and other.query_positions is not None
             and torch.equal(self.query_positions, other.query_positions))
         return (self.queries.shape[1:] == other.queries.shape[1:] and self.kept.shape[1:] == other.kept.shape[1:]
                 and self.kept_keys.dtype == other.kept_keys.dtype and self.queries.device == other.queries.device
-                and self.scale == other.scale and same_positions)
+                and self.scale == other.scale and same_positions
+                and (self.row_weights is None) == (other.row_weights is None))
 
     @classmethod
     def stack(cls, regressions: list[KeptRegression]) -> KeptRegression:
@@ -101,12 +107,13 @@ class KeptRegression:
             return first
         if not all(first.stacks_with(other) for other in regressions[1:]):
             raise ValueError("only regressions of the same shapes, query positions and scale stack")
-        joined = {name: torch.cat([getattr(regression, name) for regression in regressions])
-                  for name in ("queries", "target", "kept_keys", "kept_values", "kept", "fixed")}
+        stacked = ("queries", "target", "kept_keys", "kept_values", "kept", "fixed",
+                   *(("row_weights",) if first.row_weights is not None else ()))
+        joined = {name: torch.cat([getattr(regression, name) for regression in regressions]) for name in stacked}
         return cls(**joined, query_positions=first.query_positions, scale=first.scale)
 
 
-def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs) -> None:
+def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights) -> None:
     """Raise a ValueError naming the argument for any malformed tensor (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -160,8 +167,15 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
             raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {shape}")
         if not full_outputs.is_floating_point():
             raise ValueError(f"full_outputs must be a floating-point tensor, got {full_outputs.dtype}")
-    tensors = [queries, keys, values, kept, fixed] + ([full_outputs] if full_outputs is not None else [])
+    if row_weights is not None:
+        if not isinstance(row_weights, torch.Tensor) or row_weights.shape != queries.shape[:3]:
+            shape = tuple(row_weights.shape) if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__
+            raise ValueError(f"row_weights must have shape (B, H_kv, M) = {tuple(queries.shape[:3])}, got {shape}")
+        if not row_weights.is_floating_point() or not bool(torch.isfinite(row_weights).all()) \
+                or bool((row_weights < 0).any()):
+            raise ValueError("row_weights must be finite, non-negative floating-point weights")
+    tensors = [queries, keys, values, kept, fixed] + [t for t in (full_outputs, row_weights) if t is not None]
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError("queries, keys, values, kept, fixed (and full_outputs) must be on one device, "
+        raise ValueError("queries, keys, values, kept, fixed (and full_outputs, row_weights) must be on one device, "
                          f"got {sorted(map(str, devices))}")

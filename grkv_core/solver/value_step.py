@@ -9,8 +9,8 @@ from grkv_core.solver.problem import MergeProblem
 
 def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, ridge_scale: str) -> torch.Tensor:
     """Exact ridge refit of the free values given the (P, M, c) attention at the current keys (dual, M×M)."""
-    residual = torch.baddbmm(problem.target, attention, problem.values0, alpha=-1.0)
-    attention_free = problem.free_columns(attention)
+    residual = problem.weighted(torch.baddbmm(problem.target, attention, problem.values0, alpha=-1.0))
+    attention_free = problem.weighted(problem.free_columns(attention))
     gram = torch.bmm(attention_free, attention_free.mT)
     ridge = lambda_v
     if ridge_scale == "relative":
