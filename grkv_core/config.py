@@ -102,7 +102,7 @@ PAPER_WINDOW = 32
 COMPONENTS = ("kv", "k", "v")
 RIDGE_SCALES = ("absolute", "relative")
 QUERY_POLICIES = ("window", "stratified")
-ACCEPT_RULES = ("always", "objective")
+ACCEPT_RULES = ("always", "objective", "validation")
 HEAD_WEIGHTINGS = ("uniform", "o_proj")
 
 
@@ -198,8 +198,9 @@ class GRKVOptions:
         "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)", float, low=0.0, low_open=True,
         nullable=True))
     accept: str = _option("always", OptionSpec(
-        "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code)", str,
-        choices=ACCEPT_RULES))
+        "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code); "
+        "'validation' merges a head only where a merge fitted on half the window's tokens lowers the loss on the "
+        "other half", str, choices=ACCEPT_RULES))
     cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
     cg_rtol: float = _option(1e-6, OptionSpec("relative residual tolerance of the key step's conjugate gradients",
                                               float, low=0.0, high=1.0, low_open=True, high_open=True))

@@ -143,7 +143,7 @@ def test_batch_elements_are_compressed_independently(architecture):
 @pytest.mark.parametrize("options", [
     dict(components="k"), dict(components="v"), dict(steps=3), dict(lambda_k=0.0, lambda_v=0.0),
     dict(query_policy="stratified"), dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
-    dict(accept="objective"), dict(beta=0.0), dict(head_weighting="o_proj"),
+    dict(accept="objective"), dict(accept="validation"), dict(beta=0.0), dict(head_weighting="o_proj"),
     pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
 ])
 def test_press_options_run_and_keep_the_budget(options):
@@ -187,6 +187,70 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
     args = dict(query_positions=window.positions, compressed_positions=positions)
     assert reconstruction_loss(window.queries, full_keys, full_values, accepted.keys, accepted.values, **args) <= \
         reconstruction_loss(window.queries, full_keys, full_values, plain_keys, plain_values, **args) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(architecture):
+    from grkv_core.diagnostics.losses import discrepancy_per_head
+    from grkv_core.solver import grkv_merge
+
+    model = tiny_model(architecture).model
+    ids = context_ids(model.config.vocab_size, batch=2, seed=11)
+    full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
+    options = dict(lambda_k=0.0, lambda_v=1e-4, target_from_forward=False)  # little ridge: room to overfit
+    plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
+    always = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", **options)).layers[0]
+    validated = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", accept="validation",
+                                                **options)).layers[0]
+    positions = recover_kept_positions(plain.keys, full_keys)
+    order = positions.argsort(-1)
+    positions = positions.gather(-1, order)
+    plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
+    plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
+    merged = (validated.keys == always.keys).flatten(2).all(-1) & (validated.values == always.values).flatten(2).all(-1)
+    kept_plain = (validated.keys == plain_keys).flatten(2).all(-1) & (validated.values == plain_values).flatten(2).all(-1)
+    assert (merged | kept_plain).all(), "each head is either merged as always or left evicted"
+    # The rule, recomputed: fit on the even surrogate tokens, compare the odd ones' loss with the evicted cache's.
+    fixed = ((always.keys == plain_keys) & (always.values == plain_values)).all(-1)
+    token = torch.arange(window.queries.shape[2]) % window.token_positions.numel()
+    even, odd = token % 2 == 0, token % 2 == 1
+    half_keys, half_values = grkv_merge(window.queries[:, :, even], full_keys, full_values, positions, fixed,
+                                        query_positions=window.positions[even], lambda_k=0.0, lambda_v=1e-4)
+    held_out = dict(query_positions=window.positions[odd], compressed_positions=positions)
+    half_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, half_keys, half_values,
+                                     **held_out)[0]
+    plain_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, plain_keys, plain_values,
+                                      **held_out)[0]
+    clear = (half_loss - plain_loss).abs() > 1e-3 * plain_loss
+    assert clear.any()
+    assert torch.equal((merged & ~kept_plain)[clear], (half_loss < plain_loss)[clear])
+
+
+def test_validation_rule_rejects_the_heads_whose_held_out_loss_rises():
+    # Unrelated random queries, no ridge and more free rows than fitted ones: the half-fit overfits on some heads.
+    from grkv_core.diagnostics.losses import discrepancy_per_head
+    from grkv_core.solver import grkv_merge
+    from grkv_core.solver.attention import full_cache_outputs
+    from grkv_core.solver.regression import KeptRegression
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, rows, length, budget, dim = 2, 4, 8, 64, 32, 8
+    queries = 2 * torch.randn(batch, heads, rows, dim, generator=generator)
+    keys, values = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(2))
+    kept = torch.stack([torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
+                        for _ in range(batch)])
+    fixed = torch.zeros(batch, heads, budget, dtype=torch.bool)
+    press = GRKVPress(press=build_press("snapkv", 0.5), lambda_k=0.0, lambda_v=0.0, accept="validation")
+    regression = KeptRegression.of(queries, keys, values, kept, fixed)
+    passes = press._passes_validation(regression, press._solver_options(1.0), keys, values,
+                                      full_cache_outputs(queries, keys, values), window=rows)
+    even, odd = torch.arange(rows) % 2 == 0, torch.arange(rows) % 2 == 1
+    half = grkv_merge(queries[:, :, even], keys, values, kept, fixed, lambda_k=0.0, lambda_v=0.0)
+    evicted = (regression.kept_keys, regression.kept_values)
+    half_loss, evicted_loss = (discrepancy_per_head(queries[:, :, odd], keys, values, *cache,
+                                                    compressed_positions=kept)[0] for cache in (half, evicted))
+    assert torch.equal(passes, half_loss < evicted_loss)
+    assert passes.any() and not passes.all()
 
 
 @pytest.mark.parametrize("field,value", [

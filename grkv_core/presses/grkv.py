@@ -65,9 +65,12 @@ class GRKVPress(GRKVOptions, MergingPress):
         See ``grkv_core.queries.surrogate_queries``; "stratified" mirrors the authors' released code.
     max_rel_update_k, max_rel_update_v : float, optional
         Trust-region caps (authors' code: 0.025 and 0.1): per head, ‖ΔK‖ ≤ cap·‖K⁰‖ and likewise for V.
-    accept : {"always", "objective"}
+    accept : {"always", "objective", "validation"}
         "objective" keeps, per head, whichever of {evicted cache, values-only merge, full merge} has the
-        lowest window discrepancy (authors' code).
+        lowest window discrepancy (authors' code). "validation" tests the merge on queries it was not fitted on:
+        a merge fitted on the window's even-numbered tokens must lower the loss of its odd-numbered tokens below
+        the evicted cache's, else the head keeps its evicted rows; the heads that pass get the merge fitted on
+        the whole window.
     cg_max_iter, cg_rtol : int, float
         Conjugate-gradient controls of the key step.
     safeguard : bool
@@ -227,8 +230,8 @@ class GRKVPress(GRKVOptions, MergingPress):
             warnings.warn(f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
                           f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
                           "raise the budget or lower window_size or beta", UserWarning, stacklevel=2)
-        if self.accept == "objective" and full_outputs is None:
-            # NOTE: one full-cache pass serves both merges and all three candidates' losses below.
+        if self.accept != "always" and full_outputs is None:
+            # NOTE: one full-cache pass serves every merge and every candidate's loss below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
                                               scale=scale)
         regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
@@ -241,6 +244,11 @@ class GRKVPress(GRKVOptions, MergingPress):
         merged_keys, merged_values = self._capped(regression, *solve_regression(regression, **options))
         if self.accept == "always":
             return merged_keys, merged_values
+        if self.accept == "validation":
+            passes = self._passes_validation(regression, options, keys, values, full_outputs,
+                                             surrogate.token_positions.numel())[..., None, None]
+            return (torch.where(passes, merged_keys, regression.kept_keys),
+                    torch.where(passes, merged_values, regression.kept_values))
 
         _, values_only = self._capped(regression, *solve_regression(regression, **{**options, "components": "v"}))
         evicted_keys, evicted_values = regression.kept_keys, regression.kept_values
@@ -253,6 +261,32 @@ class GRKVPress(GRKVOptions, MergingPress):
         best = errors.argmin(dim=0)[..., None, None]
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
+
+    def _passes_validation(self, regression: KeptRegression, options: dict, keys: torch.Tensor, values: torch.Tensor,
+                           full_outputs: torch.Tensor, window: int) -> torch.Tensor:
+        """(B, H_kv) bool: the heads where a merge fitted on the ``window`` surrogate tokens of even index has a lower
+        loss than the evicted cache on those of odd index (every query head's rows of them: the rows of a KV head
+        repeat the window once per query head)."""
+        token = torch.arange(regression.queries.shape[2], device=keys.device) % window
+        fit, held_out = token % 2 == 0, token % 2 == 1
+
+        def rows(tensor: torch.Tensor | None, chosen: torch.Tensor) -> torch.Tensor | None:
+            return None if tensor is None else tensor[..., chosen, :] if tensor.ndim == 4 else tensor[..., chosen]
+
+        positions = regression.query_positions
+        fitted = KeptRegression.of(rows(regression.queries, fit), keys, values, regression.kept, regression.fixed,
+                                   query_positions=None if positions is None else positions[fit],
+                                   scale=regression.scale, full_outputs=rows(full_outputs, fit),
+                                   row_weights=rows(regression.row_weights, fit))
+        candidates = [(regression.kept_keys, regression.kept_values),
+                      self._capped(fitted, *solve_regression(fitted, **options))]
+        evicted, merged = (
+            discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
+                                 query_positions=None if positions is None else positions[held_out],
+                                 compressed_positions=regression.kept, scale=regression.scale,
+                                 full_outputs=rows(full_outputs, held_out))[0]
+            for k, v in candidates)
+        return merged < evicted
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
