@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, PressConfig
-from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity
+from grkv_core.config import FULL_STAGE, GRKV_DEFAULTS, SCREEN_STAGE, TEST_STAGE, PressConfig
+from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key
 
 WORKER = WorkerIdentity(pid=7, node_id="n", actor_id="a", model_loads=2, trials_evaluated=3, samples=4)
 
@@ -79,3 +79,17 @@ def test_an_item_named_against_its_stage_is_refused():
         TrialRequest(1, press, TEST_STAGE)
     with pytest.raises(ValueError, match="has a trial number and no test_of"):
         TrialOutcome(None, "failed", SCREEN_STAGE)
+
+
+def test_a_configuration_key_names_only_the_options_off_their_defaults():
+    explicit = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 1e-2, "head_weighting": "uniform", "beta": 0.3})
+    implicit = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3})
+    assert configuration_key(explicit) == configuration_key(implicit)
+    settings = json.loads(configuration_key(implicit))
+    assert settings["beta"] == 0.3 and settings["merge"] == "grkv" and settings["press.window_size"] == 32
+    # An option at its default is absent, so adding one to GRKVOptions later renames no checkpoint.
+    assert not set(settings) & {name for name in GRKV_DEFAULTS if name != "beta"}
+    weighted = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3, "head_weighting": "o_proj"})
+    assert json.loads(configuration_key(weighted))["head_weighting"] == "o_proj"
+    assert TrialRequest(1, implicit, checkpoint_dir="c").checkpoint != TrialRequest(1, weighted,
+                                                                                    checkpoint_dir="c").checkpoint

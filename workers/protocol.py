@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grkv_core.config import FULL_STAGE, STAGES, TEST_STAGE, PressConfig
+from grkv_core.config import FULL_STAGE, GRKV_DEFAULTS, STAGES, TEST_STAGE, PressConfig
 
 OK = "ok"
 FAILED = "failed"
@@ -41,8 +41,16 @@ def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
 
 def configuration_key(press: PressConfig) -> str:
     """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
-    one press differently are one configuration, evaluated once and checkpointed in one file)."""
-    return json.dumps(press.resolved(), sort_keys=True)
+    one press differently are one configuration, evaluated once and checkpointed in one file).
+
+    NOTE: GRKV options at their defaults are left out, so an option added later (at a default that keeps the old
+    behaviour) leaves every configuration's key, and so its checkpoint's name, as it was; a trial interrupted
+    before the option existed resumes from its checkpoint. A changed default is caught by the checkpoint's own
+    resolved settings (``ResultStore``).
+    """
+    settings = {name: value for name, value in press.resolved().items()
+                if name not in GRKV_DEFAULTS or value != GRKV_DEFAULTS[name]}
+    return json.dumps(settings, sort_keys=True)
 
 
 @dataclass(frozen=True)
