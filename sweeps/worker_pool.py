@@ -27,7 +27,9 @@ from ray.exceptions import (
 )
 
 from workers.protocol import TrialOutcome, TrialRequest
-from workers.trial_worker import RemoteTrialWorker
+from workers.trial_worker import TrialWorker
+
+RemoteTrialWorker = ray.remote(TrialWorker)
 
 log = logging.getLogger("grkv.sweep")
 

@@ -1,4 +1,8 @@
-"""The Ray actor that holds one loaded model and its evaluation samples, and evaluates many trials in batches."""
+"""The Ray actor that holds one loaded model and its evaluation samples, and evaluates many trials in batches.
+
+NOTE: the class imports no Ray: outside a Ray cluster (in-process, ``benchmarks/gpu_check.py`` on a machine without
+Ray) it runs as it is; the sweep's driver makes it an actor (``sweeps.worker_pool``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import traceback
 from collections import Counter
 from dataclasses import asdict, replace
 
-import ray
+import sys
+
 import torch
 
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig
@@ -46,7 +51,7 @@ def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, 
 class TrialWorker:
     """Loads the model and the samples once in ``__init__``; ``evaluate_batch`` runs trials' presses on them.
 
-    Run as a Ray actor (``RemoteTrialWorker``); the class itself also works in-process.
+    Run as a Ray actor (``sweeps.worker_pool``); the class itself also works in-process.
 
     Parameters
     ----------
@@ -70,8 +75,9 @@ class TrialWorker:
 
     def identity(self) -> WorkerIdentity:
         # NOTE: asked outside Ray, the runtime context would start a local Ray instance; in-process there is
-        # no node or actor to name.
-        context = ray.get_runtime_context() if ray.is_initialized() else None
+        # no node or actor to name (and Ray need not be installed).
+        ray = sys.modules.get("ray")
+        context = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
         return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id() if context else "local",
                               actor_id=(context.get_actor_id() if context else None) or "local",
                               model_loads=self.model_loads, trials_evaluated=self.trials_evaluated,
@@ -147,5 +153,3 @@ class TrialWorker:
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
 
-
-RemoteTrialWorker = ray.remote(TrialWorker)

@@ -85,6 +85,18 @@ class LoadedModel:
     dtype: torch.dtype
     attn_implementation: str
 
+    @classmethod
+    def of(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedModel:
+        """``model`` (put in eval mode, gradients off) with its tokenizer and architecture facts."""
+        model.eval()
+        model.requires_grad_(False)
+        summary = architecture_summary(model)
+        return cls(model=model, tokenizer=tokenizer, name=name, num_layers=summary["num_layers"],
+                   num_attention_heads=summary["num_attention_heads"],
+                   num_key_value_heads=summary["num_key_value_heads"], head_dim=summary["head_dim"],
+                   max_position_embeddings=summary["max_position_embeddings"], dtype=model.dtype,
+                   attn_implementation=summary["attn_implementation"])
+
 
 def load_model(
     name_or_path: str,
@@ -143,21 +155,7 @@ def load_model(
         else:
             model, tokenizer = _load_pretrained(name_or_path, dtype, attn_implementation, torch_device, cache_dir)
 
-    model.eval()
-    model.requires_grad_(False)
-    summary = architecture_summary(model)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        name=name_or_path,
-        num_layers=summary["num_layers"],
-        num_attention_heads=summary["num_attention_heads"],
-        num_key_value_heads=summary["num_key_value_heads"],
-        head_dim=summary["head_dim"],
-        max_position_embeddings=summary["max_position_embeddings"],
-        dtype=model.dtype,
-        attn_implementation=summary["attn_implementation"],
-    )
+    return LoadedModel.of(model, tokenizer, name_or_path)
 
 
 def architecture_summary(model: PreTrainedModel) -> dict[str, Any]:

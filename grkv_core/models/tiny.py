@@ -48,7 +48,7 @@ _CHATML_TEMPLATE = (
 def build_tiny_model(
     name: str, dtype: str, attn_implementation: str | None, device: torch.device
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    tokenizer = _byte_level_chatml_tokenizer(_TINY_ARCHITECTURE["max_position_embeddings"])
+    tokenizer = byte_level_chatml_tokenizer(_TINY_ARCHITECTURE["max_position_embeddings"])
     special_token_ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -70,7 +70,7 @@ def build_tiny_model(
     return model.to(device), tokenizer
 
 
-def _byte_level_chatml_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
+def byte_level_chatml_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     """A lossless tokenizer with one token per byte plus ChatML specials, built without any download."""
     byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(byte_symbols)}

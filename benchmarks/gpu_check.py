@@ -1,0 +1,330 @@
+"""GRKV on a GPU, one command, one report: parity, prefill cost, the trial engine and a forced out-of-memory batch.
+
+    # on a GPU machine (carrying only small wheels: see the README's GPU section for the exact command)
+    PYTHONPATH=. python benchmarks/gpu_check.py --device cuda --output-dir $OUT/gpu-check
+    # anywhere, on tiny shapes: the same code path (the test suite runs it)
+    PYTHONPATH=. python benchmarks/gpu_check.py --device cpu --tiny --output-dir /tmp/gpu-check
+
+Four sections, printed as they finish and written to ``gpu_check.json`` and ``gpu_check.md``:
+
+1. **parity**: ``grkv_merge`` on the device against the float64 reference (``solver.reference``), in float32 and
+   with a bfloat16 cache; the relative error of the update (‖fast − reference‖ / ‖reference − evicted‖).
+2. **prefill**: a Llama-3.1-8B-shaped model with random weights (cost does not depend on the weights' values) in
+   bfloat16, sdpa (and flash-attention 2 if importable), at each context and batch: SnapKV 10% alone against SnapKV
+   + GRKV (defaults) with ``layers_per_solve`` 1, 6 and every layer. Medians over rounds after a warm-up (CUDA
+   events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to first token
+   but one decoding step), the merge's ms per layer (GRKV's compression hooks minus SnapKV's) and its share of a
+   layer's prefill, peak memory, decode ms per token.
+3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
+   prefill against the engine's one prefill per sample) in full and answer-metric modes, with its identity check.
+4. **out of memory**: a trial worker's batch run with the device's memory filled: its trials come back failed, the
+   process survives and the next batch finishes. On the CPU (``--tiny``) the out-of-memory error is raised by the
+   evaluation instead (emulated: a CPU has no device memory to fill).
+
+Exits non-zero if a parity check fails, the engine's results differ, or the out-of-memory batch does not behave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.evaluate import Evaluator
+from grkv_core.generation import prefill, run_tokens
+from grkv_core.models import LoadedModel
+from grkv_core.models.tiny import byte_level_chatml_tokenizer
+from grkv_core.registry import build_press
+from grkv_core.solver import grkv_merge
+from grkv_core.solver.reference import grkv_merge_reference
+from prefill_cost import timed_hook
+from sweep_throughput import MODES, fixed_trials, mismatches
+
+# Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B): what the paper times on an A100.
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=4096, rope_theta=10000.0)
+PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
+COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%
+
+
+@dataclass
+class Report:
+    """What the check found: one list of rows per section, and the problems that make it fail."""
+
+    device: str
+    settings: dict
+    sections: dict[str, list[dict]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, section: str, row: dict) -> None:
+        self.sections.setdefault(section, []).append(row)
+        print(f"[{section}] " + "  ".join(f"{key}={_text(value)}" for key, value in row.items()), flush=True)
+
+    def markdown(self) -> str:
+        lines = [f"# GRKV GPU check on {self.device}", "", "```", json.dumps(self.settings, indent=1), "```"]
+        for section, rows in self.sections.items():
+            columns = list(dict.fromkeys(key for row in rows for key in row))
+            lines += ["", f"## {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_text(row.get(column, "")) for column in columns) + " |" for row in rows]
+        lines += ["", "problems: " + ("; ".join(self.problems) if self.problems else "none")]
+        return "\n".join(lines) + "\n"
+
+
+def _text(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class Stopwatch:
+    """Milliseconds of the work inside ``timed()``: CUDA events on a GPU, the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    @contextmanager
+    def timed(self, into: list[float]):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            torch.cuda.synchronize()
+            into.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            yield
+            into.append(1000 * (time.perf_counter() - started))
+
+
+def parity(report: Report, device: torch.device, tiny: bool) -> None:
+    """Section 1: the solver on ``device`` against the float64 reference, float32 and with a bfloat16 cache."""
+    batch, heads, rows, length, budget, dim = (1, 2, 8, 64, 16, 16) if tiny else (1, 2, 32, 512, 64, 128)
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randn(batch, heads, rows, dim, generator=generator)
+    keys, values = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(2))
+    kept = torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])[None]
+    fixed = torch.rand(batch, heads, budget, generator=generator) < 0.25
+    positions = torch.arange(length - rows, length)
+    options = dict(lambda_k=0.05, lambda_v=1e-2, steps=2, query_positions=positions)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = [tensor.to(dtype) for tensor in (keys, values)]
+        fast = grkv_merge(queries.to(device), *(tensor.to(device) for tensor in cache), kept.to(device),
+                          fixed.to(device), cg_max_iter=400, cg_rtol=1e-7, **{**options, "query_positions":
+                                                                             positions.to(device)})
+        reference = grkv_merge_reference(queries.double(), *(tensor.double() for tensor in cache), kept, fixed,
+                                         **options)
+        errors = []
+        for result, expected, full in zip(fast, reference, cache):
+            start = full.double().gather(2, kept[..., None].expand(-1, -1, -1, dim))
+            errors.append(float((result.double().cpu() - expected).norm() / (expected - start).norm()))
+        name = str(dtype).removeprefix("torch.")
+        error = max(errors)
+        passed = error < PARITY_TOLERANCE[name]
+        report.add("parity", {"cache dtype": name, "key error": errors[0], "value error": errors[1],
+                              "tolerance": PARITY_TOLERANCE[name], "passed": passed})
+        if not passed:
+            report.problems.append(f"parity in {name}: relative error {error:.3g}")
+
+
+def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedModel:
+    """A Llama-3.1-8B-shaped (or tiny) model with seeded random weights, bfloat16 on a GPU, float32 on the CPU."""
+    tokenizer = byte_level_chatml_tokenizer(4096)
+    shape = dict(TINY if tiny else LLAMA_8B)
+    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    return LoadedModel.of(model, tokenizer, "llama-3.1-8b-shape" if not tiny else "tiny-llama-shape")
+
+
+def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int,
+                  decode_tokens: int) -> None:
+    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve``, per context and batch."""
+    model, device = loaded.model, loaded.model.device
+    stopwatch = Stopwatch(device)
+    layers = loaded.num_layers
+    presses = {"snapkv": build_press("snapkv", COMPRESSION_RATIO)}
+    for per_solve in sorted({1, min(6, layers), layers}):
+        presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press("snapkv", COMPRESSION_RATIO, merge="grkv",
+                                                                           layers_per_solve=per_solve)
+    for length in contexts:
+        for batch in batches:
+            ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
+            hooks = {name: [0.0] for name in presses}
+            timed = {name: press.forward_hook for name, press in presses.items()}
+            for name, press in presses.items():
+                press.forward_hook = timed_hook(timed[name], hooks[name], device.type == "cuda")
+            prefill_ms = {name: [] for name in presses}
+            decode_ms = {name: [] for name in presses}
+            peaks = {}
+            try:
+                for round_index in range(rounds + 1):
+                    for name, press in presses.items():
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats(device)
+                        into = prefill_ms[name] if round_index else []
+                        with stopwatch.timed(into):
+                            cache = prefill(model, ids, press)
+                        if round_index == 0:
+                            hooks[name][0] = 0.0
+                            continue
+                        if device.type == "cuda":
+                            peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
+                        token = ids[:, -1:].to(device)
+                        with torch.inference_mode():
+                            for step in range(decode_tokens):
+                                with stopwatch.timed(decode_ms[name]):
+                                    run_tokens(model, cache, token, length + step)
+                        del cache
+            except torch.cuda.OutOfMemoryError:
+                report.add("prefill", {"context": length, "batch": batch, "press": "all", "result": "out of memory"})
+                continue
+            finally:
+                for name, press in presses.items():
+                    press.forward_hook = timed[name]
+            base = statistics.median(prefill_ms["snapkv"])
+            for name in presses:
+                median = statistics.median(prefill_ms[name])
+                merge_ms = (hooks[name][0] - hooks["snapkv"][0]) / rounds / layers
+                report.add("prefill", {
+                    "context": length, "batch": batch, "attention": loaded.attn_implementation, "press": name,
+                    "prefill ms": median, "TTFT ratio": median / base, "merge ms/layer": merge_ms,
+                    "merge / layer prefill": merge_ms / (base / layers), "peak GiB": peaks.get(name, "n/a (CPU)"),
+                    "decode ms/token": statistics.median(decode_ms[name])})
+
+
+def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:
+    """Section 3: every trial with its own prefill against the engine's one prefill per sample (identical results)."""
+    rows = load_dataset_samples("ruler", tasks=("niah_single_1", "niah_multivalue"), context_length=context,
+                                samples_per_task=samples_per_task, seed=0, tokenizer=loaded.tokenizer)
+    chosen = fixed_trials("snapkv", COMPRESSION_RATIO, 0.88)[:trials]
+    evaluator = Evaluator(loaded)
+    for mode in ("full", "answer"):
+        seconds = {"per trial": 0.0, "engine": 0.0}
+        problems = []
+        for sample in rows:
+            started = time.perf_counter()
+            alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in chosen]
+            seconds["per trial"] += time.perf_counter() - started
+            started = time.perf_counter()
+            engine = evaluator.evaluate_trials(sample, chosen, **MODES[mode])
+            seconds["engine"] += time.perf_counter() - started
+            problems += mismatches(engine, alone)[0]
+        report.add("trial engine", {"mode": mode, "context": context, "samples": len(rows), "trials": len(chosen),
+                                    "per-trial s": seconds["per trial"], "engine s": seconds["engine"],
+                                    "speed-up": seconds["per trial"] / seconds["engine"], "identical": not problems})
+        report.problems += [f"trial engine ({mode}): {problem}" for problem in problems[:5]]
+
+
+def out_of_memory(report: Report, device: torch.device) -> None:
+    """Section 4: a worker's batch fails its trials when the device is out of memory, and the worker lives on."""
+    from workers.protocol import TrialRequest
+    from workers.trial_worker import TrialWorker
+
+    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1",), context_length=512, samples=1,
+                        dtype="float32", device=device.type)
+    worker = TrialWorker(config.to_dict())
+    requests = [TrialRequest(number, PressConfig("snapkv", 0.75, "grkv", {"lambda_k": 0.1 * (number + 1)}))
+                for number in range(2)]
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        ballast = torch.empty(max(free - 2**20, 0), dtype=torch.uint8, device=device)  # all but 1 MiB
+        how = "device memory filled"
+    else:
+        original = worker.setup.evaluator.evaluate_trials
+
+        def ballast_raise(*args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (emulated on the CPU)")
+
+        worker.setup.evaluator.evaluate_trials = ballast_raise
+        how = "OutOfMemoryError raised by the evaluation (emulated)"
+    failed = worker.evaluate_batch(requests)
+    if device.type == "cuda":
+        del ballast
+        torch.cuda.empty_cache()
+    else:
+        worker.setup.evaluator.evaluate_trials = original
+    recovered = worker.evaluate_batch([TrialRequest(number + 2, request.press)
+                                       for number, request in enumerate(requests)])
+    behaved = (all(not outcome.ok and "out of memory" in outcome.error for outcome in failed)
+               and all(outcome.ok for outcome in recovered))
+    report.add("out of memory", {"how": how, "failed trials": sum(not o.ok for o in failed),
+                                 "errors": failed[0].error.split(":")[0] if failed[0].error else "",
+                                 "next batch ok": sum(o.ok for o in recovered), "as expected": behaved})
+    if not behaved:
+        report.problems.append("out-of-memory batch: " + "; ".join(str(o.error) for o in failed))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes: every section in seconds (the test suite)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default 4K 16K 32K (tiny: 256)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 4 (tiny: 1 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up (default 5; tiny 1)")
+    parser.add_argument("--decode-tokens", type=int, default=8)
+    parser.add_argument("--output-dir", type=Path, required=True)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for the CPU path)")
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device(args.device)
+    contexts = args.contexts or ([256] if args.tiny else [4096, 16384, 32768])
+    batches = args.batches or ([1, 2] if args.tiny else [1, 4])
+    rounds = args.rounds or (1 if args.tiny else 5)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    attentions = ["sdpa"]
+    try:
+        import flash_attn  # noqa: F401
+
+        attentions += ["flash_attention_2"] if device.type == "cuda" else []
+    except ImportError:
+        pass
+    versions = {package.__name__: package.__version__ for package in (torch, transformers)}
+    report = Report(name, {"device": str(device), "tiny": args.tiny, "contexts": contexts, "batches": batches,
+                           "rounds": rounds, "attentions": attentions, "versions": versions,
+                           "cuda": torch.version.cuda, "threads": torch.get_num_threads()})
+    print(f"GRKV GPU check on {name}: {json.dumps(report.settings)}", flush=True)
+    parity(report, device, args.tiny)
+    for attention in attentions:
+        loaded = random_model(device, args.tiny, attention)
+        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens)
+        if attention == "sdpa":
+            # NOTE: a RULER prompt needs ~400 byte-level tokens besides its haystack
+            trial_engine(report, loaded, max(contexts[0], 1024), samples_per_task=1 if args.tiny else 2,
+                         trials=2 if args.tiny else 16)
+        del loaded
+    out_of_memory(report, device)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "gpu_check.json").write_text(json.dumps({**report.settings, "device_name": name,
+                                                                "sections": report.sections,
+                                                                "problems": report.problems}, indent=1))
+    (args.output_dir / "gpu_check.md").write_text(report.markdown())
+    print(f"problems: {'; '.join(report.problems) if report.problems else 'none'}")
+    print(f"report: {args.output_dir / 'gpu_check.md'}")
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
