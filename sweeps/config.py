@@ -13,6 +13,7 @@ from grkv_core.config import (
     BASELINES,
     COMPRESSION_RATIO_SPEC,
     DATASETS,
+    DEVICES,
     DTYPES,
     EVICTION_PRESS_NAMES,
     HIGHER_IS_BETTER,
@@ -78,6 +79,8 @@ class ModelSection(_Strict):
     name: str = "smollm2-135m"
     dtype: Literal[DTYPES] = "auto"
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = None
+    device: Literal[DEVICES] | None = Field(default=None, description=(
+        "where each worker runs its model; unset: cuda when workers.num_gpus > 0, else cpu"))
 
 
 class TestSamplesSection(_Strict):

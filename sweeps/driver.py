@@ -27,6 +27,7 @@ from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedge
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.worker_pool import ClusterLostError, WorkerPool
+from workers.trial_worker import WorkerStartError
 from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
@@ -40,7 +41,7 @@ def eval_config_for(config: SweepConfig) -> EvalConfig:
         samples=config.data.samples, seed=config.data.seed,
         press=PressConfig(config.press.name, config.press.compression_ratio),
         dtype=config.model.dtype, attn_implementation=config.model.attn_implementation,
-        device="cuda" if config.workers.num_gpus > 0 else "cpu", data_dir=config.data.data_dir,
+        device=config.model.device or ("cuda" if config.workers.num_gpus > 0 else "cpu"), data_dir=config.data.data_dir,
         protocol=config.data.protocol,
     )
 
@@ -55,8 +56,9 @@ class SweepStopped(RuntimeError):
 
 
 # NOTE: what stops a sweep mid-way without being any trial's fault (a full or unwritable state directory also
-# shows as an OSError from the Optuna journal; see ``state_write_failure``).
-LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError)
+# shows as an OSError from the Optuna journal; see ``state_write_failure``; a worker that cannot start on its node
+# would fail every trial it is given).
+LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError, WorkerStartError)
 
 
 def connect_to_ray() -> None:

@@ -27,7 +27,7 @@ from ray.exceptions import (
 )
 
 from workers.protocol import TrialOutcome, TrialRequest
-from workers.trial_worker import TrialWorker
+from workers.trial_worker import TrialWorker, WorkerStartError
 
 RemoteTrialWorker = ray.remote(TrialWorker)
 
@@ -41,6 +41,17 @@ CLUSTER_DEATH_WORDS = ("node has died", "owner has died", "node died", "preempte
 
 class ClusterLostError(RuntimeError):
     """The Ray cluster stopped answering; the message is one line."""
+
+
+def start_failure(error: Exception) -> WorkerStartError | None:
+    """The one-line ``WorkerStartError`` of a worker whose creation failed (its ``__init__`` raised: a retry would
+    fail the same way), or None for any other failure."""
+    if not (isinstance(error, RayActorError) and error.actor_init_failed):
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    ours = [line.split(f"{WorkerStartError.__name__}: ", 1)[1] for line in lines
+            if f"{WorkerStartError.__name__}: " in line]
+    return WorkerStartError(ours[-1] if ours else f"a worker could not start: {lines[-1] if lines else error}")
 
 
 def lost_to_cluster(error: Exception) -> bool:
@@ -129,6 +140,8 @@ class WorkerPool:
                 del self.running[reference]
             except (*WORKER_FAILURES, *CLUSTER_FAILURES) as error:
                 self._check_cluster(error)
+                if (failure := start_failure(error)) is not None:
+                    raise failure from None  # NOTE: the dispatch stays in ``running``, for ``drain``
                 del self.running[reference]
                 cluster = lost_to_cluster(error)
                 if (dispatch.cluster_retries if cluster else dispatch.attempt) < self.max_retries:
@@ -175,6 +188,8 @@ class WorkerPool:
             return
         except (*WORKER_FAILURES, *CLUSTER_FAILURES) as error:  # NOTE: a worker Ray gave up on is never idle again
             self._check_cluster(error)
+            if (failure := start_failure(error)) is not None:
+                raise failure from None
             del self.pinging[reference]
             dispatch.infrastructure = lost_to_cluster(error)
             ended.append((dispatch, dispatch.lost(f"worker is gone: {error}")))

@@ -42,7 +42,7 @@ from grkv_core.config import (
 )
 from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
-from workers.protocol import TrialOutcome
+from workers.protocol import TrialOutcome, WorkerIdentity
 
 log = logging.getLogger("grkv.tracking")
 
@@ -99,6 +99,14 @@ def flatten(prefix: str, value) -> dict[str, str]:
 def resolved_params(resolved_press: dict) -> list[Param]:
     """MLflow params of the press as it ran (``PressConfig.resolved()``), under their own names."""
     return [Param(name, str(value)) for name, value in sorted(resolved_press.items())]
+
+
+def worker_params(worker: WorkerIdentity) -> list[Param]:
+    """What the worker's model ran on: ``worker.device`` (``cuda:0``), ``worker.dtype`` (``dtype="auto"`` resolved)
+    and, where Ray set it, ``worker.cuda_visible_devices``."""
+    facts = {"worker.device": worker.device, "worker.dtype": worker.dtype,
+             "worker.cuda_visible_devices": worker.visible_devices}
+    return [Param(name, str(value)) for name, value in facts.items() if value is not None]
 
 
 def trial_metrics(summary: dict) -> dict[str, float]:
@@ -279,13 +287,14 @@ class SweepTracker:
         return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
 
     def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
-        """Log a finished trial's press as it ran (also in its name), its metrics, timings, per-sample rows
+        """Log a finished trial's press as it ran (also in its name), what its worker ran it on (``worker_params``),
+        its metrics, timings, per-sample rows
         (``prediction_rows``, screening runs included) and a test-stage run's kvpress folders (``kvpress/``); close
         it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              params=resolved_params(outcome.resolved_press),
+                              params=[*resolved_params(outcome.resolved_press), *worker_params(outcome.worker)],
                               tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
                                     *self._named_with_press(run_id, outcome.resolved_press)])
         rows = prediction_rows(outcome.samples)

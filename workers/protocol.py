@@ -99,7 +99,9 @@ class TrialRequest:
 
 @dataclass(frozen=True)
 class WorkerIdentity:
-    """Which actor evaluated a trial, and how much it had done (``model_loads`` > 1 means it was restarted)."""
+    """Which actor evaluated a trial, and how much it had done (``model_loads`` > 1 means it was restarted), and on
+    what: the device and dtype its model actually runs in (``dtype="auto"`` resolves per device) and the GPUs Ray
+    gave it (``CUDA_VISIBLE_DEVICES``; None: not set)."""
 
     pid: int
     node_id: str
@@ -107,6 +109,9 @@ class WorkerIdentity:
     model_loads: int
     trials_evaluated: int
     samples: int
+    device: str = "unknown"
+    dtype: str = "unknown"
+    visible_devices: str | None = None
 
 
 @dataclass(frozen=True)

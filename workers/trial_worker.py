@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import traceback
 from collections import Counter
@@ -24,6 +25,18 @@ from grkv_core.kvpress_layout import kvpress_runs
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
+
+
+class WorkerStartError(RuntimeError):
+    """A worker cannot start on its node (the sweep's model or device does not fit it); the message is one line
+    naming the node. Raised in the actor's creation, where a retry would fail the same way."""
+
+
+def _node_name() -> str:
+    """This node as a person finds it: its host name and, inside Ray, its node id."""
+    ray = sys.modules.get("ray")
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    return socket.gethostname() + (f" (Ray node {node[:12]})" if node else "")
 
 
 def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, list[EvalSample]]:
@@ -68,6 +81,11 @@ class TrialWorker:
         transformers.utils.logging.disable_progress_bar()  # a worker's log is no terminal
         config = EvalConfig.from_dict(eval_config)
         self.config = replace(config, samples=config.samples + test_samples)
+        if self.config.device == "cuda" and not torch.cuda.is_available():
+            raise WorkerStartError(f"a worker cannot start on node {_node_name()}: model.device is 'cuda' and torch "
+                                   "sees no CUDA device there (CUDA_VISIBLE_DEVICES="
+                                   f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run the workers on GPU nodes "
+                                   "(workers.num_gpus: 1) or set model.device: auto or cpu")
         self.setup = EvaluationSetup.load(self.config)
         self.samples = split_samples(self.setup.samples, config.samples)
         self.model_loads = 1
@@ -81,7 +99,8 @@ class TrialWorker:
         return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id() if context else "local",
                               actor_id=(context.get_actor_id() if context else None) or "local",
                               model_loads=self.model_loads, trials_evaluated=self.trials_evaluated,
-                              samples=len(self.setup.samples))
+                              samples=len(self.setup.samples), device=str(self.setup.loaded.model.device),
+                              dtype=self.setup.model_dtype, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def evaluate_batch(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         """Evaluate trials of one stage together; one outcome per request, in order.
