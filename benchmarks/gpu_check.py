@@ -27,6 +27,7 @@ Exits non-zero if a parity check fails, the engine's results differ, or the out-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -247,9 +248,10 @@ def out_of_memory(report: Report, device: torch.device) -> None:
     worker = TrialWorker(config.to_dict())
     requests = [TrialRequest(number, PressConfig("snapkv", 0.75, "grkv", {"lambda_k": 0.1 * (number + 1)}))
                 for number in range(2)]
+    ballast = []
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        ballast = torch.empty(max(free - 2**20, 0), dtype=torch.uint8, device=device)  # all but 1 MiB
+        ballast.append(torch.empty(max(free - 2**20, 0), dtype=torch.uint8, device=device))  # all but 1 MiB
         how = "device memory filled"
     else:
         original = worker.setup.evaluator.evaluate_trials
@@ -261,7 +263,7 @@ def out_of_memory(report: Report, device: torch.device) -> None:
         how = "OutOfMemoryError raised by the evaluation (emulated)"
     failed = worker.evaluate_batch(requests)
     if device.type == "cuda":
-        del ballast
+        ballast.clear()
         torch.cuda.empty_cache()
     else:
         worker.setup.evaluator.evaluate_trials = original
@@ -295,12 +297,8 @@ def main() -> int:
     rounds = args.rounds or (1 if args.tiny else 5)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     attentions = ["sdpa"]
-    try:
-        import flash_attn  # noqa: F401
-
-        attentions += ["flash_attention_2"] if device.type == "cuda" else []
-    except ImportError:
-        pass
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        attentions.append("flash_attention_2")
     versions = {package.__name__: package.__version__ for package in (torch, transformers)}
     report = Report(name, {"device": str(device), "tiny": args.tiny, "contexts": contexts, "batches": batches,
                            "rounds": rounds, "attentions": attentions, "versions": versions,

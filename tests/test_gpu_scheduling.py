@@ -73,4 +73,4 @@ def test_a_worker_told_to_use_cuda_where_there_is_none_fails_its_start_in_one_li
     parents, _ = runs_of(two_gpu_node["tracking_uri"], "grkv-smoke", "gpu-cuda")
     assert [run.info.status for run in parents] == ["KILLED"]
     assert MlflowClient(two_gpu_node["tracking_uri"]).search_runs(
-        [parents[0].info.experiment_id], f"tags.`grkv.sweep_id` = 'gpu-cuda' and attributes.status = 'FINISHED'") == []
+        [parents[0].info.experiment_id], "tags.`grkv.sweep_id` = 'gpu-cuda' and attributes.status = 'FINISHED'") == []

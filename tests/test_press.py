@@ -207,8 +207,10 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     positions = positions.gather(-1, order)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
-    merged = (validated.keys == always.keys).flatten(2).all(-1) & (validated.values == always.values).flatten(2).all(-1)
-    kept_plain = (validated.keys == plain_keys).flatten(2).all(-1) & (validated.values == plain_values).flatten(2).all(-1)
+    def same(keys, values):
+        return (validated.keys == keys).flatten(2).all(-1) & (validated.values == values).flatten(2).all(-1)
+
+    merged, kept_plain = same(always.keys, always.values), same(plain_keys, plain_values)
     assert (merged | kept_plain).all(), "each head is either merged as always or left evicted"
     # The rule, recomputed: fit on the even surrogate tokens, compare the odd ones' loss with the evicted cache's.
     fixed = ((always.keys == plain_keys) & (always.values == plain_values)).all(-1)

@@ -365,7 +365,8 @@ def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries)
 
 
 def _output_projection_weights(module: nn.Module, surrogate: SurrogateQueries) -> torch.Tensor:
-    """(B, H_kv, groups·m) row weights: query head h's rows weigh ‖W_o[:, h·d:(h+1)·d]‖²_F over the layer's mean.
+    """(B, H_kv, groups·m) row weights: query head h's rows weigh ‖W_o[:, h·d:(h+1)·d]‖²_F over the layer's
+    mean.
 
     NOTE: ``o_proj`` reads the heads' outputs concatenated head-major (column h·d + j is head h's j-th channel),
     and the surrogate rows stack the query heads of a KV head group-major, so a view and a repeat line them up.

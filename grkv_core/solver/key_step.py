@@ -135,8 +135,8 @@ class _AttentionJacobian:
         return diagonal if self.row_scale is None else diagonal * self.row_scale.square()
 
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ (U the
-        cotangent scaled by the row weights' roots)."""
+        """A ⊙ (U Vᵀ − rowsum(U ⊙ F)) on the free columns, as one product of [U | rowsum] with [V | −1]ᵀ
+        (U the cotangent scaled by the row weights' roots)."""
         cotangent = self._scaled(cotangent)
         row_dots = torch.linalg.vecdot(cotangent, self.output).unsqueeze(-1)
         centred = torch.bmm(torch.cat([cotangent, row_dots], dim=-1), self.values_centring.transpose(-1, -2))
