@@ -9,29 +9,17 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import free_ports
-from test_sweep_service import REPO, child_env, of_stage, runs_of, write_config
+from test_sweep_service import REPO, local_stack, of_stage, runs_of, write_config
 
 from grkv_core.config import FULL_STAGE
-
-NAMES = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT", "GRKV_MLFLOW_PORT")
 
 
 @pytest.fixture(scope="module")
 def two_gpu_node(tmp_path_factory):
-    state = tmp_path_factory.mktemp("grkv-gpu-state")
-    ports = dict(zip(NAMES, free_ports(len(NAMES))))
-    env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, GRKV_RAY_GPUS=2, **ports)
-    subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
-    for line in (state / "env.sh").read_text().splitlines():
-        if line.startswith("export ") and "$" not in line:
-            key, _, value = line.removeprefix("export ").partition("=")
-            env[key] = value
-    env["RAY_ADDRESS"] = f"127.0.0.1:{ports['GRKV_RAY_PORT']}"  # this cluster, not another one on the machine
-    try:
-        yield {"env": env, "state": state, "tracking_uri": f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}"}
-    finally:
-        subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=env, timeout=120)
+    with local_stack(tmp_path_factory.mktemp("grkv-gpu-state"), GRKV_RAY_GPUS=2) as stack:
+        # NOTE: a driver started directly joins the cluster at RAY_ADDRESS, this one, not another on the machine
+        stack["env"]["RAY_ADDRESS"] = stack["ray_address"]
+        yield stack
 
 
 def two_trial_sweep(tmp_path, **changes):

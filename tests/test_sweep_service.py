@@ -4,6 +4,7 @@ Started once per session through infra/local/start.sh (the script a user runs), 
 temporary state directory, and stopped through infra/local/stop.sh.
 """
 
+import contextlib
 import json
 import os
 
@@ -64,13 +65,13 @@ def child_env(**extra) -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    state = tmp_path_factory.mktemp("grkv-state")
+@contextlib.contextmanager
+def local_stack(state: Path, **settings):
+    """``infra/local/start.sh`` on free ports in ``state`` (more ``GRKV_*`` settings as keywords), stopped after."""
     names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
              "GRKV_MLFLOW_PORT")
     ports = dict(zip(names, free_ports(len(names))))
-    env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports)
+    env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports, **settings)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
     # A driver started directly (not through `ray job submit`) needs the variables the start script
     # exports for clients, e.g. the one that keeps Ray's node address on 127.0.0.1.
@@ -88,6 +89,12 @@ def services(tmp_path_factory):
         }
     finally:
         subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    with local_stack(tmp_path_factory.mktemp("grkv-state")) as stack:
+        yield stack
 
 
 def write_config(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
