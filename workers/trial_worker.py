@@ -32,11 +32,20 @@ class WorkerStartError(RuntimeError):
     naming the node. Raised in the actor's creation, where a retry would fail the same way."""
 
 
+def _ray_context():
+    """Ray's runtime context inside a Ray worker, else None.
+
+    NOTE: asked outside Ray, the runtime context would start a local Ray instance; in-process there is no node or
+    actor to name (and Ray need not be installed).
+    """
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
+
+
 def _node_name() -> str:
     """This node as a person finds it: its host name and, inside Ray, its node id."""
-    ray = sys.modules.get("ray")
-    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
-    return socket.gethostname() + (f" (Ray node {node[:12]})" if node else "")
+    context = _ray_context()
+    return socket.gethostname() + (f" (Ray node {context.get_node_id()[:12]})" if context else "")
 
 
 def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, list[EvalSample]]:
@@ -92,10 +101,7 @@ class TrialWorker:
         self.trials_evaluated = 0
 
     def identity(self) -> WorkerIdentity:
-        # NOTE: asked outside Ray, the runtime context would start a local Ray instance; in-process there is
-        # no node or actor to name (and Ray need not be installed).
-        ray = sys.modules.get("ray")
-        context = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
+        context = _ray_context()
         return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id() if context else "local",
                               actor_id=(context.get_actor_id() if context else None) or "local",
                               model_loads=self.model_loads, trials_evaluated=self.trials_evaluated,
