@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import platform
 import resource
 import statistics
@@ -46,6 +45,7 @@ from grkv_core.config import (
 )
 from grkv_core.datasets import EvalSample, load_dataset_samples, score_prediction
 from grkv_core.diagnostics.probe import ReconstructionProbe
+from grkv_core.files import write_atomically
 from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
 from grkv_core.kvpress_layout import kvpress_runs, write_run
 from grkv_core.models import LoadedModel, load_model
@@ -358,9 +358,7 @@ class ResultStore:
             "samples": [asdict(result) for result in self.results],
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_text(json.dumps(payload, indent=1))
-        os.replace(temporary, self.path)
+        write_atomically(self.path, json.dumps(payload, indent=1))
 
 
 @dataclass

@@ -23,9 +23,9 @@ NOTE: imports nothing heavy; the CSV and YAML are written with the standard libr
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import statistics
 import warnings
 from collections.abc import Sequence
@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from grkv_core.config import ANSWER_METRICS, FULL_CACHE, LOSS_METRICS, QUERY_AWARE, EvalConfig
+from grkv_core.files import write_atomically
 
 PREDICTIONS_FILE = "predictions.csv"
 METRICS_FILE = "metrics.json"
@@ -172,12 +173,6 @@ def _rows(config: EvalConfig, sample, result, longbench: bool) -> list[dict[str,
     return rows
 
 
-def _write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def write_run(output_dir: str | Path, run: KvpressRun) -> Path:
     """Write ``run`` under ``output_dir`` as kvpress does: ``<output_dir>/<name>/``, or ``<name>/1``, ``/2``...
     when that folder holds another configuration's results (kvpress never overwrites); the same configuration's
@@ -194,18 +189,16 @@ def write_run(output_dir: str | Path, run: KvpressRun) -> Path:
         folder = folder / str(index)
     folder.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(key for row in run.rows for key in row))
-    temporary = folder / (PREDICTIONS_FILE + ".tmp")
-    with open(temporary, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=columns)
-        writer.writeheader()
-        for row in run.rows:
-            writer.writerow({key: repr(value) if isinstance(value, list) else _cell(value)
-                             for key, value in row.items()})
-    os.replace(temporary, folder / PREDICTIONS_FILE)
-    _write_text(folder / METRICS_FILE, json.dumps(run.metrics, indent=4))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=columns)
+    writer.writeheader()
+    for row in run.rows:
+        writer.writerow({key: repr(value) if isinstance(value, list) else _cell(value) for key, value in row.items()})
+    write_atomically(folder / PREDICTIONS_FILE, table.getvalue())
+    write_atomically(folder / METRICS_FILE, json.dumps(run.metrics, indent=4))
     config = dict(run.config, output_dir=str(Path(output_dir)))
-    _write_text(folder / CONFIG_FILE, yaml.safe_dump(config, default_flow_style=False, indent=2, sort_keys=False))
-    _write_text(folder / EXTRAS_FILE, json.dumps(run.extras, indent=1))
+    write_atomically(folder / CONFIG_FILE, yaml.safe_dump(config, default_flow_style=False, indent=2, sort_keys=False))
+    write_atomically(folder / EXTRAS_FILE, json.dumps(run.extras, indent=1))
     return folder
 
 

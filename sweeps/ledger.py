@@ -35,6 +35,7 @@ from grkv_core.config import (
     TEST_STAGE,
     PressConfig,
 )
+from grkv_core.files import write_atomically
 from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
@@ -185,15 +186,11 @@ class StateDir:
         return self.root / KVPRESS_FOLDER
 
     def save(self, outcome: TrialOutcome) -> None:
-        path = self.path(outcome.stage, outcome.key)
-        temporary = path.with_suffix(".tmp")
         try:
-            temporary.write_text(json.dumps(outcome.to_dict()))
-            os.replace(temporary, path)
+            write_atomically(self.path(outcome.stage, outcome.key), json.dumps(outcome.to_dict()))
             for run in outcome.kvpress_runs:
                 write_run(self.kvpress / outcome.key, KvpressRun.from_dict(run))
         except OSError as error:
-            temporary.unlink(missing_ok=True)
             raise StateDirError(self.unwritable(error)) from None
 
     def load(self, stage: str, key: str) -> TrialOutcome | None:
