@@ -319,10 +319,8 @@ class ResultStore:
             # were recorded carry none and resume as before.
             stored_press = stored.get("resolved_press")
             if stored_press is not None:
-                # NOTE: an option added since the file was written is absent from it; at its default it does what
-                # the version that wrote the file did.
-                stored_press = {**{name: value for name, value in self.resolved_press.items()
-                                   if name not in stored_press and GRKV_DEFAULTS.get(name, ...) == value},
+                # NOTE: an option added since the file was written is absent from it: it ran at its default.
+                stored_press = {**{name: value for name, value in GRKV_DEFAULTS.items() if name in self.resolved_press},
                                 **stored_press}
             if stored_press is not None and stored_press != self.resolved_press:
                 changed = ", ".join(f"{name}: {stored_press.get(name)!r} -> {self.resolved_press.get(name)!r}"

@@ -185,11 +185,15 @@ class StateDir:
         ``grkv leaderboard`` reads them beside kvpress's own)."""
         return self.root / KVPRESS_FOLDER
 
+    def kvpress_folder(self, outcome: TrialOutcome) -> Path | None:
+        """Where ``save`` wrote ``outcome``'s runs in kvpress's layout; None if it has none."""
+        return self.kvpress / outcome.key if outcome.kvpress_runs else None
+
     def save(self, outcome: TrialOutcome) -> None:
         try:
             write_atomically(self.path(outcome.stage, outcome.key), json.dumps(outcome.to_dict()))
             for run in outcome.kvpress_runs:
-                write_run(self.kvpress / outcome.key, KvpressRun.from_dict(run))
+                write_run(self.kvpress_folder(outcome), KvpressRun.from_dict(run))
         except OSError as error:
             raise StateDirError(self.unwritable(error)) from None
 
@@ -275,7 +279,7 @@ class SweepRecords:
         # tell that follow. The sweep-level total on the parent run (``count``) includes them.
         timing.update(trial_dispatch_s=dispatch_s, worker_attempts=attempts,
                       service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started))
-        self.tracker.finish_trial(open_trial.run_id, outcome, timing)
+        self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
         return timing
 
     def count(self, open_trial: OpenTrial, timing: dict[str, float], dispatch_s: float, started: float) -> None:
@@ -298,7 +302,7 @@ class SweepRecords:
         """Log a finished outcome of the state directory whose run never closed (the driver died in between)."""
         run_id = self.start(outcome, sampler_params, user_attrs)
         self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
-        self.tracker.finish_trial(run_id, outcome, outcome.worker_timing())
+        self.tracker.finish_trial(run_id, outcome, outcome.worker_timing(), self.state.kvpress_folder(outcome))
         log.info("%s: recovered its finished result", outcome)
 
     def close_leftovers(self, runs: list) -> list:

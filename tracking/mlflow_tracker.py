@@ -11,12 +11,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -40,7 +40,7 @@ from grkv_core.config import (
     WORKER_PID_TAG,
     PressConfig,
 )
-from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
+from grkv_core.kvpress_layout import KVPRESS_FOLDER
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome, WorkerIdentity
 
@@ -286,11 +286,12 @@ class SweepTracker:
         name = self.client.get_run(run_id).info.run_name
         return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
 
-    def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float]) -> None:
+    def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float],
+                     kvpress_folder: Path | None = None) -> None:
         """Log a finished trial's press as it ran (also in its name), what its worker ran it on (``worker_params``),
-        its metrics, timings, per-sample rows
-        (``prediction_rows``, screening runs included) and a test-stage run's kvpress folders (``kvpress/``); close
-        it as FINISHED."""
+        its metrics, timings and per-sample rows (``prediction_rows``, screening runs included), and
+        ``kvpress_folder`` (a test-stage run's results in kvpress's layout, as the state directory holds them) as
+        its artifacts ``kvpress/``; close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
         self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
@@ -300,11 +301,8 @@ class SweepTracker:
         rows = prediction_rows(outcome.samples)
         if rows:
             self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
-        if outcome.kvpress_runs:
-            with tempfile.TemporaryDirectory() as folder:
-                for run in outcome.kvpress_runs:
-                    write_run(folder, KvpressRun.from_dict(run))
-                self.client.log_artifacts(run_id, folder, KVPRESS_FOLDER)
+        if kvpress_folder is not None:
+            self.client.log_artifacts(run_id, str(kvpress_folder), KVPRESS_FOLDER)
         self.client.set_terminated(run_id, "FINISHED")
 
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
