@@ -45,13 +45,15 @@ EXTRAS_FILE = "grkv.json"
 # Where a sweep keeps its test stage's runs in this layout: ``<state>/<sweep>/kvpress/<test_of>/`` and each test
 # run's MLflow artifacts ``kvpress/``.
 KVPRESS_FOLDER = "kvpress"
-# kvpress's EvaluationConfig fields, in its order (``asdict``), as ``EvaluationConfig.save_config`` writes them
-# for a press with a compression ratio (it drops ``threshold`` and ``head_compression_ratio`` when unset).
-KVPRESS_CONFIG_FIELDS = ("dataset", "data_dir", "model", "device", "press_name", "compression_ratio",
-                         "key_channel_compression_ratio", "fraction", "max_new_tokens", "max_context_length",
-                         "query_aware", "needle_depth", "compression_interval", "target_size",
-                         "hidden_states_buffer_size", "output_dir", "log_level", "model_kwargs", "press_init_command",
-                         "seed", "fp8")
+# kvpress's EvaluationConfig fields with the values a run of ours gives the ones it does not set, in kvpress's
+# order (``asdict``), as ``EvaluationConfig.save_config`` writes them for a press with a compression ratio (it drops
+# ``threshold`` and ``head_compression_ratio`` when unset). None stands for a value each run sets.
+KVPRESS_CONFIG_DEFAULTS: dict[str, Any] = {
+    "dataset": None, "data_dir": None, "model": None, "device": None, "press_name": None, "compression_ratio": None,
+    "key_channel_compression_ratio": None, "fraction": 1.0, "max_new_tokens": None, "max_context_length": None,
+    "query_aware": None, "needle_depth": None, "compression_interval": None, "target_size": None,
+    "hidden_states_buffer_size": None, "output_dir": ".", "log_level": "INFO", "model_kwargs": {},
+    "press_init_command": None, "seed": None, "fp8": False}
 # The fields kvpress's other presses carry instead of ``compression_ratio`` (DMSPress, DuoAttentionPress).
 KVPRESS_RATIO_STANDINS = ("threshold", "head_compression_ratio")
 # Our per-question columns after kvpress's in predictions.csv.
@@ -131,24 +133,22 @@ def kvpress_runs(config: EvalConfig, samples: Sequence, results: Sequence, press
         sample = by_id[result.sample_id]
         data_dir = sample.task if longbench else str(config.context_length or 4096)
         groups.setdefault(data_dir, []).extend(_rows(config, sample, result, longbench))
+    # NOTE: JSON-native (lists, not tuples), so a run crosses Ray and the sweep's state files unchanged.
+    ours = json.loads(json.dumps({"config": config.to_dict(), "label": config.press.label,
+                                  "protocol": config.protocol, **(extras or {})}))
     runs = []
     for data_dir, rows in groups.items():
         kvpress_config = {
-            "dataset": KVPRESS_DATASETS[config.dataset], "data_dir": data_dir, "model": config.model,
-            "device": config.device, "press_name": method_name(config.press.press, config.press.merge),
-            "compression_ratio": config.press.compression_ratio, "key_channel_compression_ratio": None,
-            "fraction": 1.0, "max_new_tokens": None, "max_context_length": None,
-            "query_aware": config.protocol == QUERY_AWARE, "needle_depth": None, "compression_interval": None,
-            "target_size": None, "hidden_states_buffer_size": None, "output_dir": ".", "log_level": "INFO",
-            "model_kwargs": {}, "press_init_command": press_init_command, "seed": config.seed, "fp8": False}
+            **KVPRESS_CONFIG_DEFAULTS, "dataset": KVPRESS_DATASETS[config.dataset], "data_dir": data_dir,
+            "model": config.model, "device": config.device,
+            "press_name": method_name(config.press.press, config.press.merge),
+            "compression_ratio": config.press.compression_ratio, "query_aware": config.protocol == QUERY_AWARE,
+            "press_init_command": press_init_command, "seed": config.seed}
         by_task: dict[str, list[float]] = {}
         for row in rows:
             by_task.setdefault(row["task"], []).append(row["score"])
         metrics = (_percent([score for scores in by_task.values() for score in scores]) if longbench
                    else {task: {"string_match": _percent(scores)} for task, scores in sorted(by_task.items())})
-        # NOTE: JSON-native (lists, not tuples), so a run crosses Ray and the sweep's state files unchanged.
-        ours = json.loads(json.dumps({"config": config.to_dict(), "label": config.press.label,
-                                      "protocol": config.protocol, **(extras or {})}))
         runs.append(KvpressRun(run_name(config, data_dir), kvpress_config, rows, metrics, ours))
     return runs
 
@@ -255,18 +255,11 @@ def _score(metrics: Any, path: Path) -> float:
     raise ValueError(f"{path}: metrics.json holds no score ({metrics!r})")
 
 
-def _mean_column(path: Path, column: str) -> float | None:
-    with open(path, newline="") as file:
-        values = [float(row[column]) for row in csv.DictReader(file) if row.get(column) not in (None, "")]
+def _mean_column(rows: list[dict[str, str]], column: str) -> float | None:
+    """The mean of a predictions.csv column over the rows that hold a finite number in it (None: none does)."""
+    values = [float(row[column]) for row in rows if row.get(column) not in (None, "")]
     values = [value for value in values if math.isfinite(value)]
     return statistics.fmean(values) if values else None
-
-
-def _row_count(path: Path) -> int | None:
-    if not path.exists():
-        return None
-    with open(path, newline="") as file:
-        return sum(1 for _ in csv.DictReader(file))
 
 
 def read_run(folder: str | Path) -> LeaderboardRow:
@@ -292,15 +285,18 @@ def read_run(folder: str | Path) -> LeaderboardRow:
     if missing or ratio_field is None:
         raise ValueError(f"{folder / CONFIG_FILE}: lacks {', '.join(missing or ['compression_ratio'])}")
     predictions = folder / PREDICTIONS_FILE
+    rows = None
+    if predictions.exists():
+        with open(predictions, newline="") as file:
+            rows = list(csv.DictReader(file))
     ours = folder / EXTRAS_FILE
     extras = json.loads(ours.read_text()) if ours.exists() else {}
-    answer = ({name: _mean_column(predictions, name) for name in ANSWER_METRICS}
-              if ours.exists() and predictions.exists() else {})
+    answer = {name: _mean_column(rows, name) for name in ANSWER_METRICS} if ours.exists() and rows is not None else {}
     return LeaderboardRow(
         dataset=str(config["dataset"]), data_dir=str(config.get("data_dir") or ""), model=str(config["model"]),
         method=str(config["press_name"]), compression_ratio=float(config[ratio_field]),
         score=_score(metrics, folder / METRICS_FILE), query_aware=bool(config.get("query_aware", False)),
-        path=str(folder), ratio_field=ratio_field, label=extras.get("label"), rows=_row_count(predictions),
+        path=str(folder), ratio_field=ratio_field, label=extras.get("label"), rows=None if rows is None else len(rows),
         **answer)
 
 
@@ -330,7 +326,6 @@ def read_runs(*roots: str | Path) -> list[LeaderboardRow]:
             found.append(read_run(folder))
     return sorted(found, key=lambda row: (row.dataset, row.data_dir, row.model, row.method, row.compression_ratio,
                                           row.query_aware, row.path))
-
 
 
 def leaderboard_table(rows: Sequence[LeaderboardRow]) -> str:

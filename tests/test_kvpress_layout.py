@@ -21,7 +21,6 @@ from grkv_core.datasets import EvalSample
 from grkv_core.datasets.scoring import string_match_all
 from grkv_core.evaluate import SampleResult
 from grkv_core.kvpress_layout import (
-    KVPRESS_CONFIG_FIELDS,
     KvpressRun,
     kvpress_runs,
     leaderboard_table,
@@ -30,6 +29,13 @@ from grkv_core.kvpress_layout import (
     write_run,
 )
 
+# kvpress 0.5.5's EvaluationConfig fields in its order, as save_config writes them for a press with a compression
+# ratio (evaluation/evaluate.py; benchmarks/kvpress_layout_check.py checks against the source itself).
+KVPRESS_CONFIG_FIELDS = ("dataset", "data_dir", "model", "device", "press_name", "compression_ratio",
+                         "key_channel_compression_ratio", "fraction", "max_new_tokens", "max_context_length",
+                         "query_aware", "needle_depth", "compression_interval", "target_size",
+                         "hidden_states_buffer_size", "output_dir", "log_level", "model_kwargs", "press_init_command",
+                         "seed", "fp8")
 KVPRESS_COLUMNS = ["task", "question", "answer_prefix", "answer", "max_new_tokens", "predicted_answer",
                    "compression_ratio"]
 GRKV = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.1})
