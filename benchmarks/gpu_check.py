@@ -55,7 +55,7 @@ from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.reference import grkv_merge_reference
 from prefill_cost import timed_hook
-from sweep_throughput import MODES, fixed_trials, mismatches
+from sweep_throughput import both_paths, fixed_trials
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B): what the paper times on an A100.
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -225,13 +225,10 @@ def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_
         seconds = {"per trial": 0.0, "engine": 0.0}
         problems = []
         for sample in rows:
-            started = time.perf_counter()
-            alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in chosen]
-            seconds["per trial"] += time.perf_counter() - started
-            started = time.perf_counter()
-            engine = evaluator.evaluate_trials(sample, chosen, **MODES[mode])
-            seconds["engine"] += time.perf_counter() - started
-            problems += mismatches(engine, alone)[0]
+            per_trial, engine, found, _ = both_paths(evaluator, sample, chosen, mode)
+            seconds["per trial"] += per_trial
+            seconds["engine"] += engine
+            problems += found
         report.add("trial engine", {"mode": mode, "context": context, "samples": len(rows), "trials": len(chosen),
                                     "per-trial s": seconds["per trial"], "engine s": seconds["engine"],
                                     "speed-up": seconds["per trial"] / seconds["engine"], "identical": not problems})

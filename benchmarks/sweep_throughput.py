@@ -90,6 +90,18 @@ def mismatches(engine, alone) -> tuple[list[str], float]:
     return found, largest
 
 
+def both_paths(evaluator: Evaluator, sample, trials: list[PressConfig], mode: str
+               ) -> tuple[float, float, list[str], float]:
+    """``trials`` on ``sample`` each with its own prefill, then all on the engine: the seconds of each path, the
+    differences beyond tolerance and the largest answer-metric difference (``mismatches``)."""
+    started = time.perf_counter()
+    alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in trials]
+    per_trial = time.perf_counter() - started
+    started = time.perf_counter()
+    engine = evaluator.evaluate_trials(sample, trials, **MODES[mode])
+    return (per_trial, time.perf_counter() - started, *mismatches(engine, alone))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -116,13 +128,9 @@ def main() -> int:
     problems, largest = [], 0.0
     for sample in tqdm(samples, desc="samples", unit="sample"):
         for mode in args.modes:
-            started = time.perf_counter()
-            alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in trials]
-            seconds[mode, "per_trial"] += time.perf_counter() - started
-            started = time.perf_counter()
-            engine = evaluator.evaluate_trials(sample, trials, **MODES[mode])
-            seconds[mode, "engine"] += time.perf_counter() - started
-            found, difference = mismatches(engine, alone)
+            per_trial, engine, found, difference = both_paths(evaluator, sample, trials, mode)
+            seconds[mode, "per_trial"] += per_trial
+            seconds[mode, "engine"] += engine
             problems += [f"{mode}: {problem}" for problem in found]
             largest = max(largest, difference)
 

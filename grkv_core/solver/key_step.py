@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.solver.problem import MergeProblem
+from grkv_core.solver.problem import MergeProblem, scale_rows
 
 
 def key_step(
@@ -143,7 +143,7 @@ class _AttentionJacobian:
         return centred.mul_(self.attention_free)
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.row_scale is None else rows * self.row_scale
+        return scale_rows(rows, self.row_scale)
 
     def _output_change(self, change: torch.Tensor) -> torch.Tensor:
         """W V − rowsum(W) ⊙ F for (P, M, F) logit-weighted attention changes W on the free rows."""

@@ -97,12 +97,17 @@ class MergeProblem:
         return torch.cat([tensor[:, :self.free_width] + change, tensor[:, self.free_width:]], dim=1)
 
     def weighted(self, rows: torch.Tensor) -> torch.Tensor:
-        """(P, M, X) rows scaled by ``row_scale`` (themselves when every row weighs 1)."""
-        return rows if self.row_scale is None else rows * self.row_scale
+        """(P, M, X) rows scaled by ``row_scale`` (``scale_rows``)."""
+        return scale_rows(rows, self.row_scale)
 
     def window_error(self, attention: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """(P,) Σ_r w_r ‖y_r − a_r V‖² over the window for attention weights ``attention`` and ``values``."""
         return self.weighted(torch.baddbmm(self.target, attention, values, alpha=-1.0)).square_().sum(dim=(-2, -1))
+
+
+def scale_rows(rows: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
+    """(P, M, X) query rows times (P, M, 1) ``row_scale``; the rows themselves when it is None (every row 1)."""
+    return rows if row_scale is None else rows * row_scale
 
 
 def gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
