@@ -41,7 +41,8 @@ def eval_config_for(config: SweepConfig) -> EvalConfig:
         samples=config.data.samples, seed=config.data.seed,
         press=PressConfig(config.press.name, config.press.compression_ratio),
         dtype=config.model.dtype, attn_implementation=config.model.attn_implementation,
-        device=config.model.device or ("cuda" if config.workers.num_gpus > 0 else "cpu"), data_dir=config.data.data_dir,
+        device=config.model.device or ("cuda" if config.workers.num_gpus > 0 else "cpu"),
+        data_dir=config.data.data_dir,
         protocol=config.data.protocol,
     )
 

@@ -176,7 +176,8 @@ def assert_one_finished_child_per_complete_trial(children, study, stage: str = F
 
 def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
     """What the test stage confirms, worked out here from the study: the best non-baseline trials (one
-    objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget, the other mergers."""
+    objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget, the other
+    mergers."""
     config = load_config(config_path)
     ranked = sorted((t for t in complete_trials(study) if BASELINE_TAG not in t.user_attrs),
                     key=lambda t: (-t.value, t.number))
