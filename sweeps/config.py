@@ -149,7 +149,12 @@ class WorkerSection(_Strict):
     count: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
-    max_retries: int = Field(default=2, ge=0, description="re-runs of a batch whose worker died")
+    max_retries: int = Field(default=2, ge=0, description=(
+        "restarts of a worker that died (its batch re-runs each time); a worker that dies more often is retired, "
+        "and with none left the sweep stops"))
+    node_wait_s: float = Field(default=120.0, gt=0, description=(
+        "how long a batch waits for a node that can hold its worker (after nodes were lost) before the sweep "
+        "stops"))
     batch_size: int = Field(default=8, ge=1, description=(
         "most trials a worker evaluates together (one prefill per sample for all of them); a batch of K holds "
         "K compressed caches plus one full cache in memory"))

@@ -22,12 +22,13 @@ import time
 import ray
 
 from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
+from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
-from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger, state_write_failure
+from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
-from sweeps.worker_pool import ClusterLostError, WorkerPool
-from workers.trial_worker import WorkerStartError
+from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
+from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
@@ -57,9 +58,10 @@ class SweepStopped(RuntimeError):
 
 
 # NOTE: what stops a sweep mid-way without being any trial's fault (a full or unwritable state directory also
-# shows as an OSError from the Optuna journal; see ``state_write_failure``; a worker that cannot start on its node
-# would fail every trial it is given).
-LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError, WorkerStartError)
+# shows as an OSError from the Optuna journal; see ``storage_failure``; a worker that cannot start on its node,
+# or cannot write its checkpoints, would fail every trial it is given).
+LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError, WorkerStartError, WorkerStorageError,
+                 NoWorkerLeftError)
 
 
 def connect_to_ray() -> None:
@@ -99,7 +101,7 @@ class SweepDriver:
         try:
             status = self._run_stages()
         except (*LOST_SERVICES, OSError) as error:
-            if isinstance(error, OSError) and not state_write_failure(error):
+            if isinstance(error, OSError) and not storage_failure(error):
                 self.records.close("FAILED")
                 raise
             if isinstance(error, TrackingUnavailableError):
@@ -125,7 +127,7 @@ class SweepDriver:
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
         pool = WorkerPool(eval_config_for(self.config).to_dict(), self.config.data.test.samples, workers.count,
-                          workers.num_cpus, workers.num_gpus, workers.max_retries)
+                          workers.num_cpus, workers.num_gpus, workers.max_retries, workers.node_wait_s)
         if screen is not None:
             self._run_stage(pool, screen)
             if not self.stop_requested:
@@ -164,10 +166,10 @@ class SweepDriver:
                     if opened:
                         pool.submit([open_trial.request for open_trial in opened], opened)
                 for dispatch, outcomes in pool.wait(timeout_s=1.0):
-                    if dispatch.infrastructure:  # not the trials' fault: they run again (an Optuna stage's in this run)
+                    if dispatch.infrastructure:  # not the trials' fault: they run again, in this run
                         for open_trial in dispatch.context:
                             ledger.abandon(open_trial)
-                        remaining += len(dispatch.context) if isinstance(ledger, TrialLedger) else 0
+                        remaining += len(dispatch.context)
                         continue
                     self._record(ledger, dispatch, outcomes)
         except TrackingUnavailableError:

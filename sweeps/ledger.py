@@ -12,7 +12,7 @@ MLflow parent run, service overhead).
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import logging
 import os
@@ -39,7 +39,7 @@ from grkv_core.files import write_atomically
 from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
-from sweeps.space import make_sampler, press_of, suggest_press
+from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, proposing_at_random, suggest_press
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
@@ -51,23 +51,12 @@ log = logging.getLogger("grkv.sweep")
 # nothing new (a small categorical space, or a grid) rather than an unlucky streak.
 EXHAUSTED_AFTER_DUPLICATES = 100
 
-# NOTE: the OS errors that mean "this storage cannot take the write" (full, read-only, no permission, not a
-# directory), as opposed to a bug; they stop the sweep with one line.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EFBIG,
-                  errno.EIO}
-
-
 class StateDirError(RuntimeError):
     """The sweep's state directory (or its Optuna journal) cannot be used; the message is one line."""
 
 
 class StorageUnavailableError(RuntimeError):
     """The Optuna storage URL (``storage.url``) does not answer."""
-
-
-def state_write_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a storage that cannot take a write (see ``STORAGE_ERRNOS``)."""
-    return isinstance(error, OSError) and error.errno in STORAGE_ERRNOS
 
 
 def repair_journal(journal: Path) -> None:
@@ -383,8 +372,9 @@ class TrialLedger:
     so one configuration never weighs as several in the sampler's model (told as complete, every duplicate of a
     good configuration made the sampler propose it again, and the duplicates fed on themselves).
     NOTE: proposals keep being asked until ``count`` new configurations are open; after
-    ``EXHAUSTED_AFTER_DUPLICATES`` proposals in a row that were all duplicates, the sampler is taken to have
-    exhausted the space and the stage ends.
+    ``RANDOM_AFTER_DUPLICATES`` duplicates in a row they are drawn at random (a sampler stuck on one evaluated
+    point, such as ``merge: none``, is not an exhausted space), and after ``EXHAUSTED_AFTER_DUPLICATES`` in a row
+    the space is taken to be exhausted and the stage ends.
     """
 
     def __init__(self, records: SweepRecords, stage: str):
@@ -468,8 +458,11 @@ class TrialLedger:
         opened = []
         while len(opened) < count and not self.exhausted:
             started = time.perf_counter()
-            trial = self.study.ask()
-            press = suggest_press(trial, self.records.config)
+            stuck = self.duplicates_in_a_row >= RANDOM_AFTER_DUPLICATES
+            with proposing_at_random(self.study, self.seed + len(self.study.get_trials(deepcopy=False))) if stuck \
+                    else contextlib.nullcontext():
+                trial = self.study.ask()
+                press = suggest_press(trial, self.records.config)
             key = configuration_key(press)
             self.duplicates_in_a_row += 1
             original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
@@ -601,8 +594,10 @@ class HeldOutLedger:
         self.records.update_parent()
 
     def abandon(self, open_trial: OpenTrial) -> None:
-        """On a stop: close the run as KILLED; the next run of the sweep does it again."""
+        """Close the run as KILLED and put the evaluation back: this run of the sweep does it again (its worker
+        was lost) or the next one (on a stop)."""
         self.records.abandon(open_trial)
+        self.pending.append(open_trial.request)
 
     def progress(self) -> dict[str, float]:
         return {"finished_test_runs": self.finished}

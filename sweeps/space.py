@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import optuna
@@ -81,6 +82,25 @@ def _fixed(name: str, param, value) -> dict:
     if isinstance(param, FloatParam) and param.include_zero:
         return {name + ZERO_SUFFIX: True} if value == 0 else {name: value, name + ZERO_SUFFIX: False}
     return {name: value}
+
+
+# NOTE: a sampler that keeps proposing configurations already evaluated (TPE on a choice without parameters, such
+# as ``merge: none``, once it scores best) is stuck, not done: after this many duplicates in a row the proposals
+# are drawn at random until one is new (``proposing_at_random``).
+RANDOM_AFTER_DUPLICATES = 10
+
+
+@contextlib.contextmanager
+def proposing_at_random(study: optuna.Study, seed: int):
+    """Within the block, ``study`` asks and suggests with a ``RandomSampler`` seeded with ``seed``; its own sampler
+    (and that sampler's state) is back afterwards. A grid is left as it is: it never proposes a point twice."""
+    sampler = study.sampler
+    if not isinstance(sampler, optuna.samplers.GridSampler):
+        study.sampler = optuna.samplers.RandomSampler(seed=seed)
+    try:
+        yield
+    finally:
+        study.sampler = sampler
 
 
 def make_sampler(config: SweepConfig, seed: int) -> optuna.samplers.BaseSampler:

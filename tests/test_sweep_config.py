@@ -3,6 +3,7 @@ the test stage; the baselines at the sweep's budget; which trials are promoted a
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import yaml
 
 from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 from sweeps.config import ConfigError, SweepConfig, load_config
-from sweeps.space import baseline_params, press_of, suggest_press
+from sweeps.space import baseline_params, make_sampler, press_of, proposing_at_random, suggest_press
 from sweeps.stages import best_trials, presses_to_test, promotions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,3 +146,39 @@ def test_several_objectives_test_the_pareto_set(tmp_path):
     for lambda_k, values in [(0.1, [50.0, 0.01]), (0.2, [70.0, 0.3]), (0.3, [40.0, 0.2]), (0.4, [60.0, 0.05])]:
         add(study, grkv(lambda_k), values)
     assert [trial.number for trial in best_trials(study, config)] == [1, 3, 0]  # trial 2 is dominated by trial 0
+
+
+def proposals_of_eviction_only(study: optuna.Study, config: SweepConfig, asks: int, at_random: bool) -> int:
+    """How many of ``asks`` proposals are ``merge: none``, told as the ledger tells them: the first evaluated
+    (scoring best), every later one failed as a duplicate."""
+    count = 0
+    for _ in range(asks):
+        with proposing_at_random(study, seed=len(study.trials)) if at_random else contextlib.nullcontext():
+            trial = study.ask()
+            press = suggest_press(trial, config)
+        if press.merge == "none":
+            count += 1
+            evaluated = any(t.params.get("merge") == "none" and t.state == optuna.trial.TrialState.COMPLETE
+                            for t in study.get_trials(deepcopy=False))
+            if evaluated:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            study.tell(trial, [100.0])
+        else:
+            study.tell(trial, [10.0 + trial.params["beta"]])
+    return count
+
+
+def test_a_sampler_stuck_on_an_evaluated_choice_is_unstuck_by_random_proposals(tmp_path):
+    """TPE on ``merge: [grkv, none]`` once eviction-only scores best proposes it nearly every time (the sweep
+    saw 100 in a row and ended the stage at half its budget); the ledger's random proposals find new
+    configurations, and the study gets its own sampler back."""
+    config = load_config(smoke_with(tmp_path, merge=["grkv", "none"]))
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(config, seed=0))
+    proposals_of_eviction_only(study, config, asks=20, at_random=False)
+    tpe = proposals_of_eviction_only(study, config, asks=40, at_random=False)
+    random = proposals_of_eviction_only(study, config, asks=40, at_random=True)
+    print(f"merge=none proposed: TPE {tpe}/40, at random {random}/40")
+    assert tpe >= 30, "the situation the fallback is for: TPE stuck on the evaluated choice"
+    assert 8 <= random <= 32, "a random proposal picks either choice"
+    assert isinstance(study.sampler, optuna.samplers.TPESampler)

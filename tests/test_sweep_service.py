@@ -324,14 +324,15 @@ def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage
     assert parents[0].data.metrics["reused_proposals"] == reused and parents[0].data.metrics["completed_trials"] == 2
 
 
-def slow_config(tmp_path, trials, stages=False):
+def slow_config(tmp_path, trials, stages=False, **changes):
     """Enough work per trial (about seconds) to interrupt one while it runs; with ``stages``, the smoke config's
-    screening and a test stage of 2 held-out samples, else full trials only."""
+    screening and a test stage of 2 held-out samples, else full trials only; more dotted ``changes`` on top."""
     if stages:
         return write_config(tmp_path, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
-                                                       "data.test.samples": 2, "tracking.experiment": "grkv-faults"})
+                                                       "data.test.samples": 2, "tracking.experiment": "grkv-faults",
+                                                       **changes})
     return write_config(tmp_path, drop=("screening", "test", "data.test"), trials=trials, **{
-        "data.samples": 4, "data.context_length": 1536, "tracking.experiment": "grkv-faults"})
+        "data.samples": 4, "data.context_length": 1536, "tracking.experiment": "grkv-faults", **changes})
 
 
 def start_driver(services, config, sweep_id, state):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,21 @@ def one_line(error: BaseException, limit: int = 200) -> str:
     """The first line of ``error``'s message, at most ``limit`` characters; its type's name when it has none."""
     message = str(error).strip()
     return message.splitlines()[0][:limit] if message else type(error).__name__
+
+
+def unreachable_reason(error: BaseException) -> str:
+    """What an MLflow client error says went wrong, short: the server, the endpoint and the root cause
+    ("http://127.0.0.1:5000 runs/update: Connection refused") instead of the client's whole chain of exceptions.
+
+    NOTE: MLflow words it "API request to <url> failed with exception <urllib3's chain>"; the root cause is the
+    innermost "[Errno N] <text>" or the last "…: <text>" of the chain.
+    """
+    message = one_line(error, limit=2000)
+    request = re.match(r"API request to (\S*?)/api/\d\.\d/mlflow/(\S+) failed", message)
+    if request is None:
+        return one_line(error)
+    cause = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", message) or re.findall(r"(Read timed out|timed out)", message)
+    return f"{request.group(1)} {request.group(2)}: {cause[-1].strip() if cause else 'no answer'}"
 
 
 def is_transient(error: Exception) -> bool:
@@ -53,7 +69,7 @@ class RetryPolicy:
             except MlflowException as error:
                 if not is_transient(error):
                     raise
-                reason = one_line(error, limit=300)
+                reason = unreachable_reason(error)
                 if attempt == self.retries:
                     raise TrackingUnavailableError(
                         f"MLflow {what} failed {attempt + 1} time(s) over {time.monotonic() - started:.0f} s "

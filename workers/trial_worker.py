@@ -21,6 +21,7 @@ import torch
 from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.evaluate import EvaluationSetup, ResultStore, evaluate_samples, summarize
+from grkv_core.files import storage_failure
 from grkv_core.kvpress_layout import kvpress_runs
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
@@ -30,6 +31,11 @@ log = logging.getLogger("grkv.sweep")
 class WorkerStartError(RuntimeError):
     """A worker cannot start on its node (the sweep's model or device does not fit it); the message is one line
     naming the node. Raised in the actor's creation, where a retry would fail the same way."""
+
+
+class WorkerStorageError(RuntimeError):
+    """A worker cannot write its trials' checkpoints (a full or read-only disk on its node): no trial's fault, and
+    any trial it is given would fail the same way; the message is one line naming the node."""
 
 
 def _ray_context():
@@ -115,6 +121,11 @@ class TrialWorker:
         prefill per sample). Screening trials generate nothing; test-stage trials run on the test samples.
         Errors (CUDA OOM included) come back as failed outcomes, never raised: a batch that fails is evaluated
         again one trial at a time, so only the trials that fail on their own are failed.
+
+        Raises
+        ------
+        WorkerStorageError
+            A checkpoint cannot be written (the node's disk is full or read-only).
         """
         stages = {request.stage for request in requests}
         if len(stages) != 1:
@@ -123,6 +134,7 @@ class TrialWorker:
             try:
                 return self._evaluate(requests)
             except Exception as error:  # noqa: BLE001 - a batch's failure must not take the worker down
+                self._raise_if_storage(error)
                 self._release(error)
                 log.warning("a batch of %d trials failed (%s: %s); evaluating them one at a time", len(requests),
                             type(error).__name__, error)
@@ -133,6 +145,7 @@ class TrialWorker:
         try:
             return self._evaluate([request])[0]
         except Exception as error:  # noqa: BLE001 - a trial's failure must not take the worker down
+            self._raise_if_storage(error)
             self._release(error)
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 details = dict(error=f"CUDA out of memory: {error}")
@@ -172,6 +185,15 @@ class TrialWorker:
             return None
         request.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         return ResultStore(request.checkpoint, replace(self.config, press=request.press), self.setup.model_dtype)
+
+    @staticmethod
+    def _raise_if_storage(error: Exception) -> None:
+        """A checkpoint that cannot be written fails the worker's whole batch as ``WorkerStorageError``, never its
+        trials: the same trials succeed on a node with room."""
+        if storage_failure(error):
+            where = f": {error.filename}" if error.filename else ""
+            raise WorkerStorageError(f"a worker on node {_node_name()} cannot write its checkpoints "
+                                     f"({error.strerror or error}{where}); free space there") from None
 
     @staticmethod
     def _release(error: Exception) -> None:

@@ -1,0 +1,188 @@
+"""Faults of a multi-node cluster, for real on 127.0.0.1: the node holding the workers lost mid-batch (a
+``ray.cluster_utils.Cluster`` of a 0-CPU head and one worker node), workers killed more often than Ray restarts
+them, and a worker whose checkpoint folder fills up mid-batch. Each ends with Optuna's and MLflow's end state:
+nothing FAILED for the fault, exactly one FINISHED run per complete trial, nothing lost after the resume."""
+
+import os
+import signal
+import subprocess
+import time
+
+import optuna
+import pytest
+
+from grkv_core.config import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
+from test_sweep_faults import (
+    EXPERIMENT,
+    a_trial_running,
+    assert_sweep_complete,
+    children_of,
+    one_line,
+    start,
+)
+from test_sweep_service import (
+    of_stage,
+    runs_of,
+    services,  # noqa: F401 - the module's stack: a Ray head and an MLflow server
+    slow_config,
+    study_of,
+    wait_for,
+)
+
+WORKER_NODE = dict(num_cpus=2, node_ip_address="127.0.0.1")
+
+
+def failed_trials(study) -> set[int]:
+    """Trials failed other than to be re-queued (a trial the sweep runs again) or as a reused proposal."""
+    requeued = {t.user_attrs[REQUEUE_OF_ATTR] for t in study.trials if REQUEUE_OF_ATTR in t.user_attrs}
+    return {t.number for t in study.trials
+            if t.state == optuna.trial.TrialState.FAIL and REUSES_ATTR not in t.user_attrs} - requeued
+
+
+def newest_checkpoint_write(state, sweep_id) -> float:
+    """When a worker last wrote a sample's result (0: never)."""
+    folder = state / sweep_id / "checkpoints"
+    return max((path.stat().st_mtime for path in folder.rglob("*.json")), default=0.0)
+
+
+@pytest.fixture
+def cluster():
+    """A head with no CPUs (so no worker can run there) and one 2-CPU worker node, all on 127.0.0.1."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args=dict(num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False))
+    cluster.add_node(**WORKER_NODE)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_the_node_holding_the_workers_lost_mid_batch_three_times_fails_nothing(services, cluster, tmp_path):
+    sweep_id, state, trials = "node-lost", tmp_path / "state", 4
+    own = dict(services, ray_address=cluster.address)
+    config = slow_config(tmp_path, trials=trials, **{"data.samples": 6})
+    driver = start(own, config, sweep_id, state)
+    try:
+        wait_for(a_trial_running(services["tracking_uri"], sweep_id), 300, "a running trial")
+        node_added = time.time()
+        for _ in range(3):
+            # Mid-batch: the batch has written a sample's result on the node now holding its workers.
+            wait_for(lambda: newest_checkpoint_write(state, sweep_id) > node_added, 300, "a sample on the node")
+            (worker_node,) = cluster.worker_nodes
+            cluster.remove_node(worker_node)
+            cluster.add_node(**WORKER_NODE)
+            node_added = time.time()
+        stdout, stderr = driver.communicate(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "lost with its node" in stdout + stderr
+    study, runs = assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
+    assert not failed_trials(study), "a trial failed for a lost node"
+    finished = of_stage(runs, FULL_STAGE, "FINISHED")
+    # Node losses are not the workers' deaths: every trial finished on its first attempt's count.
+    assert {run.data.metrics["worker_attempts"] for run in finished} == {1.0}
+
+
+def alive_worker_pids(dashboard) -> list[int]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=dashboard, filters=[("class_name", "=", "TrialWorker"), ("state", "=", "ALIVE")])
+    return [actor.pid for actor in actors if actor.pid]
+
+
+def test_workers_killed_more_often_than_ray_restarts_them_stop_the_sweep_in_one_line(services, tmp_path):
+    sweep_id, state, trials = "workers-gone", tmp_path / "state", 4
+    config = slow_config(tmp_path, trials=trials, **{"workers.max_retries": 1})
+    driver = start(services, config, sweep_id, state)
+    try:
+        wait_for(a_trial_running(services["tracking_uri"], sweep_id), 300, "a running trial")
+        first_kill = time.monotonic()
+        while driver.poll() is None and time.monotonic() - first_kill < 300:
+            for pid in alive_worker_pids(services["dashboard"]):
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        _, stderr = driver.communicate(timeout=60)
+        stopped_s = time.monotonic() - first_kill
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 3, stderr[-3000:]
+    line = one_line(stderr)
+    assert f"sweep {sweep_id}: stopped: no trial worker is left: each died more than 1 times" in line, line
+    reason = line.split(": stopped: ", 1)[1].split("; nothing finished is lost", 1)[0]
+    assert "resume with:" in line and len(reason) < 250, line
+    assert stopped_s < 120, f"the driver took {stopped_s:.0f} s to stop"
+    study = study_of(state, sweep_id)
+    assert not failed_trials(study), "a trial failed for its workers' deaths"
+    assert not of_stage(children_of(services["tracking_uri"], sweep_id), FULL_STAGE, "RUNNING")
+
+    resumed = start(services, config, sweep_id, state)
+    stdout, stderr = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Mount a 256 KiB tmpfs where asked, filled on demand (root only: skipped where mounting is not allowed)."""
+    mounted = []
+
+    def mount(where):
+        where.mkdir(parents=True)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(where)
+
+    def fill(where):
+        with open(where / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 4096)
+            except OSError:
+                pass
+
+    def empty(where):
+        (where / "filler").unlink()
+
+    try:
+        yield mount, fill, empty
+    finally:
+        for where in mounted:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_trial(services, tmp_path,
+                                                                                     small_tmpfs):
+    mount, fill, empty = small_tmpfs
+    sweep_id, state, trials = "checkpoints-full", tmp_path / "state", 4
+    checkpoints = state / sweep_id / "checkpoints"
+    mount(checkpoints)
+    config = slow_config(tmp_path, trials=trials, **{"data.samples": 6})
+    driver = start(services, config, sweep_id, state)
+    try:
+        wait_for(lambda: newest_checkpoint_write(state, sweep_id) > 0, 300, "a sample's checkpoint")
+        fill(checkpoints)
+        _, stderr = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 3, stderr[-3000:]
+    line = one_line(stderr)
+    assert "cannot write its checkpoints (No space left on device" in line and "resume with:" in line, line
+    study = study_of(state, sweep_id)
+    assert not failed_trials(study), "a trial failed for a full disk"
+    parents, runs = runs_of(services["tracking_uri"], EXPERIMENT, sweep_id)
+    assert [parent.info.status for parent in parents] == ["KILLED"], "a sweep that stopped is not FINISHED"
+    assert not of_stage(runs, FULL_STAGE, "FAILED") and not of_stage(runs, FULL_STAGE, "RUNNING")
+
+    empty(checkpoints)
+    resumed = start(services, config, sweep_id, state)
+    stdout, stderr = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
