@@ -1,12 +1,14 @@
 """Faults of a multi-node cluster, for real on 127.0.0.1: the node holding the workers lost mid-batch (a
 ``ray.cluster_utils.Cluster`` of a 0-CPU head and one worker node), workers killed more often than Ray restarts
-them, and a worker whose checkpoint folder fills up mid-batch. Each ends with Optuna's and MLflow's end state:
+them, a worker whose checkpoint folder fills up mid-batch, and Ray stopped under ``ray job submit``. Each ends with Optuna's and MLflow's end state:
 nothing FAILED for the fault, exactly one FINISHED run per complete trial, nothing lost after the resume."""
 
 import os
 import signal
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -21,6 +23,8 @@ from test_sweep_faults import (
     start,
 )
 from test_sweep_service import (
+    REPO,
+    local_stack,
     of_stage,
     runs_of,
     services,  # noqa: F401 - the module's stack: a Ray head and an MLflow server
@@ -186,3 +190,39 @@ def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_t
     stdout, stderr = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
+
+
+@pytest.mark.slow
+def test_ray_stopped_under_ray_job_submit_fails_the_client_and_the_resume_finishes(tmp_path):
+    """A stack of its own (its Ray is stopped): the Ray processes SIGTERMed mid-sweep, as `ray stop` does (the real
+    command would stop every Ray on the machine). `ray job submit` exits non-zero. The driver cannot say anything:
+    Ray's job supervisor watches itself from a shell loop that SIGKILLs the driver's process group within a second of
+    the supervisor's death (ray/dashboard/modules/job/job_supervisor.py, ``_exec_entrypoint``), so the parent run is
+    left RUNNING; start.sh and the resume close it and finish the sweep with nothing lost."""
+    state_root = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
+    sweep_id, state, trials = "ray-stopped", tmp_path / "state", 4
+    config = slow_config(tmp_path, trials=trials, **{"data.samples": 6})
+    with local_stack(state_root, GRKV_STOP_TIMEOUT=5) as stack:
+        client = subprocess.Popen(
+            ["ray", "job", "submit", "--address", stack["dashboard"], "--working-dir", str(REPO),
+             "--submission-id", sweep_id, "--", "python", "sweep.py", "--config", str(config), "--sweep-id",
+             sweep_id, "--tracking-uri", stack["tracking_uri"], "--state-dir", str(state)],
+            cwd=REPO, env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(lambda: newest_checkpoint_write(state, sweep_id) > 0, 300, "a sample's checkpoint")
+            os.killpg(int((state_root / "ray.pid").read_text()), signal.SIGTERM)
+            output, _ = client.communicate(timeout=120)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        assert client.returncode != 0, output[-3000:]
+        parents, runs = runs_of(stack["tracking_uri"], EXPERIMENT, sweep_id)
+        assert [parent.info.status for parent in parents] == ["RUNNING"]
+        assert not of_stage(runs, FULL_STAGE, "FAILED")
+
+        subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=stack["env"], check=True, timeout=300,
+                       capture_output=True)
+        resumed = start(stack, config, sweep_id, state)
+        stdout, stderr = resumed.communicate(timeout=900)
+        assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert_sweep_complete(stack["tracking_uri"], state, sweep_id, trials)
