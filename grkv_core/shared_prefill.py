@@ -9,7 +9,7 @@ cache before the next press sees the full cache again. Base presses configured a
 (``press(model)``), exactly as when it is used alone, so the caches are identical to one prefill per press.
 
 A press that does more than that standard hook (it overrides ``forward_hook`` or, unless it is a
-``MergingPress``, ``__call__``, so it might change what the next layer sees) never shares a prefill: it is run
+``BaseMergerPress``, ``__call__``, so it might change what the next layer sees) never shares a prefill: it is run
 alone, by rule (``shares_prefill``).
 """
 
@@ -24,7 +24,7 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache, PreTrainedModel
 
-from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import sharing_scores
 
 # NOTE: state a press leaves on an attention module for the decoding that follows its prefill: kvpress's
@@ -37,14 +37,14 @@ PER_CACHE_MODULE_STATE = ("masked_key_indices", "kept_positions")
 def shares_prefill(press: BasePress | None) -> bool:
     """Whether ``press`` compresses only through kvpress's standard hook (cache out, layer output untouched).
 
-    That is a kvpress press using ``BasePress``'s own hook and context manager, or a ``MergingPress`` using its
-    hook (its context manager may add hooks that observe, by the contract of ``MergingPress``).
+    That is a kvpress press using ``BasePress``'s own hook and context manager, or a ``BaseMergerPress`` using its
+    hook (its context manager may add hooks that observe, by the contract of ``BaseMergerPress``).
     """
     if press is None:
         return True
     kind = type(press)
-    if isinstance(press, MergingPress):
-        return kind.forward_hook is MergingPress.forward_hook
+    if isinstance(press, BaseMergerPress):
+        return kind.forward_hook is BaseMergerPress.forward_hook
     return kind.forward_hook is BasePress.forward_hook and kind.__call__ is BasePress.__call__
 
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache, pipeline
 
 from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill
-from grkv_core.presses import MergingPress
+from grkv_core.presses import BaseMergerPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
 from grkv_core.shared_prefill import attention_modules
@@ -28,8 +28,8 @@ from conftest import assert_batch_elements_compressed_independently, tiny_model
 from test_baselines import MERGE_ALL
 
 MERGER_NAMES = [name for name, merger in MERGERS.items() if merger is not None]
-# Ours: the mergers built on grkv_core's MergingPress template (all but kvpress's own, "kvpress_merging").
-OUR_MERGERS = [name for name in MERGER_NAMES if issubclass(MERGERS[name], MergingPress)]
+# Ours: the mergers built on grkv_core's BaseMergerPress template (all but kvpress's own, "kvpress_merging").
+OUR_MERGERS = [name for name in MERGER_NAMES if issubclass(MERGERS[name], BaseMergerPress)]
 BASE_PRESSES = ["snapkv", "pyramidkv", "adakv", "criticalkv", "streamingllm", "knorm", "expected_attention"]
 
 
@@ -415,7 +415,7 @@ def heldout_discrepancy(model, context_ids, press, heldout):
 # KVMerger 0.08-1.14, below on most base presses but not all (averaging a gap into a neighbour can move a kept
 # token away from what the queries need); CaM 2.9-14: it adds attention-scaled evicted values onto the kept ones
 # without renormalising, which inflates the outputs where attention is spread out, as on random models. kvpress's
-# MergingPress (6 ScorerPress bases, tiny-llama): 0.27-0.33, below eviction every time.
+# BaseMergerPress (6 ScorerPress bases, tiny-llama): 0.27-0.33, below eviction every time.
 BELOW_EVICTION = {"grkv": max, "d2o": max, "asymkv": statistics.median, "kvmerger": statistics.median, "cam": max,
                   "kvpress_merging": max}
 

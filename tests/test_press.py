@@ -519,7 +519,7 @@ def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projec
                              for h in range(config.num_attention_heads)])
         expected.append((norms / norms.mean()).view(config.num_key_value_heads, groups))
     # SnapKV merges a layer at once ((B, H_kv, groups·m) weights); AdaKV head by head ((1, 1, groups·m) each,
-    # batch-major then KV heads, as MergingPress visits them).
+    # batch-major then KV heads, as BaseMergerPress visits them).
     per_head = [(layer, batch, kv_head) for layer in range(len(layers)) for batch in range(2)
                 for kv_head in range(config.num_key_value_heads)]
     assert len(given) == (len(layers) if press_name == "snapkv" else len(per_head))

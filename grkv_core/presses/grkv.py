@@ -18,7 +18,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.config import GRKVOptions
 from grkv_core.diagnostics.losses import discrepancy_per_head
-from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection, forced_score_positions
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
@@ -33,7 +33,7 @@ _OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen
 
 
 @dataclass
-class GRKVPress(GRKVOptions, MergingPress):
+class GRKVPress(GRKVOptions, BaseMergerPress):
     """Keep the base press's tokens and merge the evicted ones into them by global ridge regression.
 
     The base press decides which tokens stay; GRKV then refits the kept keys and values so that attention
@@ -290,7 +290,7 @@ class GRKVPress(GRKVOptions, MergingPress):
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``MergingPress.compress``, then the group's solve once it is full or this is the last hooked layer."""
+        """``BaseMergerPress.compress``, then the group's solve once it is full or this is the last hooked layer."""
         compressed = super().compress(module, hidden_states, keys, values, attentions, kwargs)
         if self._pending and (len(self._pending) >= self.layers_per_solve
                               or module.layer_idx == self._last_hooked_layer):

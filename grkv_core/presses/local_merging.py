@@ -8,7 +8,7 @@ a local rule, and the carriers' keys/values absorb the evicted ones:
     x_i* =  x_i + Σ_{j→i} w_j x_j                                  (additive rule: CaM)
 
 A rule file only says which carrier(s) each evicted token goes to (``assign_carriers``) and with which
-weights (``merge``); ``LocalMergePress`` and the ``MergingPress.compress`` template do the rest, for uniform
+weights (``merge``); ``LocalMergePress`` and the ``BaseMergerPress.compress`` template do the rest, for uniform
 budgets (physical compaction) and for per-head budgets (AdaKV-style masking: merged in place, no memory saved).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from grkv_core.presses.merging import MergingPress
+from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection
 
 # NOTE: cosine similarity of a zero vector is defined as 0 (torch's convention), never NaN.
@@ -209,11 +209,11 @@ def weighted_mean_merge(
 
 
 @dataclass
-class LocalMergePress(MergingPress):
+class LocalMergePress(BaseMergerPress):
     """Base of the local merging baselines: keep the base press's tokens, fold each evicted token into carriers.
 
     Subclasses implement ``assign_carriers`` and ``merge`` (and ``token_attention`` if they weight by
-    attention); ``MergingPress.compress`` does the rest. With a uniform budget (every ``ScorerPress``,
+    attention); ``BaseMergerPress.compress`` does the rest. With a uniform budget (every ``ScorerPress``,
     ``PyramidKVPress``) the cache is physically compacted to exactly the kept tokens. With per-head budgets
     (``AdaKVPress``, ``CriticalAdaKVPress``) kvpress masks evicted entries instead of removing them, so memory
     is *not* saved; the rule is then applied to one (batch, head) at a time and the kept rows are rewritten in

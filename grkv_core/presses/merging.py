@@ -1,7 +1,7 @@
 """The base of every merging press: it wraps an eviction press and owns the ``compress`` template.
 
 A merging press keeps the tokens its base press chooses and merges the evicted ones into them. The template
-(``MergingPress.compress``) runs the base press's selection, then the press's own ``merge_selected`` step: once
+(``BaseMergerPress.compress``) runs the base press's selection, then the press's own ``merge_selected`` step: once
 for the whole layer with a uniform budget (the cache is physically compacted), else once per (batch, head)
 with per-head budgets (kvpress masks the evicted entries; the merged kept rows are written back in place).
 A press supplies only ``merge_selected`` and, when its merge reads more than the cache (surrogate queries,
@@ -41,7 +41,7 @@ KVPRESS_MERGERS = (KVPressMergingPress,)
 
 
 @dataclass
-class MergingPress(ScorerPress):
+class BaseMergerPress(ScorerPress):
     """Base of every press that keeps a base eviction press's tokens and merges the evicted ones into them.
 
     It owns the base press (validates it, forwards model set-up, exposes its ``compression_ratio``) and the
@@ -83,7 +83,7 @@ class MergingPress(ScorerPress):
     def __post_init__(self) -> None:
         inner, reason = self.press, None
         while inner is not None and reason is None:
-            if isinstance(inner, (MergingPress, KVPRESS_MERGERS)):
+            if isinstance(inner, (BaseMergerPress, KVPRESS_MERGERS)):
                 reason = "a merger keeps the tokens an eviction press selects, and a merger selects none"
             inner = getattr(inner, "press", None)
         reason = reason or unsupported_base_press_reason(type(self.press))
@@ -259,8 +259,8 @@ class MergingPress(ScorerPress):
         self.press.compression_ratio = check_compression_ratio(value, type(self).__name__)
 
 
-MergingPress.compression_ratio = property(MergingPress._base_compression_ratio,
-                                          MergingPress._set_base_compression_ratio)
+BaseMergerPress.compression_ratio = property(BaseMergerPress._base_compression_ratio,
+                                          BaseMergerPress._set_base_compression_ratio)
 
 
 def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -268,7 +268,7 @@ def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(keys.sum(dim=(-2, -1), dtype=torch.float32) + values.sum(dim=(-2, -1), dtype=torch.float32))
 
 
-def _calling_press(merger: MergingPress) -> BasePress | None:
+def _calling_press(merger: BaseMergerPress) -> BasePress | None:
     """The press whose method called into ``merger``: the nearest caller frame whose ``self`` is another press.
 
     NOTE: read only to name the wrapper in a refusal; kvpress's wrappers call ``press.score``/``press.compress``.
@@ -282,7 +282,7 @@ def _calling_press(merger: MergingPress) -> BasePress | None:
     return None
 
 
-def _wrapper_refusal(merger: MergingPress, what: str) -> str:
+def _wrapper_refusal(merger: BaseMergerPress, what: str) -> str:
     """One line: the kvpress wrapper that called ``merger`` ``what``, and the spelling that works instead."""
     name = type(merger).__name__
     wrapper = _calling_press(merger)
@@ -290,7 +290,7 @@ def _wrapper_refusal(merger: MergingPress, what: str) -> str:
         return (f"a press around {name} {what}; wrap the eviction press instead: "
                 f"{name}(<wrapper>(<eviction press>))")
     kind = type(wrapper).__name__
-    if isinstance(wrapper, (MergingPress, KVPRESS_MERGERS)):
+    if isinstance(wrapper, (BaseMergerPress, KVPRESS_MERGERS)):
         advice = "a merger cannot wrap another merger"
     elif isinstance(wrapper, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
         advice = f"use {name}({kind}(...))"
