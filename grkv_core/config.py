@@ -7,13 +7,13 @@ command line builds one flag per option, a sweep's searchable parameters and the
 command line and from a sweep config without touching either.
 
 NOTE: this module imports nothing heavy (no torch, kvpress or transformers), so validating a sweep config or
-parsing a command line stays instant; ``PressConfig.build`` imports the registry only when called.
+parsing a command line stays instant; presses are built from a ``PressConfig`` by ``grkv_core.registry.build``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
@@ -116,12 +116,14 @@ class OptionSpec:
     """What values one option takes, for checks, command-line flags and sweep validation.
 
     ``kind`` is float, int, bool or str (then ``choices`` lists the values). Numbers are bounded by ``low`` and
-    ``high`` (inclusive unless ``low_open``/``high_open``); ``nullable`` also admits None.
+    ``high`` (inclusive unless ``low_open``/``high_open``); ``nullable`` also admits None. ``symbol`` is how tables
+    and figures name the option (the paper's letter where it has one, else the option's name).
     """
 
     help: str
     kind: type
     choices: tuple = ()
+    symbol: str | None = None
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -178,13 +180,16 @@ class GRKVOptions:
     """
 
     lambda_k: float = _option(1e-2, OptionSpec(
-        "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)", float, low=0.0))
-    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0))
+        "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)", float, low=0.0,
+        symbol="λ_k"))
+    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λ_v"))
     beta: float = _option(0.1, OptionSpec(
         "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
-        "held fixed", float, low=0.0, high=1.0))
-    window_size: int = _option(PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1))
-    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1))
+        "held fixed", float, low=0.0, high=1.0, symbol="β"))
+    window_size: int = _option(PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1,
+                                                                  symbol="m"))
+    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1,
+                                                    symbol="S"))
     n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
     components: str = _option("kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str,
                                                choices=COMPONENTS))
@@ -217,14 +222,75 @@ class GRKVOptions:
         "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
         "next layer sees of its error), 'uniform' alike (paper)", str, choices=HEAD_WEIGHTINGS))
 
-    def check_options(self) -> None:
-        """Raise a ValueError naming the first option whose value is not accepted."""
-        for name, spec in GRKV_OPTION_SPECS.items():
-            spec.check(name, getattr(self, name))
+
+def option_specs(options: type) -> dict[str, OptionSpec]:
+    """``{name: spec}`` of an options dataclass's fields (those declared with ``_option``), in field order."""
+    return {item.name: item.metadata["spec"] for item in fields(options) if "spec" in item.metadata}
 
 
-GRKV_OPTION_SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in fields(GRKVOptions)}
+def check_options(options) -> None:
+    """Raise a ValueError naming the first option of ``options`` (a dataclass instance, e.g. a merger press) whose
+    value its spec does not accept."""
+    for name, spec in option_specs(type(options)).items():
+        spec.check(name, getattr(options, name))
+
+
+GRKV_OPTION_SPECS: dict[str, OptionSpec] = option_specs(GRKVOptions)
 GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
+
+# NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
+SOLVER_OPTION_NAMES = ("lambda_k", "lambda_v", "steps", "components", "cg_max_iter", "cg_rtol", "safeguard",
+                       "ridge_scale")
+
+
+@dataclass
+class CaMOptions:
+    """CaM's options (``CaMPress``)."""
+
+    merge_budget: int = _option(32, OptionSpec(
+        "m, the number of subsequent kept tokens each evicted value is spread over", int, low=1))
+    window_size: int = _option(PAPER_WINDOW, OptionSpec(
+        "the number of last prompt queries whose attention weights the merge", int, low=1))
+
+
+@dataclass
+class D2OOptions:
+    """D2O's options (``D2OPress``)."""
+
+    threshold: float = _option(0.5, OptionSpec(
+        "minimum key cosine similarity for an evicted token to be merged", float, low=-1.0, high=1.0))
+    candidate_range: int | None = _option(None, OptionSpec(
+        "only kept tokens at most this many positions away are candidates (None: every kept token)", int, low=1,
+        nullable=True))
+
+
+@dataclass
+class KVMergerOptions:
+    """KVMerger's options (``KVMergerPress``)."""
+
+    threshold: float = _option(0.75, OptionSpec(
+        "cosine similarity that links two adjacent keys", float, low=-1.0, high=1.0))
+    sigma: float | None = _option(None, OptionSpec(
+        "a fixed Gaussian-kernel width in key units (None: adapted per merging set)", float, low=0.0,
+        low_open=True, nullable=True))
+
+
+# Every merger's options by name (AsymKV has none). NOTE: kvpress's own MergingPress checks its options with asserts;
+# these specs refuse bad values in one line, as our mergers do (its defaults stay kvpress's).
+MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
+    "none": {},
+    "grkv": GRKV_OPTION_SPECS,
+    "cam": option_specs(CaMOptions),
+    "d2o": option_specs(D2OOptions),
+    "asymkv": {},
+    "kvmerger": option_specs(KVMergerOptions),
+    "kvpress_merging": {
+        "similarity_threshold": OptionSpec("minimum key cosine similarity of an evicted token to its survivor for its "
+                                           "value to be merged", float, low=0.0, high=1.0),
+        "merge_fraction": OptionSpec("fraction of the evicted tokens, most similar first, whose values are merged",
+                                     float, low=0.0, high=1.0, low_open=True),
+    },
+}
 
 # The paper's Alg. 1 (Sec. 4.1 defaults): no safeguard and the key step solved to convergence; a sweep enqueues
 # it first (the searched options among these) so every sweep is anchored to the paper.
@@ -251,32 +317,23 @@ class PressConfig:
     variant: str | None = None
 
     def __post_init__(self) -> None:
-        self.build()  # NOTE: building is cheap and validates every name and option before any work starts
-
-    def build(self):
-        from grkv_core.registry import build_press
-
-        return build_press(self.press, self.compression_ratio, self.merge, **self.merge_options)
-
-    def resolved(self) -> dict[str, Any]:
-        """Every setting of the press this config builds, flat and JSON-ready: the names and the budget, every
-        field of the merger (all of GRKV's options, defaults included), and every scalar field of the eviction
-        press under ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``).
-
-        What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals.
-        """
-        built = self.build()
-        settings: dict[str, Any] = {"press": self.press, "compression_ratio": self.compression_ratio,
-                                    "merge": self.merge}
-        if built is None:
-            return settings
-        if self.merge != "none":
-            merger = _scalar_fields(built)
-            merger.pop("class")
-            settings.update(merger)
-            built = built.press
-        settings.update({f"press.{name}": value for name, value in _scalar_fields(built).items()})
-        return settings
+        """Check every name and option against its spec (nothing is built, nothing heavy imported)."""
+        if self.press == FULL_CACHE:
+            if self.merge != "none" or self.merge_options:
+                raise ValueError("press 'full' keeps the whole cache: it takes no merger or merger options")
+            return
+        if self.press not in EVICTION_PRESS_NAMES:
+            raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESS_NAMES]}")
+        COMPRESSION_RATIO_SPEC.check("compression_ratio", self.compression_ratio)
+        if self.merge not in MERGER_NAMES:
+            raise ValueError(f"unknown merge {self.merge!r}; choose from {list(MERGER_NAMES)}")
+        specs = MERGER_OPTION_SPECS[self.merge]
+        unknown = set(self.merge_options) - set(specs)
+        if unknown:
+            valid = f"valid: {sorted(specs)}" if specs else "it takes none"
+            raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {self.merge!r}; {valid}")
+        for name, value in self.merge_options.items():
+            specs[name].check(name, value)
 
     @property
     def label(self) -> str:
@@ -285,18 +342,6 @@ class PressConfig:
         budget = f"{1 - self.compression_ratio:.0%}"
         merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
         return f"{self.press} {budget}{merger}"
-
-
-def _scalar_fields(press) -> dict[str, Any]:
-    """``{"class": name, field: value}`` for a dataclass press's scalar fields, nested presses prefixed."""
-    found: dict[str, Any] = {"class": type(press).__name__}
-    for item in fields(press):
-        value = getattr(press, item.name)
-        if is_dataclass(value):
-            found.update({f"{item.name}.{name}": inner for name, inner in _scalar_fields(value).items()})
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            found[item.name] = value
-    return found
 
 
 @dataclass(frozen=True)

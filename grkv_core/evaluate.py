@@ -49,7 +49,7 @@ from grkv_core.files import write_atomically
 from grkv_core.generation import answer_position, stop_token_ids, tokenize_sample
 from grkv_core.kvpress_layout import kvpress_runs, write_run
 from grkv_core.models import LoadedModel, load_model
-from grkv_core.registry import NOT_EAGER, protected_window, required_attention
+from grkv_core.registry import NOT_EAGER, build, protected_window, required_attention, resolved
 from grkv_core.shared_prefill import prefill_shared
 
 RESULT_SCHEMA_VERSION = 1
@@ -140,7 +140,7 @@ class Evaluator:
             torch.cuda.reset_peak_memory_stats(model.device)
         context_ids, questions_ids = tokenize_sample(tokenizer, sample, self.protocol)
         context_length = context_ids.shape[1]
-        presses = [press_config.build() for press_config in press_configs]
+        presses = [build(press_config) for press_config in press_configs]
         probe = ReconstructionProbe(model, self.loss_window, self.heldout_tokens if decode else 0)
         with probe.watching_prefill() if measure_reconstruction else contextlib.nullcontext():
             shared = prefill_shared(model, context_ids, presses)
@@ -305,7 +305,7 @@ class ResultStore:
         self.path = Path(path)
         self.config = config
         self.model_dtype = model_dtype
-        self.resolved_press = config.press.resolved()  # every field of the press, defaults included
+        self.resolved_press = resolved(config.press)  # every field of the press, defaults included
         self.results: list[SampleResult] = []
         if self.path.exists():
             stored = json.loads(self.path.read_text())
@@ -433,7 +433,7 @@ def run_evaluations(
                   **summarize(rows)} for config, rows in zip(configs, results)]
     if kvpress_dir is not None:
         for config, rows, summary in zip(configs, results, summaries):
-            runs = kvpress_runs(config, setup.samples, rows, str(config.press.build()),
+            runs = kvpress_runs(config, setup.samples, rows, str(build(config.press)),
                                 {"summary": summary, "versions": summary["versions"]})
             summary["kvpress_folders"] = [str(write_run(kvpress_dir, run)) for run in runs]
     return summaries

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+import functools
+import json
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +25,7 @@ from kvpress import (
 )
 from kvpress import MergingPress as KVPressMergingPress
 
-from grkv_core.config import PAPER_WINDOW, PROTOCOL_SPEC, OptionSpec, PressConfig
+from grkv_core.config import FULL_CACHE, PAPER_WINDOW, PROTOCOL_SPEC, PressConfig
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
@@ -64,18 +66,6 @@ MERGERS: dict[str, type[BasePress] | None] = {
     "kvpress_merging": KVPressMergingPress,
 }
 
-# NOTE: kvpress's MergingPress checks its options with asserts and takes a ScorerPress only; these specs (and
-# build_press's base check) refuse bad values in one line, as our mergers do.
-MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
-    "kvpress_merging": {
-        "similarity_threshold": OptionSpec("minimum key cosine similarity of an evicted token to its survivor for its "
-                                           "value to be merged", float, low=0.0, high=1.0),
-        "merge_fraction": OptionSpec("fraction of the evicted tokens, most similar first, whose values are merged",
-                                     float, low=0.0, high=1.0, low_open=True),
-    },
-}
-
-
 # NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
 MERGING_TYPES = tuple(merger for merger in MERGERS.values() if merger is not None)
 
@@ -108,7 +98,7 @@ def build_press(
     merge: str = "none",
     **merge_options: Any,
 ) -> BasePress | None:
-    """Build an eviction press by name, optionally wrapped by a merger.
+    """Build an eviction press by name, optionally wrapped by a merger: ``build`` of that ``PressConfig``.
 
     Parameters
     ----------
@@ -121,33 +111,64 @@ def build_press(
     **merge_options
         Fields of the merger press (e.g. ``lambda_k=1e-2, beta=0.1`` for GRKV).
     """
-    if press == "full":
-        if merge != "none" or merge_options:
-            raise ValueError("press 'full' keeps the whole cache: it takes no merger or merger options")
+    return build(PressConfig(press, compression_ratio, merge, merge_options))
+
+
+def build(config: PressConfig) -> BasePress | None:
+    """The press a configuration describes (None for the full cache); its names and options were checked when the
+    configuration was made."""
+    if config.press == FULL_CACHE:
         return None
-    if press not in EVICTION_PRESSES:
-        raise ValueError(f"unknown press {press!r}; choose from {['full', *EVICTION_PRESSES]}")
-    if not isinstance(compression_ratio, (int, float)) or not 0 <= compression_ratio < 1:
-        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio!r}")
-    if merge not in MERGERS:
-        raise ValueError(f"unknown merge {merge!r}; choose from {list(MERGERS)}")
-    base = EVICTION_PRESSES[press](float(compression_ratio))
-    merger = MERGERS[merge]
+    base = EVICTION_PRESSES[config.press](float(config.compression_ratio))
+    merger = MERGERS[config.merge]
     if merger is None:
-        if merge_options:
-            raise ValueError(f"merge 'none' takes no options, got {sorted(merge_options)}")
         return base
-    allowed = set(merger_option_names(merge))
-    unknown = set(merge_options) - allowed
-    if unknown:
-        raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {merge!r}; valid: {sorted(allowed)}")
-    for name, spec in MERGER_OPTION_SPECS.get(merge, {}).items():
-        if name in merge_options:
-            spec.check(name, merge_options[name])
     if merger is KVPressMergingPress and not isinstance(base, ScorerPress):
-        raise ValueError(f"merge {merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press {press!r} "
-                         f"({type(base).__name__}) is not one")
-    return merger(press=base, **merge_options)
+        raise ValueError(f"merge {config.merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press "
+                         f"{config.press!r} ({type(base).__name__}) is not one")
+    return merger(press=base, **config.merge_options)
+
+
+def resolved(config: PressConfig) -> dict[str, Any]:
+    """Every setting of the press ``config`` builds, flat and JSON-ready: the names and the budget, every field of
+    the merger (all of GRKV's options, defaults included), and every scalar field of the eviction press under
+    ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``).
+
+    What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals. Computed once
+    per configuration (a trial's configuration is asked for it on its way through the driver, the worker and the
+    result files).
+    """
+    # NOTE: keyed by the configuration's JSON, which tells 1 from 1.0 as the result (and so a configuration key) does.
+    return dict(_resolved(json.dumps([config.press, config.compression_ratio, config.merge, config.merge_options],
+                                     sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(config_json: str) -> dict[str, Any]:
+    press, compression_ratio, merge, merge_options = json.loads(config_json)
+    built = build(PressConfig(press, compression_ratio, merge, merge_options))
+    settings: dict[str, Any] = {"press": press, "compression_ratio": compression_ratio, "merge": merge}
+    if built is None:
+        return settings
+    if merge != "none":
+        merger = _scalar_fields(built)
+        merger.pop("class")
+        settings.update(merger)
+        built = built.press
+    settings.update({f"press.{name}": value for name, value in _scalar_fields(built).items()})
+    return settings
+
+
+def _scalar_fields(press) -> dict[str, Any]:
+    """``{"class": name, field: value}`` for a dataclass press's scalar fields, nested presses prefixed."""
+    found: dict[str, Any] = {"class": type(press).__name__}
+    for item in fields(press):
+        value = getattr(press, item.name)
+        if is_dataclass(value):
+            found.update({f"{item.name}.{name}": inner for name, inner in _scalar_fields(value).items()})
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            found[item.name] = value
+    return found
 
 
 # NOTE: a press file holds a ``PressConfig``'s fields but its display label, so the file means exactly what
@@ -197,4 +218,4 @@ def press_from_file(path: str | Path) -> BasePress | None:
         with press(model):
             model.model(input_ids=context_ids, past_key_values=cache)
     """
-    return load_press_config(path).build()
+    return build(load_press_config(path))

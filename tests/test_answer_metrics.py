@@ -23,7 +23,7 @@ from grkv_core.config import EVICTION_PRESS_NAMES, PROTOCOLS, QUERY_AWARE, EvalC
 from grkv_core.datasets import EvalSample, load_dataset_samples
 from grkv_core.evaluate import Evaluator, SampleResult, depth_bin, summarize
 from grkv_core.generation import answer_position, prefill, render_sample, tokenize_sample
-from grkv_core.registry import protected_window, required_attention
+from grkv_core.registry import build, protected_window, required_attention
 
 RATIO = 0.75
 
@@ -80,7 +80,7 @@ def test_answer_metrics_match_a_float64_teacher_forced_reference(samples, float6
         answer_ids = reference_ids(loaded.tokenizer, sample, 0)
         reference = float64_answer_log_probs(float64_model, prefill_ids, questions[0], answer_ids)
         for config, result in zip(configs, results):
-            press = config.build()
+            press = build(config)
             if press is not None:
                 # NOTE: the float64 model compresses with a float64 copy of the press's own inputs.
                 log_probs = float64_answer_log_probs(float64_model, prefill_ids, questions[0], answer_ids, press)
@@ -172,7 +172,7 @@ def test_a_needle_inside_the_press_window_is_flagged(samples):
     deep = samples[1]  # sample index 1 of a task: the needle at depth 1.0, at the context's end
     assert deep.extra["depth"] == 1.0 and samples[0].extra["depth"] == 0.0
     configs = [PressConfig("full", 0.0), PressConfig("snapkv", RATIO), PressConfig("knorm", RATIO)]
-    assert [protected_window(config.build()) for config in configs] == [0, 32, 0]
+    assert [protected_window(build(config)) for config in configs] == [0, 32, 0]
     for sample, inside in ((samples[0], False), (deep, True)):
         prefill_ids, _ = tokenize_sample(loaded.tokenizer, sample)
         position = answer_position(loaded.tokenizer, sample)

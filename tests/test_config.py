@@ -21,7 +21,9 @@ from grkv_core.config import (
     GRKVOptions,
     OptionSpec,
     PressConfig,
+    check_options,
 )
+from grkv_core.registry import build
 from sweeps.config import ConfigError, SweepConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +83,7 @@ def test_every_grkv_option_is_settable_from_the_cli(name):
         arguments = [flag, str(value)]
     options = _merge_options(build_parser().parse_args(["eval", "--merge", "grkv", *arguments]))
     assert options == {name: value}
-    assert getattr(PressConfig("snapkv", 0.9, "grkv", options).build(), name) == value
+    assert getattr(build(PressConfig("snapkv", 0.9, "grkv", options)), name) == value
 
 
 @pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))
@@ -93,7 +95,7 @@ def test_every_grkv_option_is_settable_from_a_sweep_config(name):
     study = optuna.create_study()
     press_config = suggest_press(study.ask(), config)
     assert press_config.merge_options == {name: value}
-    assert getattr(press_config.build(), name) == value
+    assert getattr(build(press_config), name) == value
 
 
 def test_unset_cli_flags_keep_the_press_defaults():
@@ -135,7 +137,7 @@ def test_the_paper_baseline_skips_what_a_searched_parameter_cannot_express():
 
 
 def test_paper_options_are_alg_1_and_build():
-    press = PressConfig("snapkv", 0.9, "grkv", PAPER_GRKV_OPTIONS).build()
+    press = build(PressConfig("snapkv", 0.9, "grkv", PAPER_GRKV_OPTIONS))
     assert press.safeguard is False and press.cg_max_iter >= 100 and press.lambda_k == press.lambda_v == 1e-2
 
 
@@ -147,9 +149,9 @@ def test_a_closed_float_range_accepts_exactly_its_numbers(value, accepted):
 
 def test_options_name_the_first_rejected_field():
     with pytest.raises(ValueError, match=r"^steps must be an integer >= 1, got 0$"):
-        GRKVOptions(steps=0).check_options()
+        check_options(GRKVOptions(steps=0))
     with pytest.raises(ValueError, match=r"^max_rel_update_v must be None or a finite number > 0, got 0$"):
-        GRKVOptions(max_rel_update_v=0).check_options()
+        check_options(GRKVOptions(max_rel_update_v=0))
 
 
 def test_eval_config_round_trips_and_reads_the_loss_window_of_older_result_files():

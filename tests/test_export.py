@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import sqlite_tracking_store
 from grkv_core.config import PRESS_ARTIFACT, TEST_STAGE, PressConfig
-from grkv_core.registry import load_press_config, press_from_file
+from grkv_core.registry import build, load_press_config, press_from_file, resolved
 from sweeps.cli import main
 from sweeps.config import SweepConfig
 from tracking.mlflow_tracker import SweepTracker
@@ -50,7 +50,7 @@ def finish(tracker: SweepTracker, run_id: str, press: PressConfig, score: float,
     worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=2)
     samples = [{"sample_id": index, "task": TASK, "predictions": ["x"], "scores": [score / 100]}
                for index in range(2)] if held_out else []
-    outcome = TrialOutcome(0, "ok", started_at=0.0, finished_at=1.0, worker=worker, resolved_press=press.resolved(),
+    outcome = TrialOutcome(0, "ok", started_at=0.0, finished_at=1.0, worker=worker, resolved_press=resolved(press),
                            summary={"mean_score": score, "tasks": {TASK: score}, "costs": {}}, samples=samples)
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
 
@@ -87,8 +87,8 @@ def test_export_round_trips_every_trials_press_exactly(store, tmp_path):
     for number, press in TRIALS.items():
         loaded, text = export(store, "round-trip", tmp_path, "--trial", str(number), "--no-log-artifacts")
         # Every option of the merger, defaults included, each one as the trial ran it; and the same press.
-        assert loaded.resolved() == press.resolved()
-        assert press_from_file(tmp_path / "round-trip.yaml") == press.build()
+        assert resolved(loaded) == resolved(press)
+        assert press_from_file(tmp_path / "round-trip.yaml") == build(press)
         assert f"chosen: {BASELINES.get(number, f'trial {number}')} (trial {number}, chosen with --trial)" in text
     run = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
                              "tags.`grkv.sweep_id` = 'round-trip' and tags.`grkv.role` = 'sweep'")[0]
@@ -101,7 +101,7 @@ def test_default_is_the_best_test_stage_configuration_at_the_sweeps_budget(store
     parent = log_sweep(store, "with-test", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
                        {"2": 50.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 10.0, "eviction_only@0.7": 90.0})
     loaded, text = export(store, "with-test", tmp_path)
-    assert loaded.resolved() == TRIALS[3].resolved()
+    assert resolved(loaded) == resolved(TRIALS[3])
     assert "chosen: trial 3 (best of the test stage: mean_score 50 on 2 held-out sample(s))" in text
     assert f"press file: {tmp_path / 'with-test.yaml'}; logged to" in capsys.readouterr().out
     logged = MlflowClient(store).download_artifacts(parent, PRESS_ARTIFACT, str(tmp_path / "artifact"))
@@ -112,7 +112,7 @@ def test_a_recommendation_that_only_ties_eviction_only_on_the_test_stage_says_so
     log_sweep(store, "tied", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
               {"2": 40.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 50.0, "eviction_only@0.7": 90.0})
     loaded, text = export(store, "tied", tmp_path, "--no-log-artifacts")
-    assert loaded.resolved() == TRIALS[3].resolved()
+    assert resolved(loaded) == resolved(TRIALS[3])
     assert ("(best of the test stage: mean_score 50 on 2 held-out sample(s); eviction-only scores the same there: "
             "no merging configuration beat the base press)") in text
 
@@ -120,7 +120,7 @@ def test_a_recommendation_that_only_ties_eviction_only_on_the_test_stage_says_so
 def test_without_a_test_stage_the_main_studys_best_trial_is_exported(store, tmp_path):
     log_sweep(store, "no-test", {0: 20.0, 1: 10.0, 2: 35.0, 3: 30.0}, {})
     loaded, text = export(store, "no-test", tmp_path, "--no-log-artifacts")
-    assert loaded.resolved() == TRIALS[2].resolved()
+    assert resolved(loaded) == resolved(TRIALS[2])
     assert "best trial of the main study: mean_score 35 on the tuning samples" in text
 
 
@@ -158,7 +158,7 @@ def test_grkv_eval_evaluates_a_press_file(tmp_path, capsys):
     assert main([*common, "--press-config", str(path)]) == 0
     result = json.loads(output.read_text())
     assert result["config"]["press"] == {**press.__dict__, "variant": None}
-    assert result["resolved_press"] == press.resolved()
+    assert result["resolved_press"] == resolved(press)
     assert "snapkv 20% + grkv" in capsys.readouterr().out
     assert main([*common, "--press-config", str(path), "--lambda-k", "0.5"]) == 2
     error = capsys.readouterr().err

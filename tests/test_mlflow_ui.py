@@ -31,6 +31,7 @@ from grkv_core.config import (
     TEST_STAGE,
     PressConfig,
 )
+from grkv_core.registry import resolved
 from sweeps.config import SweepConfig
 from sweeps.space import press_of, suggest_press
 from tracking.mlflow_tracker import (
@@ -85,7 +86,7 @@ def log_sweep(tracking_uri: str) -> SweepTracker:
         summary = {"mean_score": None if screening else score, "tasks": {} if screening else {"niah_single_1": score},
                    "costs": {"kv_bytes": 1e6, "window_loss": 0.05, "question_loss": 1 - score / 100}}
         outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker, summary=summary,
-                               resolved_press=press.resolved(), stage=stage, test_of=test_of,
+                               resolved_press=resolved(press), stage=stage, test_of=test_of,
                                samples=[{"sample_id": "s0", "task": "niah_single_1", "predictions": ["x"],
                                          "scores": [score]}])
         tracker.finish_trial(run_id, outcome, outcome.worker_timing())

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from grkv_core.config import FULL_STAGE, GRKV_DEFAULTS, SCREEN_STAGE, TEST_STAGE, PressConfig
+from grkv_core.registry import resolved
 from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key
 
 WORKER = WorkerIdentity(pid=7, node_id="n", actor_id="a", model_loads=2, trials_evaluated=3, samples=4)
@@ -39,11 +40,11 @@ def test_a_request_from_before_stages_reads_as_a_full_trial():
 def test_finished_and_lost_outcomes_round_trip_through_json():
     press = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.0})
     finished = TrialOutcome(5, "ok", started_at=10.0, finished_at=12.5, batch_trials=2, worker=WORKER,
-                            resolved_press=press.resolved(), summary={"mean_score": 50.0, "tasks": {"a": 50.0}},
+                            resolved_press=resolved(press), summary={"mean_score": 50.0, "tasks": {"a": 50.0}},
                             samples=[{"sample_id": "a-0", "predictions": ["x"], "scores": [0.5]}])
     lost = TrialOutcome.lost(6, "worker is gone")
     tested = TrialOutcome.of(TrialRequest(None, press, TEST_STAGE, "5"), "ok", started_at=1.0, finished_at=2.0,
-                             worker=WORKER, resolved_press=press.resolved(), summary={"mean_score": 0.0})
+                             worker=WORKER, resolved_press=resolved(press), summary={"mean_score": 0.0})
     screened = TrialOutcome.of(TrialRequest(1, press, SCREEN_STAGE), "ok", started_at=1.0, finished_at=2.0,
                                worker=WORKER, summary={"mean_score": None, "tasks": {}})
     for outcome in (finished, lost, tested, screened):

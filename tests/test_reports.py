@@ -37,6 +37,7 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
+from grkv_core.registry import resolved
 from sweeps.config import SweepConfig
 from sweeps.space import suggest_press
 from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
@@ -99,7 +100,7 @@ def log_trial(tracker: SweepTracker, config: dict, number: int, params: dict, sc
     worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=number,
                             samples=len(TASKS))
     outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
-                           resolved_press=press.resolved(), summary=summary)
+                           resolved_press=resolved(press), summary=summary)
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
     return run_id
 
@@ -185,7 +186,7 @@ def log_stage_run(tracker: SweepTracker, config: dict, stage: str, params: dict,
         metrics["mean_score"] = statistics.fmean(tasks.values())
         client.log_text(run_id, json.dumps(rows), "predictions.json")
     client.log_batch(run_id, metrics=[Metric(name, float(value), 0, 0) for name, value in metrics.items()],
-                     params=sampler + [Param(name, str(value)) for name, value in sorted(press.resolved().items())])
+                     params=sampler + [Param(name, str(value)) for name, value in sorted(resolved(press).items())])
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -667,7 +668,7 @@ def log_outcome(tracker: SweepTracker, config: dict, params: dict, results: list
     worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1,
                             samples=len(results))
     outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
-                           resolved_press=press.resolved(), summary=summarize(results),
+                           resolved_press=resolved(press), summary=summarize(results),
                            samples=[dataclasses.asdict(result) for result in results], stage=stage, test_of=test_of)
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
     return run_id

@@ -23,7 +23,7 @@ from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import Evaluator, summarize
 from grkv_core.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
-from grkv_core.registry import required_attention
+from grkv_core.registry import build, required_attention
 from grkv_core.shared_prefill import prefill_shared, shares_prefill
 
 RATIO = 0.75
@@ -53,10 +53,10 @@ def test_one_prefill_gives_every_press_the_cache_it_gives_alone(press, sample):
     loaded = model_for(press)
     context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
     configs = configs_of(press)
-    shared = prefill_shared(loaded.model, context_ids, [config.build() for config in configs])
+    shared = prefill_shared(loaded.model, context_ids, [build(config) for config in configs])
     assert shared.forwards == 1
     for config, pressed in zip(configs, shared.pressed):
-        alone_press = config.build()
+        alone_press = build(config)
         alone = prefill(loaded.model, context_ids, alone_press)
         for layer, (ours, theirs) in enumerate(zip(pressed.cache.layers, alone.layers)):
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), (config.label, layer)
@@ -99,12 +99,12 @@ def test_masking_presses_decode_in_a_batch_with_their_own_masks(press, sample):
     question = torch.tensor([[loaded.tokenizer.encode(" the", add_special_tokens=False)[-1]]])
     configs = [PressConfig(press, RATIO), PressConfig(press, RATIO, "grkv"), PressConfig(press, 0.5, "cam"),
                PressConfig("full", 0.0)]
-    shared = prefill_shared(loaded.model, context_ids, [config.build() for config in configs])
+    shared = prefill_shared(loaded.model, context_ids, [build(config) for config in configs])
     assert all(state["masked_key_indices"] is not None for state in shared.pressed[0].module_state)
     stops = stop_token_ids(loaded)
     answers = answer_batch(loaded.model, shared.pressed, question, context_ids.shape[1], 6, stops)
     for config, answer in zip(configs, answers):
-        alone = prefill(loaded.model, context_ids, config.build())
+        alone = prefill(loaded.model, context_ids, build(config))
         expected = answer_question(loaded.model, alone, question, context_ids.shape[1], 6, stops)
         assert answer.token_ids == expected.token_ids, config.label
 
@@ -135,7 +135,7 @@ def test_a_press_that_changes_the_layer_output_is_prefilled_alone(sample):
 def test_an_empty_context_is_refused_in_one_line(sample):
     loaded = tiny_model("tiny-llama")
     empty = torch.zeros(1, 0, dtype=torch.long)
-    presses = [None, PressConfig("snapkv", RATIO, "grkv").build()]
+    presses = [None, build(PressConfig("snapkv", RATIO, "grkv"))]
     with pytest.raises(ValueError, match=r"^context_ids must be \(1, n\) with n >= 1 \(an empty context"):
         prefill_shared(loaded.model, empty, presses)
     with pytest.raises(ValueError, match=r"^context_ids must be \(batch, n\) with n >= 1 \(an empty context"):
@@ -194,7 +194,7 @@ def test_question_loss_matches_a_float64_teacher_forced_reference(sample):
     sequence = torch.cat([context_ids, questions[0], torch.tensor([answer])], dim=1)
     with capturing_queries(model) as queries, torch.inference_mode():
         model.model(input_ids=sequence, past_key_values=DynamicCache())
-    compressed = prefill(model, context_ids, config.build())
+    compressed = prefill(model, context_ids, build(config))
     full = prefill(model, context_ids)
     n = context_ids.shape[1]
     error = reference = 0.0
@@ -230,15 +230,15 @@ def test_a_question_reaches_caches_whose_layers_keep_different_lengths(sample):
                                position_ids=torch.tensor([[n + offset]])).logits
         return logits[0, -1]
 
-    pyramid = prefill(model, context_ids, PressConfig("pyramidkv", 0.5).build())
+    pyramid = prefill(model, context_ids, build(PressConfig("pyramidkv", 0.5)))
     assert len({layer.keys.shape[2] for layer in pyramid.layers}) > 1  # PyramidKV's per-layer budgets
     with torch.inference_mode():
         ours = append_question(model, pyramid, questions[0], n)[0]
-    reference = prefill(model, context_ids, PressConfig("pyramidkv", 0.5).build())
+    reference = prefill(model, context_ids, build(PressConfig("pyramidkv", 0.5)))
     assert torch.equal(ours, one_token_at_a_time(reference))
     # With equal lengths the question goes in one forward, which the token-by-token path agrees with.
-    uniform = prefill(model, context_ids, PressConfig("snapkv", 0.5).build())
+    uniform = prefill(model, context_ids, build(PressConfig("snapkv", 0.5)))
     with torch.inference_mode():
         at_once = append_question(model, uniform, questions[0], n)[0]
-    torch.testing.assert_close(at_once, one_token_at_a_time(prefill(model, context_ids, PressConfig("snapkv", 0.5).build())),
+    torch.testing.assert_close(at_once, one_token_at_a_time(prefill(model, context_ids, build(PressConfig("snapkv", 0.5)))),
                                rtol=1e-4, atol=1e-4)

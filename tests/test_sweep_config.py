@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
+from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import baseline_params, make_sampler, press_of, proposing_at_random, suggest_press
 from sweeps.stages import best_trials, presses_to_test, promotions
@@ -91,7 +92,7 @@ def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_p
     assert baselines[PAPER_DEFAULT]["compression_ratio"] == 0.75
     eviction = press_of(baselines[EVICTION_ONLY], config, {BASELINE_TAG: EVICTION_ONLY})
     assert (eviction.compression_ratio, eviction.merge) == (0.75, "none")
-    assert eviction.resolved()["compression_ratio"] == 0.75
+    assert resolved(eviction)["compression_ratio"] == 0.75
     # Proposed through Optuna, as the driver enqueues it.
     study = optuna.create_study()
     study.enqueue_trial(baselines[EVICTION_ONLY], user_attrs={BASELINE_TAG: EVICTION_ONLY})

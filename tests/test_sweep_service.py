@@ -44,7 +44,7 @@ from grkv_core.config import (
     TRIAL_TAG,
 )
 from grkv_core.kvpress_layout import read_runs
-from grkv_core.registry import load_press_file, press_from_file
+from grkv_core.registry import build, load_press_file, press_from_file
 from sweeps.config import ConfigError, load_config
 from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
 from sweeps.space import press_of
@@ -224,7 +224,7 @@ def test_safeguard_and_ridge_scale_are_searched_and_the_paper_default_trial_is_t
     paper = dict(baseline_params(config))["paper_default"]
     assert paper["safeguard"] is False and paper["ridge_scale"] == "absolute" and paper["cg_max_iter"] == 200
     params = {**paper, "lambda_k": 0.5, "lambda_v": 0.5, "safeguard": True, "ridge_scale": "relative"}
-    press = suggest_press(optuna.trial.FixedTrial(params), config).build()
+    press = build(suggest_press(optuna.trial.FixedTrial(params), config))
     assert press.safeguard is True and press.ridge_scale == "relative" and press.lambda_k == 0.5
 
 

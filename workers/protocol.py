@@ -39,6 +39,14 @@ def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
     return f"test of {test_of}" if stage == TEST_STAGE else f"{stage} trial {trial_number}"
 
 
+def resolved_settings(press: PressConfig) -> dict[str, Any]:
+    """``grkv_core.registry.resolved``. NOTE: resolving builds the press (torch, kvpress), so the registry is
+    imported when a driver first resolves one, never by reading outcomes (the tracker, the reports)."""
+    from grkv_core.registry import resolved
+
+    return resolved(press)
+
+
 def configuration_key(press: PressConfig) -> str:
     """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
     one press differently are one configuration, evaluated once and checkpointed in one file).
@@ -48,7 +56,7 @@ def configuration_key(press: PressConfig) -> str:
     before the option existed resumes from its checkpoint. A changed default is caught by the checkpoint's own
     resolved settings (``ResultStore``).
     """
-    settings = {name: value for name, value in press.resolved().items()
+    settings = {name: value for name, value in resolved_settings(press).items()
                 if name not in GRKV_DEFAULTS or value != GRKV_DEFAULTS[name]}
     return json.dumps(settings, sort_keys=True)
 
@@ -131,7 +139,7 @@ class TrialOutcome:
     batch_trials : int
         How many trials the worker evaluated together with this one (itself included).
     resolved_press : dict
-        ``PressConfig.resolved()`` of the press the worker built: every field, defaults included.
+        ``grkv_core.registry.resolved`` of the press the worker built: every field, defaults included.
     summary : dict or None
         ``grkv_core.evaluate.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
     samples : list of dict
@@ -189,7 +197,7 @@ class TrialOutcome:
     def unfinished(cls, request: TrialRequest, error: str) -> TrialOutcome:
         """``request`` no worker finished (the driver's verdict): nothing measured, the press it was to run
         resolved (so its run names it too)."""
-        return cls.of(request, FAILED, error=error, resolved_press=request.press.resolved())
+        return cls.of(request, FAILED, error=error, resolved_press=resolved_settings(request.press))
 
     def worker_timing(self) -> dict[str, float]:
         """What the worker itself measured of a finished trial; ``trial_eval_s`` is the trial's share of its

@@ -23,6 +23,7 @@ from grkv_core.datasets import EvalSample
 from grkv_core.evaluate import EvaluationSetup, ResultStore, evaluate_samples, summarize
 from grkv_core.files import storage_failure
 from grkv_core.kvpress_layout import kvpress_runs
+from grkv_core.registry import build, resolved
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
@@ -152,13 +153,13 @@ class TrialWorker:
             else:
                 details = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
             return TrialOutcome.of(request, FAILED, started_at=started, finished_at=time.time(),
-                                   worker=self.identity(), resolved_press=request.press.resolved(), **details)
+                                   worker=self.identity(), resolved_press=resolved(request.press), **details)
 
     def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         started = time.time()
         stage = requests[0].stage
         presses = [request.press for request in requests]
-        resolved = [press.resolved() for press in presses]
+        settings = [resolved(press) for press in presses]
         per_trial = evaluate_samples(self.setup.evaluator, self.samples[stage], presses,
                                      [self._checkpoint(request) for request in requests],
                                      decode=stage != SCREEN_STAGE)
@@ -169,7 +170,7 @@ class TrialWorker:
                                 worker=identity, resolved_press=press, summary=summarize(results),
                                 samples=[asdict(result) for result in results],
                                 kvpress_runs=self._kvpress_runs(request, results))
-                for request, press, results in zip(requests, resolved, per_trial)]
+                for request, press, results in zip(requests, settings, per_trial)]
 
     def _kvpress_runs(self, request: TrialRequest, results: list) -> list[dict]:
         """A test-stage evaluation's results in kvpress's layout (the test samples' texts are the worker's)."""
@@ -177,7 +178,7 @@ class TrialWorker:
             return []
         config = replace(self.config, press=request.press)
         return [run.to_dict() for run in kvpress_runs(config, self.samples[TEST_STAGE], results,
-                                                      str(request.press.build()), {"summary": summarize(results)})]
+                                                      str(build(request.press)), {"summary": summarize(results)})]
 
     def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
         """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from grkv_core.config import CaMOptions
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs, merge_into_carriers
 from grkv_core.queries import surrogate_queries
 from grkv_core.solver.attention import masked_softmax
 
 
 @dataclass
-class CaMPress(LocalMergePress):
+class CaMPress(CaMOptions, LocalMergePress):
     """Merge each evicted token's value into the kept tokens that follow it, scaled by its attention share.
 
     Rule (per batch element and KV head). Let A_t be the attention token t receives from the surrogate
@@ -51,15 +52,6 @@ class CaMPress(LocalMergePress):
     window_size : int
         The number of last prompt queries whose attention weights the merge.
     """
-
-    merge_budget: int = 32
-    window_size: int = 32
-
-    def check_options(self) -> None:
-        for name in ("merge_budget", "window_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def token_attention(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+from grkv_core.config import D2OOptions
 from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,
-    check_threshold,
     cosine_similarity,
     weighted_mean_merge,
 )
 
 
 @dataclass
-class D2OPress(LocalMergePress):
+class D2OPress(D2OOptions, LocalMergePress):
     """Merge each evicted token into its most key-similar kept token when the similarity clears a threshold.
 
     Rule (per batch element and KV head). For evicted token j let u_j = max_i cos(k_j, k_i) over the kept
@@ -49,17 +49,6 @@ class D2OPress(LocalMergePress):
         Only kept tokens at most this many positions away are candidates (the paper's "local candidate
         range"); None (D2O) makes every kept token a candidate. A token with no candidate is dropped.
     """
-
-    threshold: float = 0.5
-    candidate_range: int | None = None
-
-    def check_options(self) -> None:
-        check_threshold("threshold", self.threshold)
-        if self.candidate_range is not None and (
-            not isinstance(self.candidate_range, int) or isinstance(self.candidate_range, bool)
-            or self.candidate_range < 1
-        ):
-            raise ValueError(f"candidate_range must be None or an integer >= 1, got {self.candidate_range!r}")
 
     def most_similar_carrier(self, inputs: MergeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Each evicted token's most key-similar candidate carrier, before thresholding.

@@ -8,24 +8,23 @@ average around the set's pivot (its most attended token).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from grkv_core.config import KVMergerOptions
 from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,
     adjacent_carriers,
     carrier_rows,
-    check_threshold,
     rowwise_cosine,
     weighted_mean_merge,
 )
 
 
 @dataclass
-class KVMergerPress(LocalMergePress):
+class KVMergerPress(KVMergerOptions, LocalMergePress):
     """Grow a merging set from each kept token over adjacent similar evicted tokens; replace it by a pseudo-token.
 
     Rule (per batch element and KV head). Adjacent positions t-1, t are *linked* when
@@ -53,16 +52,6 @@ class KVMergerPress(LocalMergePress):
     sigma : float, optional
         A fixed Gaussian-kernel width (> 0) in key units; None adapts it per merging set (see above).
     """
-
-    threshold: float = 0.75
-    sigma: float | None = None
-
-    def check_options(self) -> None:
-        check_threshold("threshold", self.threshold)
-        if self.sigma is not None and not (
-            isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0
-        ):
-            raise ValueError(f"sigma must be None or a finite number > 0, got {self.sigma!r}")
 
     def assign_carriers(self, inputs: MergeInputs) -> torch.Tensor:
         keys = inputs.keys.float()

@@ -14,7 +14,6 @@ budgets (physical compaction) and for per-head budgets (AdaKV-style masking: mer
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -256,8 +255,3 @@ class LocalMergePress(BaseMergerPress):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.merge(MergeInputs.from_kept_mask(keys, values, selection.kept_mask, context))
 
-
-def check_threshold(name: str, value: float) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a cosine-similarity threshold in [-1, 1]."""
-    if not isinstance(value, (int, float)) or math.isnan(value) or not -1 <= value <= 1:
-        raise ValueError(f"{name} must be a cosine similarity in [-1, 1], got {value!r}")

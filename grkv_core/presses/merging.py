@@ -32,6 +32,7 @@ from kvpress import MergingPress as KVPressMergingPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
+from grkv_core import config
 from grkv_core.presses.selection import (MASKING_PRESSES, SELECTION_WRAPPERS, SUPPORTED_BASE_PRESSES, TokenSelection,
                                          check_compression_ratio, compression_ratio_of, select_tokens,
                                          unsupported_base_press_reason)
@@ -95,7 +96,8 @@ class BaseMergerPress(ScorerPress):
         self.check_options()
 
     def check_options(self) -> None:
-        """Raise a ValueError naming the first option whose value is not accepted (none here; subclasses add theirs)."""
+        """Raise a ValueError naming the first option whose value its spec (``grkv_core.config``) does not accept."""
+        config.check_options(self)
 
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
