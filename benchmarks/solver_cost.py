@@ -35,7 +35,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from grkv_core.config import GRKV_DEFAULTS
+from grkv_core.config import GRKV_DEFAULTS, SolverOptions
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.reference import grkv_merge_reference
@@ -177,10 +177,10 @@ def main() -> None:
             for row in (slice(layer, layer + 1) for layer in range(layers))])
 
     def merge_in_press():
-        solve_regression(stacked_regression(), **solve_args)
+        solve_regression(stacked_regression(), SolverOptions(**solve_args))
 
     def merge_in_press_unguarded():
-        solve_regression(stacked_regression(), safeguard=False, **solve_args)
+        solve_regression(stacked_regression(), SolverOptions(safeguard=False, **solve_args))
 
     def merge_standalone():
         grkv_merge(queries[:1], keys[:1], values[:1], kept[:1], fixed[:1], query_positions=query_positions,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
@@ -19,12 +20,15 @@ from grkv_core.config import (
     DTYPES,
     EVICTION_PRESS_NAMES,
     FULL_CACHE,
-    GRKV_DEFAULTS,
-    GRKV_OPTION_SPECS,
     MERGER_NAMES,
+    MERGER_OPTION_NAMES,
+    MERGER_OPTION_SPECS,
+    MERGER_OPTIONS,
     PROTOCOLS,
     QUESTION_AGNOSTIC,
+    SEARCHABLE_SPECS,
     PressConfig,
+    mergers_taking,
 )
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
@@ -65,13 +69,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _add_grkv_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per GRKV option, derived from its spec; an option left out keeps the press's default."""
-    group = parser.add_argument_group("GRKV options (with --merge grkv)")
-    for name, spec in GRKV_OPTION_SPECS.items():
+def _add_merger_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per merger option, derived from its spec; it applies to the --merge that takes it, and an option left
+    out keeps the merger's default."""
+    group = parser.add_argument_group("merger options (each with a --merge that takes it)")
+    for name in MERGER_OPTION_NAMES:
+        spec = SEARCHABLE_SPECS[name]
+        described = []
+        for merge in mergers_taking(name):
+            defaults = {item.name: item.default for item in fields(MERGER_OPTIONS[merge])} \
+                if merge in MERGER_OPTIONS else {}
+            default = f" (default: {'none' if defaults[name] is None else defaults[name]})" if name in defaults else ""
+            described.append(f"{merge}: {MERGER_OPTION_SPECS[merge][name].help}{default}")
+        text = "; ".join(described).replace("%", "%%")
         flag = "--" + name.replace("_", "-")
-        default = "none" if GRKV_DEFAULTS[name] is None else GRKV_DEFAULTS[name]
-        text = f"{spec.help} (default: {default})".replace("%", "%%")
         if spec.kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif spec.kind is str:
@@ -93,8 +104,19 @@ def _quiet_model_loading() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _merge_options(args) -> dict:
-    return {name: getattr(args, name) for name in GRKV_OPTION_SPECS if getattr(args, name) is not None}
+def _given_merge_options(args) -> dict:
+    return {name: getattr(args, name) for name in MERGER_OPTION_NAMES if getattr(args, name) is not None}
+
+
+def _merge_options(args, merge: str) -> dict:
+    """The merger options given as flags, each one ``merge`` takes (a ValueError names any it does not)."""
+    given = _given_merge_options(args)
+    foreign = [name for name in given if name not in MERGER_OPTION_SPECS[merge]]
+    if foreign:
+        flags = " ".join("--" + name.replace("_", "-") for name in foreign)
+        owners = sorted({owner for name in foreign for owner in mergers_taking(name)})
+        raise ValueError(f"--merge {merge} takes no {flags} (options of {', '.join(owners)})")
+    return given
 
 
 def parse_merge_variant(text: str) -> tuple[str, str, dict]:
@@ -133,7 +155,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
     """The press ``grkv eval`` evaluates and the protocol it was tuned under: the press file's, or the one its flags
     describe (defaults filled in; no protocol)."""
     flags = {"--press": args.press, "--compression-ratio": args.compression_ratio, "--merge": args.merge,
-             **{"--" + name.replace("_", "-"): value for name, value in _merge_options(args).items()}}
+             **{"--" + name.replace("_", "-"): value for name, value in _given_merge_options(args).items()}}
     if args.press_config:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
@@ -144,7 +166,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
     merge = args.merge or PRESS_DEFAULTS.merge
     return PressConfig(args.press or PRESS_DEFAULTS.press,
                        PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
-                       merge, _merge_options(args) if merge != "none" else {}), None
+                       merge, _merge_options(args, merge)), None
 
 
 def cmd_eval(args) -> int:
@@ -240,8 +262,8 @@ def _add_library_commands(commands) -> None:
                           help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})")
     evaluate.add_argument("--press-config", default=None, metavar="FILE",
                           help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the "
-                               "GRKV options")
-    _add_grkv_options(evaluate)
+                               "merger options")
+    _add_merger_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     _add_kvpress_dir(evaluate)
     evaluate.set_defaults(handler=cmd_eval)

@@ -13,7 +13,7 @@ parsing a command line stays instant; presses are built from a ``PressConfig`` b
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 # Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
@@ -181,8 +181,8 @@ class GRKVOptions:
 
     lambda_k: float = _option(1e-2, OptionSpec(
         "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)", float, low=0.0,
-        symbol="λ_k"))
-    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λ_v"))
+        symbol="λk"))
+    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
     beta: float = _option(0.1, OptionSpec(
         "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
         "held fixed", float, low=0.0, high=1.0, symbol="β"))
@@ -236,11 +236,27 @@ def check_options(options) -> None:
 
 
 GRKV_OPTION_SPECS: dict[str, OptionSpec] = option_specs(GRKVOptions)
+# How tables, run names and figures name the options that have a symbol (``OptionSpec.symbol``).
+OPTION_SYMBOLS: dict[str, str] = {name: spec.symbol for name, spec in GRKV_OPTION_SPECS.items() if spec.symbol}
 GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
+
+# The paper's Alg. 1 (Sec. 4.1 defaults): no safeguard and the key step solved to convergence; a sweep enqueues
+# it first (the searched options among these) so every sweep is anchored to the paper.
+PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
 
 # NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
 SOLVER_OPTION_NAMES = ("lambda_k", "lambda_v", "steps", "components", "cg_max_iter", "cg_rtol", "safeguard",
                        "ridge_scale")
+
+SolverOptions = make_dataclass(
+    "SolverOptions",
+    [(item.name, item.type, field(default=item.default, metadata=item.metadata))
+     for item in fields(GRKVOptions) if item.name in SOLVER_OPTION_NAMES],
+    frozen=True,
+    namespace={"__post_init__": check_options, "__module__": __name__, "__doc__": (
+        "The solver's options (``grkv_merge``, ``solve_regression``): ``GRKVOptions``' fields of the same names, "
+        "with their defaults and specs, as one frozen value checked when made.")},
+)
 
 
 @dataclass
@@ -275,15 +291,15 @@ class KVMergerOptions:
         low_open=True, nullable=True))
 
 
-# Every merger's options by name (AsymKV has none). NOTE: kvpress's own MergingPress checks its options with asserts;
-# these specs refuse bad values in one line, as our mergers do (its defaults stay kvpress's).
+# Our mergers' options, declared as dataclasses whose fields the presses inherit (AsymKV has none).
+MERGER_OPTIONS: dict[str, type] = {"grkv": GRKVOptions, "cam": CaMOptions, "d2o": D2OOptions,
+                                   "kvmerger": KVMergerOptions}
+# Every merger's options by name. NOTE: kvpress's own MergingPress checks its options with asserts; these specs refuse
+# bad values in one line, as our mergers do (its defaults stay kvpress's).
 MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
     "none": {},
-    "grkv": GRKV_OPTION_SPECS,
-    "cam": option_specs(CaMOptions),
-    "d2o": option_specs(D2OOptions),
+    **{merge: option_specs(options) for merge, options in MERGER_OPTIONS.items()},
     "asymkv": {},
-    "kvmerger": option_specs(KVMergerOptions),
     "kvpress_merging": {
         "similarity_threshold": OptionSpec("minimum key cosine similarity of an evicted token to its survivor for its "
                                            "value to be merged", float, low=0.0, high=1.0),
@@ -291,19 +307,29 @@ MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
                                      float, low=0.0, high=1.0, low_open=True),
     },
 }
+# Each option name once, in the order of the mergers (a flag, a searchable parameter). NOTE: a name two mergers share
+# means the same kind of value in both (``window_size``: GRKV's m and CaM's window; ``threshold``: D2O's and
+# KVMerger's cosine similarity), so one spec checks it; a test holds them to that.
+MERGER_OPTION_NAMES: tuple[str, ...] = tuple(dict.fromkeys(
+    name for specs in MERGER_OPTION_SPECS.values() for name in specs))
 
-# The paper's Alg. 1 (Sec. 4.1 defaults): no safeguard and the key step solved to convergence; a sweep enqueues
-# it first (the searched options among these) so every sweep is anchored to the paper.
-PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
+
+def mergers_taking(name: str) -> list[str]:
+    """The mergers that have an option ``name``."""
+    return [merge for merge, specs in MERGER_OPTION_SPECS.items() if name in specs]
+
 
 # What a prefill holds (``PROTOCOLS``): checked wherever a protocol enters (configs, the evaluator, press files).
 PROTOCOL_SPEC = OptionSpec("the evaluation protocol: the context compressed alone (kvpress's pipeline) or with "
                            "its question (kvpress's evaluation query_aware)", str, choices=PROTOCOLS)
 
-# A sweep searches the budget and every GRKV option.
+# A sweep searches the budget and every merger's options (each applied to the mergers that take it).
 COMPRESSION_RATIO_SPEC = OptionSpec("fraction of the context's KV pairs removed", float, low=0.0, high=1.0,
                                     high_open=True)
-SEARCHABLE_SPECS: dict[str, OptionSpec] = {"compression_ratio": COMPRESSION_RATIO_SPEC, **GRKV_OPTION_SPECS}
+SEARCHABLE_SPECS: dict[str, OptionSpec] = {
+    "compression_ratio": COMPRESSION_RATIO_SPEC,
+    **{name: MERGER_OPTION_SPECS[mergers_taking(name)[0]][name] for name in MERGER_OPTION_NAMES},
+}
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from grkv_core.config import (
     SEARCHABLE_SPECS,
     OptionSpec,
     is_number,
+    mergers_taking,
 )
 
 
@@ -271,6 +272,9 @@ class SweepConfig(_Strict):
             problem = _range_problem(param, SEARCHABLE_SPECS[name])
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
+            if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):
+                raise ValueError(f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge "
+                                 f"{self.merge}")
         if self.sampler.type == "grid" and any(not isinstance(p, CategoricalParam) for p in self.search_space.values()):
             raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
         ratio = self.search_space.get("compression_ratio")

@@ -7,7 +7,8 @@ import warnings
 
 import optuna
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig
+from grkv_core.config import (BASELINE_TAG, EVICTION_ONLY, MERGER_OPTION_SPECS, PAPER_DEFAULT, PAPER_GRKV_OPTIONS,
+                              ZERO_SUFFIX, PressConfig)
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
@@ -26,9 +27,10 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     if trial.user_attrs.get(BASELINE_TAG) == EVICTION_ONLY:
         return PressConfig(press=config.press.name, compression_ratio=ratio)
     merge = trial.suggest_categorical("merge", config.merge)
-    options = {}
-    if merge == "grkv":
-        options = {name: _suggest(trial, name, param) for name, param in space.items()}
+    # NOTE: each searched option reaches the mergers that take it (GRKV's window_size is CaM's too); the others
+    # keep their defaults, and the sampler is not asked for what the chosen merger does not read.
+    taken = MERGER_OPTION_SPECS[merge]
+    options = {name: _suggest(trial, name, param) for name, param in space.items() if name in taken}
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 

@@ -14,7 +14,7 @@ from grkv_core.diagnostics.carriers import (
     macro_average,
     span_boundaries,
 )
-from grkv_core.diagnostics.losses import recover_kept_positions
+from grkv_core.solver.losses import recover_kept_positions
 from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
 from grkv_core.diagnostics.windows import cross_window_similarity, window_output_summaries
 from grkv_core.presses import D2OPress, MergeInputs

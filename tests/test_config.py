@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -16,12 +17,16 @@ from grkv_core.config import (
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
     MERGER_NAMES,
+    MERGER_OPTION_NAMES,
+    MERGER_OPTION_SPECS,
+    MERGER_OPTIONS,
     PAPER_GRKV_OPTIONS,
     EvalConfig,
     GRKVOptions,
     OptionSpec,
     PressConfig,
     check_options,
+    mergers_taking,
 )
 from grkv_core.registry import build
 from sweeps.config import ConfigError, SweepConfig, load_config
@@ -29,17 +34,23 @@ from sweeps.config import ConfigError, SweepConfig, load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def a_value_other_than_the_default(name: str):
-    """A value the option accepts that differs from its default, so reaching the press is observable."""
-    spec, default = GRKV_OPTION_SPECS[name], GRKV_DEFAULTS[name]
+# Every option of every merger, as (merger, option).
+MERGER_OPTIONS_WALK = [(merge, name) for merge, specs in MERGER_OPTION_SPECS.items() for name in specs]
+
+
+def a_value_other_than_the_default(merge: str, name: str):
+    """A value the option accepts that differs from the default of the press the merger builds, so reaching the
+    press is observable."""
+    spec = MERGER_OPTION_SPECS[merge][name]
+    default = getattr(build(PressConfig("snapkv", 0.9, merge)), name)
     if spec.kind is bool:
         value = not default
     elif spec.kind is str:
         value = next(choice for choice in spec.choices if choice != default)
     elif spec.kind is int:
-        value = default + 1
+        value = 2 if default is None else default + 1
     else:
-        value = 0.5 if default is None else default / 2
+        value = 0.5 if default in (None, 0) else default / 2
     assert spec.accepts(value) and value != default
     return value
 
@@ -71,37 +82,67 @@ def test_grkv_press_fields_are_exactly_the_options():
     assert merger_option_names("grkv") == list(GRKV_OPTION_SPECS)
 
 
-@pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))
-def test_every_grkv_option_is_settable_from_the_cli(name):
+@pytest.mark.parametrize("merge, name", MERGER_OPTIONS_WALK)
+def test_every_option_of_every_merger_is_settable_from_the_cli(merge, name):
     from grkv_core.cli import _merge_options, build_parser
 
-    value = a_value_other_than_the_default(name)
+    value = a_value_other_than_the_default(merge, name)
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         arguments = [flag if value else "--no-" + flag[2:]]
     else:
         arguments = [flag, str(value)]
-    options = _merge_options(build_parser().parse_args(["eval", "--merge", "grkv", *arguments]))
+    options = _merge_options(build_parser().parse_args(["eval", "--merge", merge, *arguments]), merge)
     assert options == {name: value}
-    assert getattr(build(PressConfig("snapkv", 0.9, "grkv", options)), name) == value
+    assert getattr(build(PressConfig("snapkv", 0.9, merge, options)), name) == value
 
 
-@pytest.mark.parametrize("name", sorted(GRKV_OPTION_SPECS))
-def test_every_grkv_option_is_settable_from_a_sweep_config(name):
+@pytest.mark.parametrize("merge, name", MERGER_OPTIONS_WALK)
+def test_every_option_of_every_merger_is_settable_from_a_sweep_config(merge, name):
     from sweeps.space import suggest_press
 
-    value = a_value_other_than_the_default(name)
-    config = SweepConfig(name="walk", trials=1, search_space={name: {"type": "categorical", "choices": [value]}})
+    value = a_value_other_than_the_default(merge, name)
+    config = SweepConfig(name="walk", trials=1, merge=[merge],
+                         search_space={name: {"type": "categorical", "choices": [value]}})
     study = optuna.create_study()
     press_config = suggest_press(study.ask(), config)
     assert press_config.merge_options == {name: value}
     assert getattr(build(press_config), name) == value
 
 
+def test_an_option_the_chosen_merger_does_not_take_is_refused_on_the_command_line_and_in_a_sweep():
+    from grkv_core.cli import _merge_options, build_parser
+
+    with pytest.raises(ValueError, match=r"^--merge d2o takes no --beta \(options of grkv\)$"):
+        _merge_options(build_parser().parse_args(["eval", "--merge", "d2o", "--beta", "0.2"]), "d2o")
+    with pytest.raises(ValueError, match=r"search_space.sigma: an option of \['kvmerger'\], none of them"):
+        SweepConfig(name="walk", trials=1, merge=["grkv"], search_space={"sigma": {"type": "float", "low": 0.1,
+                                                                                   "high": 1.0}})
+
+
+def test_an_option_two_mergers_share_means_one_kind_of_value():
+    for name in MERGER_OPTION_NAMES:
+        specs = [replace(MERGER_OPTION_SPECS[merge][name], help="", symbol=None) for merge in mergers_taking(name)]
+        assert all(spec == specs[0] for spec in specs), name
+
+
+@pytest.mark.parametrize("merge", sorted(MERGER_OPTIONS))
+def test_our_merger_presses_fields_are_exactly_their_options(merge):
+    from dataclasses import fields
+
+    from grkv_core.registry import MERGERS, merger_option_names
+
+    options = MERGER_OPTIONS[merge]
+    assert [item.name for item in fields(options)] == merger_option_names(merge) == list(MERGER_OPTION_SPECS[merge])
+    press_fields = {item.name: item.default for item in fields(MERGERS[merge])}
+    assert {name: press_fields[name] for name in MERGER_OPTION_SPECS[merge]} == \
+        {item.name: item.default for item in fields(options)}
+
+
 def test_unset_cli_flags_keep_the_press_defaults():
     from grkv_core.cli import _merge_options, build_parser
 
-    assert _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"])) == {}
+    assert _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"]), "grkv") == {}
 
 
 @pytest.mark.parametrize("name, param, problem", [

@@ -18,7 +18,7 @@ from kvpress import MergingPress as KVPressMergingPress
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache, pipeline
 
-from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
+from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill
 from grkv_core.presses import BaseMergerPress
 from grkv_core.queries import surrogate_queries

@@ -13,7 +13,7 @@ from kvpress import ComposedPress
 from kvpress.utils import compute_n_kept
 
 from grkv_core.config import GRKV_OPTION_SPECS
-from grkv_core.diagnostics.losses import reconstruction_loss, recover_kept_positions
+from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress
@@ -191,7 +191,7 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(architecture):
-    from grkv_core.diagnostics.losses import discrepancy_per_head
+    from grkv_core.solver.losses import discrepancy_per_head
     from grkv_core.solver import grkv_merge
 
     model = tiny_model(architecture).model
@@ -230,7 +230,7 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
 
 def test_validation_rule_rejects_the_heads_whose_held_out_loss_rises():
     # Unrelated random queries, no ridge and more free rows than fitted ones: the half-fit overfits on some heads.
-    from grkv_core.diagnostics.losses import discrepancy_per_head
+    from grkv_core.solver.losses import discrepancy_per_head
     from grkv_core.solver import grkv_merge
     from grkv_core.solver.attention import full_cache_outputs
     from grkv_core.solver.regression import KeptRegression
@@ -309,7 +309,7 @@ def test_compression_in_grad_mode_builds_no_graph(merge):
     for layer in cache.layers:
         assert layer.keys.grad_fn is None and layer.values.grad_fn is None
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
-    assert not getattr(press, "_window_outputs", {}), "the window outputs a GRKV press kept are released"
+    assert getattr(press, "_capture", None) is None, "the window a GRKV press kept is released"
 
 
 @pytest.mark.parametrize("merge", ["grkv", "kvmerger"])
@@ -404,13 +404,15 @@ def five_layer_llama():
 
 
 def counting_solves(monkeypatch) -> list[int]:
-    """The batch of every solve GRKVPress runs from now on."""
+    """The batch of every solve GRKVPress runs from now on (a layer alone, or a group of layers)."""
     import grkv_core.presses.grkv as press_module
+    import grkv_core.presses.layer_groups as groups_module
 
     batches = []
     solve = press_module.solve_regression
-    monkeypatch.setattr(press_module, "solve_regression", lambda regression, **options: (
-        batches.append(regression.batch), solve(regression, **options))[1])
+    for module in (press_module, groups_module):
+        monkeypatch.setattr(module, "solve_regression", lambda regression, options: (
+            batches.append(regression.batch), solve(regression, options))[1])
     return batches
 
 
@@ -448,12 +450,12 @@ def test_layers_merged_together_equal_layers_merged_alone(five_layer_llama, budg
 def test_layers_wait_only_in_caches_that_store_the_rows_they_are_given():
     # A layer's merge may finish later, in place, only where kvpress stores compress's tensors themselves: not
     # in an offloading cache, which moves them (nor in a quantized one, which re-encodes them).
-    from grkv_core.presses.grkv import _keeps_returned_rows
+    from grkv_core.presses.layer_groups import keeps_returned_rows
 
     plain = DynamicCache()
     plain.update(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 0)
-    assert _keeps_returned_rows(plain, 0)
-    assert not _keeps_returned_rows(DynamicCache(offloading=True), 0)
+    assert keeps_returned_rows(plain, 0)
+    assert not keeps_returned_rows(DynamicCache(offloading=True), 0)
 
 
 def test_inside_composed_press_each_layer_is_merged_at_once(five_layer_llama, monkeypatch):
@@ -493,7 +495,7 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
-    assert not reusing._window_outputs, "the window outputs it kept are released on exit"
+    assert reusing._capture is None, "the window outputs it kept are released on exit"
 
 
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")  # AdaKV leaves some heads only fixed rows
@@ -573,7 +575,7 @@ def test_window_queries_come_from_the_forwards_own_q_proj(architecture, press_na
         # NOTE: the queries as the press built them before it kept q_proj's outputs: projected again.
         recomputed = surrogate_queries(module, hidden_states, position_embeddings, n_queries=press.window_size)
         torch.testing.assert_close(from_forward, recomputed.queries, rtol=1e-5, atol=1e-5)
-    assert not press._window_projections and not press._awaiting_projections, "released on exit"
+    assert press._capture is None, "released on exit"
 
 
 def test_a_budget_the_fixed_tokens_cover_warns_that_grkv_refits_nothing():

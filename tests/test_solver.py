@@ -8,9 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from grkv_core.diagnostics.losses import discrepancy_per_head, reconstruction_loss
+from grkv_core.config import SolverOptions
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.key_step import _conjugate_gradients
+from grkv_core.solver.losses import discrepancy_per_head, reconstruction_loss
 from grkv_core.solver.merge import grkv_merge, solve_regression
 from grkv_core.solver.reference import grkv_merge_reference
 from grkv_core.solver.regression import KeptRegression
@@ -204,7 +205,7 @@ def test_stacked_regressions_are_solved_as_if_alone():
     regressions = [KeptRegression.of(p["queries"], p["keys"], p["values"], p["kept"], p["fixed"],
                                      query_positions=positions, row_weights=w) for p, w in zip(problems, weights)]
     options = dict(steps=2, lambda_k=1e-3)
-    stacked_k, stacked_v = solve_regression(KeptRegression.stack(regressions), **options)
+    stacked_k, stacked_v = solve_regression(KeptRegression.stack(regressions), SolverOptions(**options))
     assert stacked_k.shape == (4, 2, 12, 8)
     for layer, problem in enumerate(problems):
         alone_k, alone_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],

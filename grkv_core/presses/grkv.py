@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import LlamaAttention
-from transformers.models.mistral.modeling_mistral import MistralAttention
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from grkv_core.config import GRKVOptions
-from grkv_core.diagnostics.losses import discrepancy_per_head
+from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
+from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection, forced_score_positions
+from grkv_core.presses.window_capture import WindowCapture
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.regression import KeptRegression
-
-# NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
-# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
-# Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
-# becomes the target. Other classes get the target recomputed by the solver.
-_OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 
 
 @dataclass
@@ -98,93 +88,36 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # NOTE: the window's attention outputs and q_proj outputs, per layer, kept on the press itself (never on the
-        # shared attention modules), so that several GRKV presses can share one prefill without reading each other's.
-        self._window_outputs: dict[int, torch.Tensor] = {}
-        self._window_projections: dict[int, torch.Tensor] = {}
-        self._awaiting_projections: set[int] = set()
-        # NOTE: the merges waiting for the rest of their group, as (regression, solver options); None outside this
-        # press's own context manager, where every layer is merged at once (see ``__call__``).
-        self._pending: list[tuple[KeptRegression, dict]] | None = None
-        self._last_hooked_layer: int | None = None
+        # NOTE: both exist only within this press's own context manager (see ``__call__``).
+        self._capture: WindowCapture | None = None
+        self._groups: LayerGroups | None = None
 
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager, plus hooks that keep the window's queries and attention outputs.
-
-        With the window policy the surrogate queries are built from the ``q_proj`` outputs of the forward itself
-        (the same rows the forward projected), and with ``target_from_forward`` the target is the input of
-        ``o_proj``; neither is computed a second time.
-        """
+        """kvpress's context manager; with the window policy, the window's queries (and, with
+        ``target_from_forward``, its attention outputs) are kept from the forward itself (``WindowCapture``), and
+        with ``layers_per_solve`` > 1 the layers' merges wait for their group (``LayerGroups``)."""
         language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        attentions = [attention for attention in (layer.self_attn for layer in language_model.layers)
-                      if isinstance(attention, _OUTPUTS_BEFORE_O_PROJ)]
-        handles = []
+        capture = WindowCapture(self.window_size, keep_outputs=self.target_from_forward)
         try:
-            if self.query_policy == "window":
-                for attention in attentions:
-                    handles.append(attention.register_forward_pre_hook(
-                        functools.partial(self._await_window_projections, attention)))
-                    handles.append(attention.q_proj.register_forward_hook(
-                        functools.partial(self._keep_window_projections, attention)))
-                    if self.target_from_forward:
-                        handles.append(attention.o_proj.register_forward_pre_hook(
-                            functools.partial(self._keep_window_outputs, attention)))
-            with super().__call__(model):
-                self._start_groups(language_model)
-                yield
+            with capture.hooked(language_model) if self.query_policy == "window" else contextlib.nullcontext():
+                with super().__call__(model):
+                    self._capture = capture
+                    self._groups = LayerGroups.for_press(self, language_model, self.layers_per_solve, self._capped)
+                    yield
         finally:
-            self._pending = self._last_hooked_layer = None
-            for handle in handles:
-                handle.remove()
-            self._window_outputs.clear()
-            self._window_projections.clear()
-            self._awaiting_projections.clear()
-
-    def _start_groups(self, language_model: nn.Module) -> None:
-        """Let the layers' merges wait for their group (``layers_per_solve``) within each prefill forward.
-
-        NOTE: a deferred layer's cache holds its kept rows unmerged until the last layer of its group is compressed,
-        at the latest the last layer kvpress hooked (found among the hooks it registered), all within the prefill's
-        forward: nothing reads a layer's cache between its own attention and the end of that forward, so what
-        follows sees only merged caches. Deferral needs this press's own context manager, where nothing runs after
-        its hook on a layer; inside ``ComposedPress`` or ``PrefillDecodingPress`` every layer is merged at once.
-        """
-        hooked = [layer.self_attn.layer_idx for layer in language_model.layers
-                  if self.forward_hook in layer.self_attn._forward_hooks.values()]
-        if self.layers_per_solve > 1 and hooked:
-            self._pending, self._last_hooked_layer = [], max(hooked)
-
-    def _await_window_projections(self, attention: nn.Module, module: nn.Module, args: tuple) -> None:
-        # NOTE: only the forward's own q_proj call, the first after this pre-hook, is kept: a base press that
-        # projects other hidden states while scoring (SnapKV's observation window) calls q_proj again later.
-        self._window_projections.pop(attention.layer_idx, None)
-        self._awaiting_projections.add(attention.layer_idx)
-
-    def _keep_window_projections(self, attention: nn.Module, q_proj: nn.Module, args: tuple,
-                                 projections: torch.Tensor) -> None:
-        if attention.layer_idx not in self._awaiting_projections:
-            return
-        self._awaiting_projections.discard(attention.layer_idx)
-        if projections.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
-            self._window_projections[attention.layer_idx] = projections[:, -self.window_size:].detach().clone()
-
-    def _keep_window_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
-        outputs = args[0]  # (B, n, H_q·d)
-        if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
-            # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
-            # mode, its autograd graph is kept alive.
-            self._window_outputs[attention.layer_idx] = outputs[:, -self.window_size:].detach().clone()
+            self._capture = self._groups = None
 
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                       kwargs: dict) -> _WindowRegression:
+        projections, outputs = self._capture.take(module.layer_idx) if self._capture else (None, None)
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size,
-            window_projections=self._window_projections.pop(module.layer_idx, None),
+            window_projections=projections,
         )
-        full_outputs = _stack_by_kv_head(self._window_outputs.pop(module.layer_idx, None), surrogate)
-        deferrable = (self._pending is not None and self.accept == "always"
-                      and _keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
+        full_outputs = _stack_by_kv_head(outputs, surrogate)
+        deferrable = (self._groups is not None and self.accept == "always"
+                      and keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
         row_weights = _output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
         return _WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
@@ -239,9 +172,9 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                                        row_weights=context.row_weights)
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
-            self._defer(regression, options)
+            self._groups.defer(regression, options)
             return regression.kept_keys, regression.kept_values
-        merged_keys, merged_values = self._capped(regression, *solve_regression(regression, **options))
+        merged_keys, merged_values = self._capped(regression, *solve_regression(regression, options))
         if self.accept == "always":
             return merged_keys, merged_values
         if self.accept == "validation":
@@ -250,7 +183,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             return (torch.where(passes, merged_keys, regression.kept_keys),
                     torch.where(passes, merged_values, regression.kept_values))
 
-        _, values_only = self._capped(regression, *solve_regression(regression, **{**options, "components": "v"}))
+        _, values_only = self._capped(regression, *solve_regression(regression, replace(options, components="v")))
         evicted_keys, evicted_values = regression.kept_keys, regression.kept_values
         candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
         errors = torch.stack([
@@ -262,7 +195,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
         return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
 
-    def _passes_validation(self, regression: KeptRegression, options: dict, keys: torch.Tensor, values: torch.Tensor,
+    def _passes_validation(self, regression: KeptRegression, options: SolverOptions, keys: torch.Tensor, values: torch.Tensor,
                            full_outputs: torch.Tensor, window: int) -> torch.Tensor:
         """(B, H_kv) bool: the heads where a merge fitted on the ``window`` surrogate tokens of even index has a lower
         loss than the evicted cache on those of odd index (every query head's rows of them: the rows of a KV head
@@ -279,7 +212,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                                    scale=regression.scale, full_outputs=rows(full_outputs, fit),
                                    row_weights=rows(regression.row_weights, fit))
         candidates = [(regression.kept_keys, regression.kept_values),
-                      self._capped(fitted, *solve_regression(fitted, **options))]
+                      self._capped(fitted, *solve_regression(fitted, options))]
         evicted, merged = (
             discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
                                  query_positions=None if positions is None else positions[held_out],
@@ -292,37 +225,21 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """``BaseMergerPress.compress``, then the group's solve once it is full or this is the last hooked layer."""
         compressed = super().compress(module, hidden_states, keys, values, attentions, kwargs)
-        if self._pending and (len(self._pending) >= self.layers_per_solve
-                              or module.layer_idx == self._last_hooked_layer):
-            self._solve_pending()
+        if self._groups is not None:
+            self._groups.compressed(module.layer_idx)
         return compressed
 
-    def _solver_options(self, loss_weight: float) -> dict:
-        return dict(lambda_k=self.lambda_k / loss_weight, lambda_v=self.lambda_v / loss_weight, steps=self.steps,
-                    components=self.components, cg_max_iter=self.cg_max_iter, cg_rtol=self.cg_rtol,
-                    safeguard=self.safeguard, ridge_scale=self.ridge_scale)
+    def _solver_options(self, loss_weight: float) -> SolverOptions:
+        """This press's solver options, the ridges divided by the surrogate rows' loss weight (``surrogate_queries``)."""
+        options = {name: getattr(self, name) for name in SOLVER_OPTION_NAMES}
+        return SolverOptions(**{**options, "lambda_k": self.lambda_k / loss_weight,
+                                "lambda_v": self.lambda_v / loss_weight})
 
     def _capped(self, regression: KeptRegression, merged_keys: torch.Tensor,
                 merged_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trust-region caps (``max_rel_update_k``/``_v``) applied to a merge of ``regression``."""
         return (_cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
                 _cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
-
-    def _defer(self, regression: KeptRegression, options: dict) -> None:
-        if self._pending and not (self._pending[0][1] == options and self._pending[0][0].stacks_with(regression)):
-            self._solve_pending()  # NOTE: a group holds one shape (per-layer budgets change c): solve it first
-        self._pending.append((regression, options))
-
-    def _solve_pending(self) -> None:
-        """Solve the pending layers in one call and write each result into the cache rows it handed out."""
-        pending, self._pending = self._pending, []
-        regressions = [regression for regression, _ in pending]
-        merged_keys, merged_values = solve_regression(KeptRegression.stack(regressions), **pending[0][1])
-        sizes = [regression.batch for regression in regressions]
-        for regression, keys, values in zip(regressions, merged_keys.split(sizes), merged_values.split(sizes)):
-            keys, values = self._capped(regression, keys, values)
-            regression.kept_keys.copy_(keys)
-            regression.kept_values.copy_(values)
 
 
 @dataclass(frozen=True)
@@ -378,14 +295,6 @@ def _output_projection_weights(module: nn.Module, surrogate: SurrogateQueries) -
     per_head = per_head / per_head.mean()
     row_weights = per_head.view(kv_heads, rows // window).repeat_interleave(window, dim=-1)
     return row_weights.to(surrogate.queries.device).expand(batch, kv_heads, rows)
-
-
-def _keeps_returned_rows(cache, layer_idx: int) -> bool:
-    """Whether kvpress's hook stores the very tensors ``compress`` returns as the layer's cache, so that a merge
-    finished later, in place, reaches the cache: a plain ``DynamicCache`` layer does; a quantized cache re-encodes
-    them and an offloading one moves them."""
-    return (isinstance(cache, DynamicCache) and not cache.offloading
-            and type(cache.layers[layer_idx]) is DynamicLayer)
 
 
 def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:

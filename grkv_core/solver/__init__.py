@@ -39,6 +39,9 @@ Modules
 - ``safeguard``: the shortening of a key step that would raise the true window loss.
 - ``attention``: the full cache's attention outputs and a masked softmax (also used by the diagnostics and the
   CaM baseline).
+- ``losses``: how far a compressed cache's attention outputs drift from the full cache's (the reconstruction
+  discrepancy the evaluation records and GRKV's acceptance rule compares), and which full-cache positions
+  an evicted cache kept.
 - ``reference``: a slow, explicit-Jacobian float64 implementation, the tests' yardstick.
 
 NOTE: this package imports torch and the light ``grkv_core.config`` only: no transformers, no kvpress.

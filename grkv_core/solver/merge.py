@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import torch
 
-from grkv_core.config import COMPONENTS, GRKV_DEFAULTS, RIDGE_SCALES
+from grkv_core.config import SOLVER_OPTION_NAMES, SolverOptions
 from grkv_core.solver.key_step import key_step
 from grkv_core.solver.problem import MergeProblem, SolverOrder, gather_rows
 from grkv_core.solver.regression import KeptRegression
@@ -27,18 +26,11 @@ def grkv_merge(
     kept: torch.Tensor,
     fixed: torch.Tensor,
     *,
-    lambda_k: float = GRKV_DEFAULTS["lambda_k"],
-    lambda_v: float = GRKV_DEFAULTS["lambda_v"],
-    steps: int = GRKV_DEFAULTS["steps"],
-    components: str = GRKV_DEFAULTS["components"],
     query_positions: torch.Tensor | None = None,
     scale: float | None = None,
-    cg_max_iter: int = GRKV_DEFAULTS["cg_max_iter"],
-    cg_rtol: float = GRKV_DEFAULTS["cg_rtol"],
     full_outputs: torch.Tensor | None = None,
-    safeguard: bool = GRKV_DEFAULTS["safeguard"],
-    ridge_scale: str = GRKV_DEFAULTS["ridge_scale"],
     row_weights: torch.Tensor | None = None,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the evicted part of a KV cache into the kept entries by global ridge regression.
 
@@ -53,6 +45,8 @@ def grkv_merge(
         (B, H_kv, c) integer positions kept by the eviction method, distinct within each head.
     fixed : torch.Tensor
         (B, H_kv, c) bool; True rows are returned unchanged (bit-identical).
+    **options
+        ``SolverOptions`` fields (``grkv_core.config``), each at its default when left out:
     lambda_k, lambda_v : float
         Ridge coefficients (>= 0) for keys and values. 0 is allowed (minimum-norm solution).
     steps : int
@@ -91,28 +85,22 @@ def grkv_merge(
         or full-cache attention outputs (a NaN or +inf anywhere in the cache reaches those) are not finite
         get the plain evicted cache back, with a warning.
     """
+    unknown = sorted(set(options) - set(SOLVER_OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"unknown solver option(s) {unknown}; valid: {list(SOLVER_OPTION_NAMES)}")
+    solver_options = SolverOptions(**options)
     regression = KeptRegression.of(queries, keys, values, kept, fixed, query_positions=query_positions, scale=scale,
                                    full_outputs=full_outputs, row_weights=row_weights)
-    return solve_regression(regression, lambda_k=lambda_k, lambda_v=lambda_v, steps=steps, components=components,
-                            cg_max_iter=cg_max_iter, cg_rtol=cg_rtol, safeguard=safeguard, ridge_scale=ridge_scale)
+    return solve_regression(regression, solver_options)
 
 
 @torch.no_grad()
 def solve_regression(
-    regression: KeptRegression,
-    *,
-    lambda_k: float = GRKV_DEFAULTS["lambda_k"],
-    lambda_v: float = GRKV_DEFAULTS["lambda_v"],
-    steps: int = GRKV_DEFAULTS["steps"],
-    components: str = GRKV_DEFAULTS["components"],
-    cg_max_iter: int = GRKV_DEFAULTS["cg_max_iter"],
-    cg_rtol: float = GRKV_DEFAULTS["cg_rtol"],
-    safeguard: bool = GRKV_DEFAULTS["safeguard"],
-    ridge_scale: str = GRKV_DEFAULTS["ridge_scale"],
+    regression: KeptRegression, options: SolverOptions = SolverOptions()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grkv_merge`` on a cache already reduced to its ``KeptRegression``, e.g. several layers stacked.
 
-    Options as in ``grkv_merge``. Every (batch, head) is solved on its own: its result does not depend on what
+    ``options`` as in ``grkv_merge``. Every (batch, head) is solved on its own: its result does not depend on what
     else the batch holds, beyond float rounding.
 
     Returns
@@ -120,7 +108,6 @@ def solve_regression(
     tuple[torch.Tensor, torch.Tensor]
         (B, H_kv, c, d) merged keys and values, in the order of ``regression.kept`` and the dtype of its rows.
     """
-    _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale)
     out_dtype = regression.kept_keys.dtype
     batch, heads, _, head_dim = regression.kept_keys.shape
 
@@ -168,18 +155,19 @@ def solve_regression(
 
     new_keys, new_values = problem.keys0, problem.values0
     moving = None  # (P, 1, 1) bool: the heads still alternating (None: all of them)
+    steps, components = options.steps, options.components
     for round_index in range(steps):
         # Both steps of one round see the attention at the current keys (the key step linearises there).
         logits = problem.logits(new_keys)
         attention = problem.softmax(logits)
         if components in ("kv", "v"):
-            step_values = value_step(problem, attention, lambda_v, ridge_scale)
+            step_values = value_step(problem, attention, options.lambda_v, options.ridge_scale)
         else:
             step_values = new_values
         if components in ("kv", "k"):
-            step_keys, value_step_error = key_step(problem, new_keys, attention, step_values, lambda_k, ridge_scale,
-                                                    cg_max_iter, cg_rtol)
-            if safeguard:
+            step_keys, value_step_error = key_step(problem, new_keys, attention, step_values, options.lambda_k,
+                                                    options.ridge_scale, options.cg_max_iter, options.cg_rtol)
+            if options.safeguard:
                 step_keys = safeguarded(problem, new_keys, logits, step_keys, value_step_error, step_values)
         else:
             step_keys = new_keys
@@ -230,22 +218,3 @@ def _finite_per_head(tensor: torch.Tensor) -> torch.Tensor:
     a sum that overflows to inf can only come from entries near float32's limit, which are rejected too.
     """
     return torch.isfinite(tensor.sum(dim=tuple(range(1, tensor.ndim)), dtype=torch.float32))
-
-
-def _validate_options(lambda_k, lambda_v, steps, components, cg_max_iter, cg_rtol, safeguard, ridge_scale) -> None:
-    """Raise a ValueError naming the option for any malformed solver option."""
-    for name, lam in (("lambda_k", lambda_k), ("lambda_v", lambda_v)):
-        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {lam!r}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if components not in COMPONENTS:
-        raise ValueError(f"components must be one of {COMPONENTS}, got {components!r}")
-    if not isinstance(cg_max_iter, int) or isinstance(cg_max_iter, bool) or cg_max_iter < 1:
-        raise ValueError(f"cg_max_iter must be an integer >= 1, got {cg_max_iter!r}")
-    if not isinstance(cg_rtol, (int, float)) or isinstance(cg_rtol, bool) or not 0 < cg_rtol < 1:
-        raise ValueError(f"cg_rtol must be in (0, 1), got {cg_rtol!r}")
-    if not isinstance(safeguard, bool):
-        raise ValueError(f"safeguard must be True or False, got {safeguard!r}")
-    if ridge_scale not in RIDGE_SCALES:
-        raise ValueError(f"ridge_scale must be one of {RIDGE_SCALES}, got {ridge_scale!r}")

@@ -1,0 +1,95 @@
+"""What GRKV reads of the prefill forward itself: the window tokens' ``q_proj`` outputs and attention outputs.
+
+With the window policy GRKV's surrogate queries are the last m prompt tokens' queries, and its regression target
+is their attention over the full cache. The forward computes both anyway; ``WindowCapture`` keeps a copy of their
+last m rows per layer (forward hooks that only observe), so the merge computes neither a second time.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+# NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
+# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
+# Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
+# becomes the target. Other classes get the target recomputed by the solver.
+OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
+
+
+class WindowCapture:
+    """The last ``window_size`` rows of each layer's ``q_proj`` outputs and ``o_proj`` inputs in a prefill.
+
+    NOTE: kept on this object (one per press), never on the shared attention modules, so that several presses can
+    share one prefill without reading each other's windows.
+
+    Parameters
+    ----------
+    window_size : int
+        m, how many last prompt rows are kept.
+    keep_outputs : bool
+        Whether to keep the attention outputs (the ``o_proj`` inputs) besides the queries.
+    """
+
+    def __init__(self, window_size: int, keep_outputs: bool) -> None:
+        self.window_size = window_size
+        self.keep_outputs = keep_outputs
+        self._projections: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._awaiting_projections: set[int] = set()
+
+    @contextmanager
+    def hooked(self, language_model: nn.Module):
+        """Observe every layer whose attention class passes its target to ``o_proj``; forget everything after."""
+        handles = []
+        try:
+            for attention in (layer.self_attn for layer in language_model.layers):
+                if not isinstance(attention, OUTPUTS_BEFORE_O_PROJ):
+                    continue
+                handles.append(attention.register_forward_pre_hook(
+                    functools.partial(self._await_projections, attention)))
+                handles.append(attention.q_proj.register_forward_hook(
+                    functools.partial(self._keep_projections, attention)))
+                if self.keep_outputs:
+                    handles.append(attention.o_proj.register_forward_pre_hook(
+                        functools.partial(self._keep_outputs, attention)))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._projections.clear()
+            self._outputs.clear()
+            self._awaiting_projections.clear()
+
+    def take(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's kept (B, m, H_q·d) ``q_proj`` outputs and (B, m, H_q·d) attention outputs, each None when
+        not captured; handed over once (the next prefill captures its own)."""
+        return self._projections.pop(layer_idx, None), self._outputs.pop(layer_idx, None)
+
+    def _await_projections(self, attention: nn.Module, module: nn.Module, args: tuple) -> None:
+        # NOTE: only the forward's own q_proj call, the first after this pre-hook, is kept: a base press that
+        # projects other hidden states while scoring (SnapKV's observation window) calls q_proj again later.
+        self._projections.pop(attention.layer_idx, None)
+        self._awaiting_projections.add(attention.layer_idx)
+
+    def _keep_projections(self, attention: nn.Module, q_proj: nn.Module, args: tuple,
+                          projections: torch.Tensor) -> None:
+        if attention.layer_idx not in self._awaiting_projections:
+            return
+        self._awaiting_projections.discard(attention.layer_idx)
+        if projections.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
+            self._projections[attention.layer_idx] = projections[:, -self.window_size:].detach().clone()
+
+    def _keep_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
+        outputs = args[0]  # (B, n, H_q·d)
+        if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
+            # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
+            # mode, its autograd graph is kept alive.
+            self._outputs[attention.layer_idx] = outputs[:, -self.window_size:].detach().clone()

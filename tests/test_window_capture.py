@@ -1,0 +1,91 @@
+"""WindowCapture on its own: what it keeps of a forward, checked against the layers' own projections recomputed."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from grkv_core.presses.window_capture import OUTPUTS_BEFORE_O_PROJ, WindowCapture
+
+ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
+WINDOW = 8
+
+
+def recorded_calls(language_model):
+    """Each layer's first q_proj output and o_proj input in the forwards that follow, recorded by plain hooks."""
+    calls, handles = {}, []
+    for layer in language_model.layers:
+        attention = layer.self_attn
+
+        def keep_q(module, args, output, index=attention.layer_idx):
+            calls.setdefault(("q", index), output.detach().clone())
+
+        def keep_o(module, args, index=attention.layer_idx):
+            calls.setdefault(("o", index), args[0].detach().clone())
+
+        handles += [attention.q_proj.register_forward_hook(keep_q), attention.o_proj.register_forward_pre_hook(keep_o)]
+    return calls, handles
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("keep_outputs", [True, False])
+def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outputs(architecture, keep_outputs):
+    model = tiny_model(architecture).model
+    language_model = model.model
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    calls, handles = recorded_calls(language_model)
+    capture = WindowCapture(WINDOW, keep_outputs=keep_outputs)
+    try:
+        with torch.no_grad(), capture.hooked(language_model):
+            language_model(input_ids=ids)
+            for layer in language_model.layers:
+                index = layer.self_attn.layer_idx
+                projections, outputs = capture.take(index)
+                assert isinstance(layer.self_attn, OUTPUTS_BEFORE_O_PROJ)
+                torch.testing.assert_close(projections, calls["q", index][:, -WINDOW:], rtol=0, atol=0)
+                if keep_outputs:
+                    torch.testing.assert_close(outputs, calls["o", index][:, -WINDOW:], rtol=0, atol=0)
+                else:
+                    assert outputs is None
+                assert capture.take(index) == (None, None), "handed over once"
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
+    model = tiny_model().model
+    language_model = model.model
+    attention = language_model.layers[0].self_attn
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    capture = WindowCapture(WINDOW, keep_outputs=True)
+    calls, handles = recorded_calls(language_model)
+
+    def project_something_else(module, args, kwargs, output):
+        # A base press scoring other tokens calls q_proj again after the forward's own call.
+        module.q_proj(torch.randn_like(kwargs["hidden_states"]))
+
+    handles.append(attention.register_forward_hook(project_something_else, with_kwargs=True))
+    try:
+        with torch.no_grad(), capture.hooked(language_model):
+            language_model(input_ids=ids)
+            projections, _ = capture.take(0)
+            torch.testing.assert_close(projections, calls["q", 0][:, -WINDOW:], rtol=0, atol=0)
+            language_model(input_ids=ids[:, :1])  # one token: a decoding step
+            assert capture.take(0) == (None, None)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
+    model = tiny_model().model
+    language_model = model.model
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    hooks_before = [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),
+                     len(layer.self_attn.o_proj._forward_pre_hooks)) for layer in language_model.layers]
+    capture = WindowCapture(WINDOW, keep_outputs=True)
+    with torch.no_grad(), capture.hooked(language_model):
+        language_model(input_ids=ids)
+    assert capture.take(0) == (None, None)
+    assert hooks_before == [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),
+                             len(layer.self_attn.o_proj._forward_pre_hooks)) for layer in language_model.layers]
