@@ -14,10 +14,11 @@ from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection, forced_score_positions
-from grkv_core.presses.window_capture import WindowCapture
+from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
+from grkv_core.presses.window_capture import (WindowCapture, WindowRegression, output_projection_weights,
+                                              stack_by_kv_head)
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
-from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.regression import KeptRegression
 
@@ -109,19 +110,19 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             self._capture = self._groups = None
 
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                      kwargs: dict) -> _WindowRegression:
+                      kwargs: dict) -> WindowRegression:
         projections, outputs = self._capture.take(module.layer_idx) if self._capture else (None, None)
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size,
             window_projections=projections,
         )
-        full_outputs = _stack_by_kv_head(outputs, surrogate)
+        full_outputs = stack_by_kv_head(outputs, surrogate)
         deferrable = (self._groups is not None and self.accept == "always"
                       and keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
-        row_weights = _output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
-        return _WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
+        row_weights = output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
+        return WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
-    def head_context(self, context: _WindowRegression, batch_index: int, head_index: int) -> _WindowRegression:
+    def head_context(self, context: WindowRegression, batch_index: int, head_index: int) -> WindowRegression:
         head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
         surrogate = context.surrogate
         head_queries = SurrogateQueries(
@@ -129,7 +130,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         )
         full_outputs = context.full_outputs[head] if context.full_outputs is not None else None
         row_weights = context.row_weights[head] if context.row_weights is not None else None
-        return _WindowRegression(head_queries, full_outputs, context.scale, deferrable=False, row_weights=row_weights)
+        return WindowRegression(head_queries, full_outputs, context.scale, deferrable=False, row_weights=row_weights)
 
     def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
@@ -148,7 +149,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         return protected | (candidates & (rank < n_top))
 
     def merge_selected(
-        self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: _WindowRegression
+        self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: WindowRegression
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Refit the kept rows by GRKV's regression; then the trust-region caps and the acceptance rule, if set.
 
@@ -174,52 +175,18 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         if context.deferrable:
             self._groups.defer(regression, options)
             return regression.kept_keys, regression.kept_values
-        merged_keys, merged_values = self._capped(regression, *solve_regression(regression, options))
+        merged = self._capped_solve(regression, options)
         if self.accept == "always":
-            return merged_keys, merged_values
+            return merged
         if self.accept == "validation":
-            passes = self._passes_validation(regression, options, keys, values, full_outputs,
-                                             surrogate.token_positions.numel())[..., None, None]
-            return (torch.where(passes, merged_keys, regression.kept_keys),
-                    torch.where(passes, merged_values, regression.kept_values))
-
-        _, values_only = self._capped(regression, *solve_regression(regression, replace(options, components="v")))
-        evicted_keys, evicted_values = regression.kept_keys, regression.kept_values
-        candidates = [(evicted_keys, evicted_values), (evicted_keys, values_only), (merged_keys, merged_values)]
-        errors = torch.stack([
-            discrepancy_per_head(surrogate.queries, keys, values, k, v, query_positions=surrogate.positions,
-                                 compressed_positions=kept, scale=scale, full_outputs=full_outputs)[0]
-            for k, v in candidates
-        ])
-        best = errors.argmin(dim=0)[..., None, None]
-        choose = lambda options: torch.where(best == 0, options[0], torch.where(best == 1, options[1], options[2]))  # noqa: E731
-        return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
-
-    def _passes_validation(self, regression: KeptRegression, options: SolverOptions, keys: torch.Tensor, values: torch.Tensor,
-                           full_outputs: torch.Tensor, window: int) -> torch.Tensor:
-        """(B, H_kv) bool: the heads where a merge fitted on the ``window`` surrogate tokens of even index has a lower
-        loss than the evicted cache on those of odd index (every query head's rows of them: the rows of a KV head
-        repeat the window once per query head)."""
-        token = torch.arange(regression.queries.shape[2], device=keys.device) % window
-        fit, held_out = token % 2 == 0, token % 2 == 1
-
-        def rows(tensor: torch.Tensor | None, chosen: torch.Tensor) -> torch.Tensor | None:
-            return None if tensor is None else tensor[..., chosen, :] if tensor.ndim == 4 else tensor[..., chosen]
-
-        positions = regression.query_positions
-        fitted = KeptRegression.of(rows(regression.queries, fit), keys, values, regression.kept, regression.fixed,
-                                   query_positions=None if positions is None else positions[fit],
-                                   scale=regression.scale, full_outputs=rows(full_outputs, fit),
-                                   row_weights=rows(regression.row_weights, fit))
-        candidates = [(regression.kept_keys, regression.kept_values),
-                      self._capped(fitted, *solve_regression(fitted, options))]
-        evicted, merged = (
-            discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
-                                 query_positions=None if positions is None else positions[held_out],
-                                 compressed_positions=regression.kept, scale=regression.scale,
-                                 full_outputs=rows(full_outputs, held_out))[0]
-            for k, v in candidates)
-        return merged < evicted
+            passes = passes_validation(regression, options, self._capped_solve, keys, values, full_outputs,
+                                       surrogate.token_positions.numel())[..., None, None]
+            return (torch.where(passes, merged[0], regression.kept_keys),
+                    torch.where(passes, merged[1], regression.kept_values))
+        _, values_only = self._capped_solve(regression, replace(options, components="v"))
+        evicted = (regression.kept_keys, regression.kept_values)
+        return lowest_window_loss([evicted, (evicted[0], values_only), merged], surrogate.queries, keys, values, kept,
+                                  surrogate.positions, scale, full_outputs)
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,71 +205,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     def _capped(self, regression: KeptRegression, merged_keys: torch.Tensor,
                 merged_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trust-region caps (``max_rel_update_k``/``_v``) applied to a merge of ``regression``."""
-        return (_cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
-                _cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
+        return (cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
+                cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
 
-
-@dataclass(frozen=True)
-class _WindowRegression:
-    """What GRKV's merge reads besides the cache, for one layer (or one (batch, head) of it).
-
-    Attributes
-    ----------
-    surrogate : SurrogateQueries
-        The window queries, (B, H_kv, M, d) stacked by KV head.
-    full_outputs : torch.Tensor or None
-        (B, H_kv, M, d) their attention outputs over the full cache, kept from the prefill forward; None: the
-        solver computes them.
-    scale : float
-        The layer's softmax scale.
-    deferrable : bool
-        Whether the layer's merge may wait for the rest of its group of ``layers_per_solve`` layers.
-    row_weights : torch.Tensor or None
-        (B, H_kv, M) weights of the query rows in the loss (``head_weighting``); None: all 1.
-    """
-
-    surrogate: SurrogateQueries
-    full_outputs: torch.Tensor | None
-    scale: float
-    deferrable: bool
-    row_weights: torch.Tensor | None = None
-
-
-def _stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
-    """(B, m, H_q·d) attention outputs of the window tokens -> (B, H_kv, groups·m, d), stacked like the queries."""
-    if outputs is None:
-        return None
-    batch, kv_heads, rows, head_dim = surrogate.queries.shape
-    window = surrogate.token_positions.numel()
-    query_heads = kv_heads * (rows // window)
-    if outputs.shape != (batch, window, query_heads * head_dim):
-        return None  # not this forward's window: the solver computes the target itself
-    per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
-    return per_query_head.reshape(batch, kv_heads, rows, head_dim)
-
-
-def _output_projection_weights(module: nn.Module, surrogate: SurrogateQueries) -> torch.Tensor:
-    """(B, H_kv, groups·m) row weights: query head h's rows weigh ‖W_o[:, h·d:(h+1)·d]‖²_F over the layer's
-    mean.
-
-    NOTE: ``o_proj`` reads the heads' outputs concatenated head-major (column h·d + j is head h's j-th channel),
-    and the surrogate rows stack the query heads of a KV head group-major, so a view and a repeat line them up.
-    """
-    batch, kv_heads, rows, head_dim = surrogate.queries.shape
-    window = surrogate.token_positions.numel()
-    weight = module.o_proj.weight.detach().float()
-    per_head = weight.view(weight.shape[0], -1, head_dim).square().sum(dim=(0, 2))  # (H_q,)
-    per_head = per_head / per_head.mean()
-    row_weights = per_head.view(kv_heads, rows // window).repeat_interleave(window, dim=-1)
-    return row_weights.to(surrogate.queries.device).expand(batch, kv_heads, rows)
-
-
-def _cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
-    """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""
-    if max_relative is None:
-        return merged
-    update = merged.float() - start.float()
-    update_norm = update.flatten(2).norm(dim=-1)
-    limit = max_relative * start.float().flatten(2).norm(dim=-1)
-    factor = (limit / update_norm.clamp_min(1e-30)).clamp(max=1.0)[..., None, None]
-    return (start.float() + factor * update).to(merged.dtype)
+    def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._capped(regression, *solve_regression(regression, options))

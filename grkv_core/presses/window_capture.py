@@ -1,14 +1,17 @@
-"""What GRKV reads of the prefill forward itself: the window tokens' ``q_proj`` outputs and attention outputs.
+"""What GRKV's merge reads of a layer besides its cache: the surrogate window (``WindowRegression``).
 
 With the window policy GRKV's surrogate queries are the last m prompt tokens' queries, and its regression target
 is their attention over the full cache. The forward computes both anyway; ``WindowCapture`` keeps a copy of their
-last m rows per layer (forward hooks that only observe), so the merge computes neither a second time.
+last m rows per layer (forward hooks that only observe), so the merge computes neither a second time;
+``stack_by_kv_head`` lines the kept outputs up with the queries, and ``output_projection_weights`` weighs their rows
+(``head_weighting="o_proj"``).
 """
 
 from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,6 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from grkv_core.queries import SurrogateQueries
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
@@ -93,3 +98,58 @@ class WindowCapture:
             # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
             # mode, its autograd graph is kept alive.
             self._outputs[attention.layer_idx] = outputs[:, -self.window_size:].detach().clone()
+
+
+@dataclass(frozen=True)
+class WindowRegression:
+    """What GRKV's merge reads besides the cache, for one layer (or one (batch, head) of it).
+
+    Attributes
+    ----------
+    surrogate : SurrogateQueries
+        The window queries, (B, H_kv, M, d) stacked by KV head.
+    full_outputs : torch.Tensor or None
+        (B, H_kv, M, d) their attention outputs over the full cache, kept from the prefill forward; None: the
+        solver computes them.
+    scale : float
+        The layer's softmax scale.
+    deferrable : bool
+        Whether the layer's merge may wait for the rest of its group of ``layers_per_solve`` layers.
+    row_weights : torch.Tensor or None
+        (B, H_kv, M) weights of the query rows in the loss (``head_weighting``); None: all 1.
+    """
+
+    surrogate: SurrogateQueries
+    full_outputs: torch.Tensor | None
+    scale: float
+    deferrable: bool
+    row_weights: torch.Tensor | None = None
+
+
+def stack_by_kv_head(outputs: torch.Tensor | None, surrogate: SurrogateQueries) -> torch.Tensor | None:
+    """(B, m, H_q·d) attention outputs of the window tokens -> (B, H_kv, groups·m, d), stacked like the queries."""
+    if outputs is None:
+        return None
+    batch, kv_heads, rows, head_dim = surrogate.queries.shape
+    window = surrogate.token_positions.numel()
+    query_heads = kv_heads * (rows // window)
+    if outputs.shape != (batch, window, query_heads * head_dim):
+        return None  # not this forward's window: the solver computes the target itself
+    per_query_head = outputs.view(batch, window, query_heads, head_dim).transpose(1, 2)  # (B, H_q, m, d)
+    return per_query_head.reshape(batch, kv_heads, rows, head_dim)
+
+
+def output_projection_weights(module: nn.Module, surrogate: SurrogateQueries) -> torch.Tensor:
+    """(B, H_kv, groups·m) row weights: query head h's rows weigh ‖W_o[:, h·d:(h+1)·d]‖²_F over the layer's
+    mean.
+
+    NOTE: ``o_proj`` reads the heads' outputs concatenated head-major (column h·d + j is head h's j-th channel),
+    and the surrogate rows stack the query heads of a KV head group-major, so a view and a repeat line them up.
+    """
+    batch, kv_heads, rows, head_dim = surrogate.queries.shape
+    window = surrogate.token_positions.numel()
+    weight = module.o_proj.weight.detach().float()
+    per_head = weight.view(weight.shape[0], -1, head_dim).square().sum(dim=(0, 2))  # (H_q,)
+    per_head = per_head / per_head.mean()
+    row_weights = per_head.view(kv_heads, rows // window).repeat_interleave(window, dim=-1)
+    return row_weights.to(surrogate.queries.device).expand(batch, kv_heads, rows)

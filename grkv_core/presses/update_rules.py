@@ -1,0 +1,76 @@
+"""What GRKV does with a merge once solved: the authors' trust-region caps and the acceptance rules.
+
+Each takes a solved merge and the evicted cache it started from, per (batch, KV head); ``accept="always"`` (the
+paper) uses the merge as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from grkv_core.config import SolverOptions
+from grkv_core.solver.losses import discrepancy_per_head
+from grkv_core.solver.regression import KeptRegression
+
+# (regression, options) -> (B, H_kv, c, d) merged keys and values: the solve, caps included.
+Solve = Callable[[KeptRegression, SolverOptions], tuple[torch.Tensor, torch.Tensor]]
+
+
+def cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
+    """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""
+    if max_relative is None:
+        return merged
+    update = merged.float() - start.float()
+    update_norm = update.flatten(2).norm(dim=-1)
+    limit = max_relative * start.float().flatten(2).norm(dim=-1)
+    factor = (limit / update_norm.clamp_min(1e-30)).clamp(max=1.0)[..., None, None]
+    return (start.float() + factor * update).to(merged.dtype)
+
+
+def passes_validation(regression: KeptRegression, options: SolverOptions, solve: Solve, keys: torch.Tensor,
+                      values: torch.Tensor, full_outputs: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, H_kv) bool (``accept="validation"``): the heads where a merge fitted on the ``window`` surrogate tokens of
+    even index has a lower loss than the evicted cache on those of odd index (every query head's rows of them: the
+    rows of a KV head repeat the window once per query head)."""
+    token = torch.arange(regression.queries.shape[2], device=keys.device) % window
+    fit, held_out = token % 2 == 0, token % 2 == 1
+
+    def rows(tensor: torch.Tensor | None, chosen: torch.Tensor) -> torch.Tensor | None:
+        return None if tensor is None else tensor[..., chosen, :] if tensor.ndim == 4 else tensor[..., chosen]
+
+    positions = regression.query_positions
+    fitted = KeptRegression.of(rows(regression.queries, fit), keys, values, regression.kept, regression.fixed,
+                               query_positions=None if positions is None else positions[fit],
+                               scale=regression.scale, full_outputs=rows(full_outputs, fit),
+                               row_weights=rows(regression.row_weights, fit))
+    candidates = [(regression.kept_keys, regression.kept_values), solve(fitted, options)]
+    evicted, merged = (
+        discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
+                             query_positions=None if positions is None else positions[held_out],
+                             compressed_positions=regression.kept, scale=regression.scale,
+                             full_outputs=rows(full_outputs, held_out))[0]
+        for k, v in candidates)
+    return merged < evicted
+
+
+def lowest_window_loss(candidates: list[tuple[torch.Tensor, torch.Tensor]], queries: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, query_positions: torch.Tensor | None,
+                       scale: float, full_outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the (keys, values) candidate with the lowest window discrepancy (``accept="objective"``, the
+    authors' code: of the evicted cache, the values-only merge and the full merge); ties go to the earlier one."""
+    errors = torch.stack([
+        discrepancy_per_head(queries, keys, values, k, v, query_positions=query_positions, compressed_positions=kept,
+                             scale=scale, full_outputs=full_outputs)[0]
+        for k, v in candidates
+    ])
+    best = errors.argmin(dim=0)[..., None, None]
+
+    def choose(options: list[torch.Tensor]) -> torch.Tensor:
+        chosen = options[-1]
+        for index in range(len(options) - 2, -1, -1):
+            chosen = torch.where(best == index, options[index], chosen)
+        return chosen
+
+    return choose([k for k, _ in candidates]), choose([v for _, v in candidates])
