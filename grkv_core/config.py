@@ -191,6 +191,9 @@ class GRKVOptions:
     steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1,
                                                     symbol="S"))
     n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
+    fix_window: bool = _option(True, OptionSpec(
+        "hold the last window_size positions fixed when kept (paper; off: the window's own tokens are refitted too)",
+        bool))
     components: str = _option("kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str,
                                                choices=COMPONENTS))
     query_policy: str = _option("window", OptionSpec(

@@ -19,6 +19,8 @@ from grkv_core.config import (
     HIGHER_IS_BETTER,
     MERGER_NAMES,
     OBJECTIVE_METRICS,
+    PAPER_DEFAULT,
+    PAPER_GRKV_OPTIONS,
     PROTOCOLS,
     QUESTION_AGNOSTIC,
     SCREENING_METRICS,
@@ -141,9 +143,13 @@ class Objective(_Strict):
 
 
 class SamplerSection(_Strict):
-    type: Literal["tpe", "nsga2", "gp", "grid", "random"] = "tpe"
+    type: Literal["tpe", "nsga2", "gp", "grid", "random", "one_at_a_time"] = Field(default="tpe", description=(
+        "one_at_a_time: the paper's ablation design, each searched option at each of its choices with every other "
+        "at the paper default's value (the rows are enqueued after the baselines; trials must count them all)"))
     seed: int = 0
     n_startup_trials: int = Field(default=8, ge=0)
+    together: list[list[str]] = Field(default_factory=list, description=(
+        "one_at_a_time: options varied together as one factor, e.g. [[lambda_k, lambda_v]] for the paper's λ"))
 
 
 class WorkerSection(_Strict):
@@ -275,8 +281,11 @@ class SweepConfig(_Strict):
             if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):
                 raise ValueError(f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge "
                                  f"{self.merge}")
-        if self.sampler.type == "grid" and any(not isinstance(p, CategoricalParam) for p in self.search_space.values()):
-            raise ValueError("sampler: grid search needs every search_space parameter to be categorical")
+        if self.sampler.type in ("grid", "one_at_a_time") and any(
+                not isinstance(p, CategoricalParam) for p in self.search_space.values()):
+            raise ValueError(f"sampler: {self.sampler.type} needs every search_space parameter to be categorical")
+        if self.sampler.type == "one_at_a_time":
+            self._check_one_at_a_time()
         ratio = self.search_space.get("compression_ratio")
         if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
             raise ValueError(f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, not "
@@ -295,6 +304,38 @@ class SweepConfig(_Strict):
             raise ValueError(f"test.eviction_ratios: {no_larger_budget} must be below press.compression_ratio "
                              f"({self.press.compression_ratio}): eviction-only is compared at a larger budget")
         return self
+
+    def _check_one_at_a_time(self) -> None:
+        if "grkv" not in self.merge or PAPER_DEFAULT not in self.baselines or "compression_ratio" in self.search_space:
+            raise ValueError("sampler: one_at_a_time varies GRKV's options around the paper default: it needs merge "
+                             "grkv, the paper_default baseline and a fixed press.compression_ratio")
+        grouped = [name for group in self.sampler.together for name in group]
+        if len(grouped) != len(set(grouped)) or not set(grouped) <= set(self.search_space):
+            raise ValueError(f"sampler.together: groups must name distinct search_space options, got "
+                             f"{self.sampler.together}")
+        for group in self.sampler.together:
+            if any(self.search_space[name].choices != self.search_space[group[0]].choices for name in group):
+                raise ValueError(f"sampler.together: {group} are varied together, so they need the same choices")
+        for name, param in self.search_space.items():
+            if PAPER_GRKV_OPTIONS.get(name) not in param.choices:
+                raise ValueError(f"search_space.{name}: one_at_a_time holds it at the paper default "
+                                 f"{PAPER_GRKV_OPTIONS.get(name)!r}, which must be among its choices")
+        expected = len(self.baselines) + len(self.one_at_a_time_rows())
+        if self.trials != expected:
+            raise ValueError(f"trials: the one-at-a-time design has {expected - len(self.baselines)} rows plus "
+                             f"{len(self.baselines)} baseline(s); set trials: {expected}")
+
+    def one_at_a_time_rows(self) -> list[dict[str, Any]]:
+        """The one-factor-at-a-time design's rows besides the paper default, as ``{option: value}`` changes from it:
+        each factor (a ``sampler.together`` group, else one searched option) at each of its choices."""
+        grouped = [name for group in self.sampler.together for name in group]
+        factors = [*self.sampler.together, *([name] for name in self.search_space if name not in grouped)]
+        rows = []
+        for factor in factors:
+            for choice in self.search_space[factor[0]].choices:
+                if any(choice != PAPER_GRKV_OPTIONS[name] for name in factor):
+                    rows.append({name: choice for name in factor})
+        return rows
 
     @property
     def test_stage(self) -> bool:

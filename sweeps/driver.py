@@ -25,7 +25,7 @@ from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE,
 from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
 from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
-from sweeps.space import baseline_params
+from sweeps.space import DESIGN_ROW_ATTR, baseline_params, one_at_a_time_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
 from workers.trial_worker import WorkerStartError, WorkerStorageError
@@ -122,7 +122,9 @@ class SweepDriver:
         for ledger in (screen, full):
             if ledger is not None:
                 ledger.open()
-        full.enqueue_once([(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)])
+        full.enqueue_once([(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)]
+                          + [(params, {DESIGN_ROW_ATTR: row}) for row, params in
+                             enumerate(one_at_a_time_params(self.config))])
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers

@@ -79,6 +79,25 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     return baselines
 
 
+# Optuna user attribute of a ``one_at_a_time`` design's row: its index (so a resumed sweep enqueues no row twice).
+DESIGN_ROW_ATTR = "grkv.design_row"
+
+
+def one_at_a_time_params(config: SweepConfig) -> list[dict]:
+    """The rows of a ``one_at_a_time`` design as trial parameters: the paper default's with one factor changed
+    (``SweepConfig.one_at_a_time_rows``); none for another sampler."""
+    if config.sampler.type != "one_at_a_time":
+        return []
+    paper = dict(baseline_params(config))[PAPER_DEFAULT]
+    rows = []
+    for changes in config.one_at_a_time_rows():
+        params = dict(paper)
+        for name, value in changes.items():
+            params.update(_fixed(name, config.search_space[name], value))
+        rows.append(params)
+    return rows
+
+
 def _fixed(name: str, param, value) -> dict:
     """The parameters that make ``_suggest`` return ``value`` for ``name`` (with its exact-zero switch)."""
     if isinstance(param, FloatParam) and param.include_zero:
@@ -118,6 +137,9 @@ def make_sampler(config: SweepConfig, seed: int) -> optuna.samplers.BaseSampler:
     if sampler.type == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=sampler.n_startup_trials)
     if sampler.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler.type == "one_at_a_time":
+        # NOTE: every trial of the design is enqueued and ``trials`` counts exactly them, so nothing is sampled.
         return optuna.samplers.RandomSampler(seed=seed)
     grid = {name: param.choices for name, param in config.search_space.items()}
     grid["merge"] = config.merge

@@ -559,3 +559,18 @@ def test_a_budget_the_fixed_tokens_cover_warns_that_grkv_refits_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         prefill(model, ids, build_press("snapkv", 0.9, merge="grkv", window_size=8, n_sink=0))
+
+
+@pytest.mark.parametrize("fix_window", [True, False])
+def test_the_window_is_held_fixed_unless_fix_window_is_off(fix_window):
+    # SnapKV keeps its own 32-token observation window and GRKV's window is those 32 positions: the merged cache's
+    # last 32 rows (in position order) are the window tokens, bit-identical to the full cache's when held fixed.
+    model = tiny_model().model
+    ids = context_ids(model.config.vocab_size, seed=13)
+    full = prefill(model, ids).layers[0]
+    merged = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", beta=0.0, n_sink=0, lambda_k=1e-3,
+                                             lambda_v=1e-3, fix_window=fix_window)).layers[0]
+    window = 32
+    same = (merged.keys[:, :, -window:] == full.keys[:, :, -window:]).all(-1) & \
+        (merged.values[:, :, -window:] == full.values[:, :, -window:]).all(-1)
+    assert bool(same.all()) == fix_window

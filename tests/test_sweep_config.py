@@ -15,7 +15,8 @@ import yaml
 from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
-from sweeps.space import baseline_params, make_sampler, press_of, proposing_at_random, suggest_press
+from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
+                          suggest_press)
 from sweeps.stages import best_trials, presses_to_test, promotions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,3 +184,39 @@ def test_a_sampler_stuck_on_an_evaluated_choice_is_unstuck_by_random_proposals(t
     assert tpe >= 30, "the situation the fallback is for: TPE stuck on the evaluated choice"
     assert 8 <= random <= 32, "a random proposal picks either choice"
     assert isinstance(study.sampler, optuna.samplers.TPESampler)
+
+
+def test_the_ablation_config_is_the_papers_table_one_factor_at_a_time():
+    config = load_config(REPO / "sweeps/configs/ablation.yaml")
+    changes = config.one_at_a_time_rows()
+    assert changes == [
+        {"lambda_k": 0.0, "lambda_v": 0.0}, {"lambda_k": 0.1, "lambda_v": 0.1}, {"lambda_k": 1.0, "lambda_v": 1.0},
+        {"beta": 0.0}, {"beta": 0.2}, {"beta": 0.3}, {"steps": 2}, {"steps": 3}, {"window_size": 48},
+        {"window_size": 64}, {"n_sink": 0}, {"fix_window": False}, {"components": "k"}, {"components": "v"},
+    ]
+    paper = resolved(press_of(dict(baseline_params(config))[PAPER_DEFAULT], config))
+    for change, params in zip(changes, one_at_a_time_params(config)):
+        row = resolved(press_of(params, config))
+        assert {name: value for name, value in row.items() if paper[name] != value} == change
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"trials": 15}, "the one-at-a-time design has 14 rows plus 2 baseline(s); set trials: 16"),
+    ({"search_space.steps.choices": [2, 3]}, "search_space.steps: one_at_a_time holds it at the paper default 1"),
+    ({"search_space.lambda_v.choices": [0.01, 0.1]}, "sampler.together: ['lambda_k', 'lambda_v'] are varied together"),
+    ({"baselines": ["eviction_only"]}, "it needs merge grkv, the paper_default baseline"),
+    ({"search_space.beta": {"type": "float", "low": 0.0, "high": 0.3}}, "one_at_a_time needs every search_space"),
+])
+def test_a_one_at_a_time_design_that_cannot_be_run_is_refused_in_one_line(tmp_path, changes, problem):
+    raw = yaml.safe_load((REPO / "sweeps/configs/ablation.yaml").read_text())
+    for dotted, value in changes.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert problem in str(error.value) and "\n" not in str(error.value)

@@ -50,6 +50,9 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         S, the maximum number of alternating value/key steps.
     n_sink : int
         The first ``n_sink`` positions are held fixed when kept.
+    fix_window : bool
+        The last ``window_size`` positions are held fixed when kept (the paper); off, only sinks and the top-beta
+        are (the paper's ablation of its fixed set).
     components : {"kv", "k", "v"}
         GRKV, GRK (keys only) or GRV (values only).
     query_policy : {"window", "stratified"}
@@ -140,7 +143,9 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         base window wider than GRKV's would take every top-beta slot.
         """
         length = selection.scores.shape[-1]
-        protected = (kept < self.n_sink) | (kept >= length - self.window_size)
+        protected = kept < self.n_sink
+        if self.fix_window:
+            protected |= kept >= length - self.window_size
         candidates = ~protected & ~forced_score_positions(self.press, length, kept.device)[kept]
         kept_scores = selection.scores.gather(-1, kept).masked_fill(~candidates, float("-inf"))
         order = kept_scores.argsort(dim=-1, descending=True, stable=True)
