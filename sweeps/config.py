@@ -10,7 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
-    BASELINES,
     COMPRESSION_RATIO_SPEC,
     DATASETS,
     DEVICES,
@@ -26,6 +25,7 @@ from grkv_core.config import (
     OptionSpec,
     is_number,
 )
+from tracking.names import BASELINES
 
 
 class ConfigError(ValueError):

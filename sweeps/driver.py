@@ -21,13 +21,14 @@ import time
 
 import ray
 
-from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
+from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
 from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
+from tracking.names import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 

@@ -23,7 +23,16 @@ from pathlib import Path
 
 import optuna
 
-from grkv_core.config import (
+from grkv_core.config import PressConfig
+from grkv_core.files import write_atomically
+from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
+from sweeps.config import SweepConfig
+from sweeps.lease import SweepLease
+from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, proposing_at_random, suggest_press
+from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
+from tracking.export import export_press
+from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
+from tracking.names import (
     BASELINE_TAG,
     FULL_STAGE,
     PRESS_ARTIFACT,
@@ -33,16 +42,7 @@ from grkv_core.config import (
     REUSES_ATTR,
     SCREEN_STAGE,
     TEST_STAGE,
-    PressConfig,
 )
-from grkv_core.files import write_atomically
-from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
-from sweeps.config import SweepConfig
-from sweeps.lease import SweepLease
-from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, proposing_at_random, suggest_press
-from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
-from tracking.export import export_press
-from tracking.mlflow_tracker import SweepTracker, check_tracking_server, trial_metrics
 from tracking.retry import RetryPolicy, TrackingUnavailableError, one_line
 from workers.protocol import FAILED, TrialOutcome, TrialRequest, configuration_key
 

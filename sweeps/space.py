@@ -7,8 +7,9 @@ import warnings
 
 import optuna
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PAPER_GRKV_OPTIONS, ZERO_SUFFIX, PressConfig
+from grkv_core.config import PAPER_GRKV_OPTIONS, PressConfig
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
+from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
 # and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).

@@ -11,7 +11,6 @@ import optuna
 import pytest
 
 from grkv_core.config import (
-    BASELINE_TAG,
     EVICTION_PRESS_NAMES,
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
@@ -23,6 +22,7 @@ from grkv_core.config import (
     PressConfig,
 )
 from sweeps.config import ConfigError, SweepConfig, load_config
+from tracking.names import BASELINE_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,10 @@ import optuna
 import pytest
 import yaml
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import baseline_params, make_sampler, press_of, proposing_at_random, suggest_press
 from sweeps.stages import best_trials, presses_to_test, promotions
+from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"

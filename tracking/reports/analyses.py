@@ -17,19 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import (
-    ANSWER_METRICS,
-    EVICTION_ONLY,
-    FULL_STAGE,
-    HIGHER_IS_BETTER,
-    LOSS_METRICS,
-    PROMOTED_FROM_TAG,
-    PAPER_DEFAULT,
-    SAMPLER_PREFIX,
-    SCREENING_METRICS,
-    TEST_STAGE,
-)
+from grkv_core.config import ANSWER_METRICS, HIGHER_IS_BETTER, LOSS_METRICS, SCREENING_METRICS
 from tracking.mlflow_tracker import DEPTH_SAMPLES_PREFIX, DEPTH_SCORE_PREFIX, SAMPLE_FIELDS
+from tracking.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, PROMOTED_FROM_TAG, SAMPLER_PREFIX, TEST_STAGE
 from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import (
     Correlation,

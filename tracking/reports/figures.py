@@ -9,7 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
+from tracking.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
 from tracking.reports.analyses import SCREEN_PREFIX, IsoResource, LossPerformance, TradeOff
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text

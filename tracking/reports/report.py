@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import ANSWER_METRICS, EVICTION_ONLY, LOSS_METRICS, PAPER_DEFAULT, TEST_STAGE, TRIAL_TAG
+from grkv_core.config import ANSWER_METRICS, LOSS_METRICS
+from tracking.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE, TRIAL_TAG
 from tracking.reports import figures
 from tracking.reports.analyses import (
     MIB,
