@@ -21,7 +21,6 @@ import time
 
 import ray
 
-from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
 from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
@@ -33,20 +32,6 @@ from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
-
-
-def eval_config_for(config: SweepConfig) -> EvalConfig:
-    return EvalConfig(
-        model=config.model.name, dataset=config.data.dataset,
-        tasks=tuple(config.data.tasks) if config.data.tasks else None,
-        context_length=config.data.context_length if config.data.dataset == "ruler" else None,
-        samples=config.data.samples, seed=config.data.seed,
-        press=PressConfig(config.press.name, config.press.compression_ratio),
-        dtype=config.model.dtype, attn_implementation=config.model.attn_implementation,
-        device=config.model.device or ("cuda" if config.workers.num_gpus > 0 else "cpu"),
-        data_dir=config.data.data_dir,
-        protocol=config.data.protocol,
-    )
 
 
 class SweepStopped(RuntimeError):
@@ -127,7 +112,7 @@ class SweepDriver:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
-        pool = WorkerPool(eval_config_for(self.config).to_dict(), self.config.data.test.samples, workers.count,
+        pool = WorkerPool(self.config.eval_config().to_dict(), self.config.data.test.samples, workers.count,
                           workers.num_cpus, workers.num_gpus, workers.max_retries, workers.node_wait_s)
         if screen is not None:
             self._run_stage(pool, screen)
