@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sweeps.config import ConfigError, load_config
     from sweeps.lease import SweepBusyError
-    from sweeps.ledger import StateDirError, StorageUnavailableError
+    from sweeps.state.optuna_storage import StorageUnavailableError
+    from sweeps.state.state_dir import StateDirError
     from sweeps.worker_pool import ClusterLostError
     from tracking.mlflow_tracker import TrackingUnavailableError
 

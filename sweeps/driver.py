@@ -1,6 +1,6 @@
 """The sweep driver: Optuna ask/tell over a pool of Ray workers, every trial tracked in MLflow.
 
-The loop is small on purpose: the ledgers (``sweeps.ledger``) own the studies, the MLflow runs and the state
+The loop is small on purpose: the ledgers (``sweeps.state``) own the studies, the MLflow runs and the state
 directory and write every outcome to them in order; the ``WorkerPool`` (``sweeps.worker_pool``) owns the Ray
 workers, their dispatch and retries. For each stage in turn (screening, full trials, the held-out test stage)
 the driver opens batches of trials while workers are idle and hands the stage's ledger every outcome the pool
@@ -23,11 +23,13 @@ import ray
 
 from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
-from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
 from sweeps.space import baseline_params
 from sweeps.stages import presses_to_test, promotions
+from sweeps.state.ledgers import HeldOutLedger, TrialLedger
+from sweeps.state.records import StageLedger, SweepRecords
+from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
-from tracking.names import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from tracking.names import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE
 from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 
@@ -131,7 +133,7 @@ class SweepDriver:
         self.records.export_recommendation()
         return "FINISHED"
 
-    def _run_stage(self, pool: WorkerPool, ledger: TrialLedger | HeldOutLedger) -> None:
+    def _run_stage(self, pool: WorkerPool, ledger: StageLedger) -> None:
         """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.
 
         NOTE: an Optuna stage spreads its trials over the workers (batches of at most ``workers.batch_size``);
@@ -144,7 +146,7 @@ class SweepDriver:
         try:
             while (remaining or pool.busy) and not self.stop_requested:
                 while pool.idle and remaining and not self.stop_requested:
-                    spread = remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size)
+                    spread = remaining if ledger.fills_batches else math.ceil(remaining / pool.size)
                     size = min(batch_size, spread)
                     opened = ledger.open_trials(size)
                     # NOTE: fewer than asked only when the sampler has exhausted the space (see TrialLedger)
@@ -166,7 +168,7 @@ class SweepDriver:
                 for open_trial in dispatch.context:
                     self._abandon(ledger, open_trial)
 
-    def _record(self, ledger: TrialLedger | HeldOutLedger, dispatch, outcomes) -> None:
+    def _record(self, ledger: StageLedger, dispatch, outcomes) -> None:
         received = time.time()
         for index, (open_trial, outcome) in enumerate(zip(dispatch.context, outcomes, strict=True)):
             try:
@@ -179,7 +181,7 @@ class SweepDriver:
                     self.records.state.save(later)
                 raise
 
-    def _abandon(self, ledger: TrialLedger | HeldOutLedger, open_trial) -> None:
+    def _abandon(self, ledger: StageLedger, open_trial) -> None:
         """Abandon an in-flight trial on a stop; a service already lost leaves it to the resume's reconcile."""
         try:
             ledger.abandon(open_trial)

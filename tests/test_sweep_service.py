@@ -29,8 +29,8 @@ from grkv_core.config import QUERY_AWARE
 from grkv_core.kvpress_layout import read_runs
 from grkv_core.registry import load_press_file, press_from_file
 from sweeps.config import ConfigError, load_config
-from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
 from sweeps.space import press_of
+from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
 from tracking.names import (
     BASELINE_TAG,
     EVICTION_ONLY,
