@@ -610,7 +610,7 @@ def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path
 def test_loss_performance_axis_is_logarithmic_only_when_the_losses_span_decades(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from tracking.reports.analyses import LossPerformance
+    from tracking.reports.analyses.loss_performance import LossPerformance
     from tracking.reports.figures import loss_performance_figure
     from tracking.reports.stats import correlate
 
