@@ -19,21 +19,20 @@ import shlex
 import sys
 import time
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# NOTE: MLflow's client retries unreachable servers for minutes by default; a sweep should fail fast.
-# NOTE: the driver retries MLflow calls itself (tracking.retries, tracking.retry_backoff_s), so the client's own
-# retries are off: one bound, defined in the config.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+from sweeps.entry_points import (
+    DRIVER_MLFLOW_RETRIES,
+    SERVICE_LOST,
+    STOPPED,
+    SUCCESS,
+    SWEEP_BUSY,
+    USER_ERROR,
+    set_service_environment,
+)
 
+set_service_environment(DRIVER_MLFLOW_RETRIES)
 
 from grkv_core.config import PROTOCOLS  # noqa: E402 - after the environment it must not override
 
-FINISHED, INVALID_CONFIG, SERVICE_LOST, SWEEP_BUSY, STOPPED = 0, 2, 3, 4, 5
 # NOTE: a driver run by `ray job submit` finds its job's metadata here; its resume is submitted the same way.
 RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -68,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sweeps.config import ConfigError, load_config
     from sweeps.lease import SweepBusyError
-    from sweeps.ledger import StateDirError, StorageUnavailableError
+    from sweeps.state.optuna_storage import StorageUnavailableError
+    from sweeps.state.state_dir import StateDirError
     from sweeps.worker_pool import ClusterLostError
     from tracking.mlflow_tracker import TrackingUnavailableError
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
     except ConfigError as error:
         print(f"sweep: invalid config: {error}", file=sys.stderr)
-        return INVALID_CONFIG
+        return USER_ERROR
     if args.tracking_uri:
         config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"tracking_uri": args.tracking_uri})})
     if args.storage_url:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep {sweep_id}: {status}; resume with: {resume}", file=sys.stderr)
         return STOPPED
     print(f"sweep {sweep_id}: {status}")
-    return FINISHED
+    return SUCCESS
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import statistics
 
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import ROLE_TAG, SWEEP_TAG, TRIAL_TAG, WORKER_PID_TAG
+from tracking.names import ROLE_TAG, SWEEP_TAG, TRIAL_TAG, WORKER_PID_TAG
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 service's: ``sweep`` (a sweep on the local Ray + MLflow stack), ``report``, ``export`` and ``demo`` (the whole
 path for a newcomer: services, a small SmolLM2 sweep, its report and the recommended press).
 
-NOTE: this module sits on top of every package (grkv_core, sweeps, tracking); the libraries below it import
-nothing from here, except ``tracking.cli``, the ``grkv-report`` alias of ``grkv report``.
+NOTE: this module sits on top of every package (grkv_core, workers, tracking, sweeps); nothing below it imports
+from here. Both console scripts start here: ``grkv`` (``main``) and ``grkv-report`` (``report_main``, the alias
+of ``grkv report`` kept for existing scripts).
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# NOTE: MLflow's client retries an unreachable server for minutes by default; a command should fail fast.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+from sweeps.entry_points import (
+    COMMAND_MLFLOW_RETRIES,
+    SERVICE_LOST,
+    STOPPED,
+    SUCCESS,
+    SWEEP_NOT_FOUND,
+    set_service_environment,
+)
+
+set_service_environment(COMMAND_MLFLOW_RETRIES)
 
 from grkv_core.cli import add_command, build_parser, run  # noqa: E402
-from grkv_core.config import (  # noqa: E402
+from grkv_core.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
+from tracking.names import (  # noqa: E402
     FULL_STAGE,
     PRESS_ARTIFACT,
     ROLE_TAG,
@@ -36,7 +41,6 @@ from grkv_core.config import (  # noqa: E402
     TEST_OF_TAG,
     TRIAL_TAG,
 )
-from grkv_core.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
@@ -44,9 +48,6 @@ SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
 DEMO_CONFIG = REPO_ROOT / "sweeps" / "configs" / "demo.yaml"
 GRKV_HOME = Path("~/.grkv")
 DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-EXIT_TRACKING_UNAVAILABLE = 3
-EXIT_SWEEP_NOT_FOUND = 4
-EXIT_SWEEP_FAILED = 5
 POLL_S = 3.0
 
 
@@ -309,7 +310,7 @@ def cmd_sweep(args) -> int:
         _print_kvpress_folder(stack.sweeps_dir / sweep_id / KVPRESS_FOLDER)
     finally:
         _leave_or_stop(stack, args.stop)
-    return 0 if status == "FINISHED" else EXIT_SWEEP_FAILED
+    return SUCCESS if status == "FINISHED" else STOPPED
 
 
 def _print_kvpress_folder(folder: Path) -> None:
@@ -331,10 +332,10 @@ def _reads_a_sweep(handler):
             return handler(args)
         except TrackingUnavailableError as error:
             print(f"grkv {args.command}: {error}", file=sys.stderr)
-            return EXIT_TRACKING_UNAVAILABLE
+            return SERVICE_LOST
         except SweepNotFoundError as error:
             print(f"grkv {args.command}: {error} at {args.tracking_uri}", file=sys.stderr)
-            return EXIT_SWEEP_NOT_FOUND
+            return SWEEP_NOT_FOUND
 
     return checked
 
@@ -360,7 +361,7 @@ def cmd_report(args) -> int:
     print(report.summary)
     print(f"report: {report.output_dir / 'report.html'}"
           + (f"; logged to {report.artifact_uri}" if report.artifact_uri else ""))
-    return 0
+    return SUCCESS
 
 
 def _export(tracking_uri: str, sweep_id: str, output: Path | None, trial: int | None, experiment: str | None,
@@ -379,7 +380,7 @@ def cmd_export(args) -> int:
                        not args.no_log_artifacts)
     print(exported.text, end="")
     print(f"press file: {exported.path}" + (f"; logged to {exported.artifact_uri}" if exported.artifact_uri else ""))
-    return 0
+    return SUCCESS
 
 
 def cmd_demo(args) -> int:
@@ -420,7 +421,7 @@ def cmd_demo(args) -> int:
         print(f"grkv demo: done in {(time.monotonic() - began) / 60:.1f} min")
     finally:
         _leave_or_stop(stack, args.stop)
-    return 0
+    return SUCCESS
 
 
 def _add_service_commands(commands) -> None:
@@ -472,6 +473,11 @@ def build_service_parser():
 
 def main(argv: list[str] | None = None) -> int:
     return run(build_service_parser(), argv, user_errors=(ServiceError,))
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    """``grkv-report ARGS``: ``grkv report ARGS``."""
+    return main(["report", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

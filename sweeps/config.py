@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -10,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
-    BASELINES,
     COMPRESSION_RATIO_SPEC,
     DATASETS,
     DEVICES,
@@ -19,16 +19,28 @@ from grkv_core.config import (
     HIGHER_IS_BETTER,
     MERGER_NAMES,
     OBJECTIVE_METRICS,
-    PAPER_DEFAULT,
     PAPER_GRKV_OPTIONS,
     PROTOCOLS,
-    QUESTION_AGNOSTIC,
     SCREENING_METRICS,
     SEARCHABLE_SPECS,
+    EvalConfig,
     OptionSpec,
+    PressConfig,
     is_number,
     mergers_taking,
 )
+from tracking.names import BASELINES, PAPER_DEFAULT
+
+
+def _defaults(config_class) -> dict[str, Any]:
+    """The fields of a library configuration that have a plain default, with it."""
+    return {field.name: field.default for field in fields(config_class) if field.default is not MISSING}
+
+
+# NOTE: the sections below take the library's defaults (a sweep left at its defaults evaluates what ``grkv eval``
+# does), except ``model.device``, which follows the workers' GPUs when unset.
+EVAL_DEFAULTS = _defaults(EvalConfig)
+PRESS_DEFAULTS = _defaults(PressConfig)
 
 
 class ConfigError(ValueError):
@@ -79,9 +91,9 @@ Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discrimin
 
 
 class ModelSection(_Strict):
-    name: str = "smollm2-135m"
-    dtype: Literal[DTYPES] = "auto"
-    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = None
+    name: str = EVAL_DEFAULTS["model"]
+    dtype: Literal[DTYPES] = EVAL_DEFAULTS["dtype"]
+    attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = EVAL_DEFAULTS["attn_implementation"]
     device: Literal[DEVICES] | None = Field(default=None, description=(
         "where each worker runs its model; unset: cuda when workers.num_gpus > 0, else cpu"))
 
@@ -91,13 +103,14 @@ class TestSamplesSection(_Strict):
 
 
 class DataSection(_Strict):
-    dataset: Literal[DATASETS] = "ruler"
-    tasks: list[str] | None = None
-    context_length: int | None = 2048
-    samples: int = Field(default=5, ge=1, description="tuning samples per task (screening and full trials)")
-    seed: int = 0
-    data_dir: str | None = None
-    protocol: Literal[PROTOCOLS] = Field(default=QUESTION_AGNOSTIC, description=(
+    dataset: Literal[DATASETS] = EVAL_DEFAULTS["dataset"]
+    tasks: list[str] | None = EVAL_DEFAULTS["tasks"]
+    context_length: int | None = EVAL_DEFAULTS["context_length"]
+    samples: int = Field(default=EVAL_DEFAULTS["samples"], ge=1,
+                         description="tuning samples per task (screening and full trials)")
+    seed: int = EVAL_DEFAULTS["seed"]
+    data_dir: str | None = EVAL_DEFAULTS["data_dir"]
+    protocol: Literal[PROTOCOLS] = Field(default=EVAL_DEFAULTS["protocol"], description=(
         "question_agnostic: the context compressed alone (kvpress's pipeline); query_aware: with its question "
         "(kvpress's evaluation query_aware)"))
     # NOTE: loaded in one call with the tuning samples and split per task, so the two sets are disjoint.
@@ -107,8 +120,8 @@ class DataSection(_Strict):
 class PressSection(_Strict):
     """The eviction press the merger sits behind, and its budget (the ratio may also be searched)."""
 
-    name: str = "snapkv"
-    compression_ratio: float = 0.9
+    name: str = PRESS_DEFAULTS["press"]
+    compression_ratio: float = PRESS_DEFAULTS["compression_ratio"]
 
     @field_validator("name")
     @classmethod
@@ -344,6 +357,21 @@ class SweepConfig(_Strict):
     @property
     def directions(self) -> list[str]:
         return [objective.direction for objective in self.objectives]
+
+    def eval_config(self) -> EvalConfig:
+        """The evaluation every trial of the sweep runs (each trial replaces its press): the fields of
+        ``EvalConfig`` that the model and data sections name alike, then those the sweep spells its own way."""
+        alike = {name: getattr(section, name) for section in (self.model, self.data)
+                 for name in type(section).model_fields if name in EVAL_DEFAULTS}
+        return EvalConfig(**{
+            **alike,
+            "model": self.model.name,
+            "tasks": tuple(self.data.tasks) if self.data.tasks else None,
+            # NOTE: only the offline generator builds contexts of a given length; the hub datasets come as they are.
+            "context_length": self.data.context_length if self.data.dataset == "ruler" else None,
+            "device": self.model.device or ("cuda" if self.workers.num_gpus > 0 else "cpu"),
+            "press": PressConfig(self.press.name, self.press.compression_ratio),
+        })
 
 
 def _one_line(error: ValidationError) -> str:

@@ -1,6 +1,6 @@
 """The sweep driver: Optuna ask/tell over a pool of Ray workers, every trial tracked in MLflow.
 
-The loop is small on purpose: the ledgers (``sweeps.ledger``) own the studies, the MLflow runs and the state
+The loop is small on purpose: the ledgers (``sweeps.state``) own the studies, the MLflow runs and the state
 directory and write every outcome to them in order; the ``WorkerPool`` (``sweeps.worker_pool``) owns the Ray
 workers, their dispatch and retries. For each stage in turn (screening, full trials, the held-out test stage)
 the driver opens batches of trials while workers are idle and hands the stage's ledger every outcome the pool
@@ -21,31 +21,19 @@ import time
 
 import ray
 
-from grkv_core.config import BASELINE_TAG, FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
 from grkv_core.files import storage_failure
 from sweeps.config import SweepConfig
-from sweeps.ledger import HeldOutLedger, StateDirError, SweepRecords, TrialLedger
-from sweeps.space import DESIGN_ROW_ATTR, baseline_params, one_at_a_time_params
+from sweeps.space import baseline_params, one_at_a_time_params
 from sweeps.stages import presses_to_test, promotions
+from sweeps.state.ledgers import HeldOutLedger, TrialLedger
+from sweeps.state.records import StageLedger, SweepRecords
+from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
+from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, FULL_STAGE, SCREEN_STAGE
 from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
-
-
-def eval_config_for(config: SweepConfig) -> EvalConfig:
-    return EvalConfig(
-        model=config.model.name, dataset=config.data.dataset,
-        tasks=tuple(config.data.tasks) if config.data.tasks else None,
-        context_length=config.data.context_length if config.data.dataset == "ruler" else None,
-        samples=config.data.samples, seed=config.data.seed,
-        press=PressConfig(config.press.name, config.press.compression_ratio),
-        dtype=config.model.dtype, attn_implementation=config.model.attn_implementation,
-        device=config.model.device or ("cuda" if config.workers.num_gpus > 0 else "cpu"),
-        data_dir=config.data.data_dir,
-        protocol=config.data.protocol,
-    )
 
 
 class SweepStopped(RuntimeError):
@@ -128,7 +116,7 @@ class SweepDriver:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
-        pool = WorkerPool(eval_config_for(self.config).to_dict(), self.config.data.test.samples, workers.count,
+        pool = WorkerPool(self.config.eval_config().to_dict(), self.config.data.test.samples, workers.count,
                           workers.num_cpus, workers.num_gpus, workers.max_retries, workers.node_wait_s)
         if screen is not None:
             self._run_stage(pool, screen)
@@ -147,7 +135,7 @@ class SweepDriver:
         self.records.export_recommendation()
         return "FINISHED"
 
-    def _run_stage(self, pool: WorkerPool, ledger: TrialLedger | HeldOutLedger) -> None:
+    def _run_stage(self, pool: WorkerPool, ledger: StageLedger) -> None:
         """Open and dispatch the stage's trials in batches until none is left (or a stop), recording outcomes.
 
         NOTE: an Optuna stage spreads its trials over the workers (batches of at most ``workers.batch_size``);
@@ -160,7 +148,7 @@ class SweepDriver:
         try:
             while (remaining or pool.busy) and not self.stop_requested:
                 while pool.idle and remaining and not self.stop_requested:
-                    spread = remaining if ledger.stage == TEST_STAGE else math.ceil(remaining / pool.size)
+                    spread = remaining if ledger.fills_batches else math.ceil(remaining / pool.size)
                     size = min(batch_size, spread)
                     opened = ledger.open_trials(size)
                     # NOTE: fewer than asked only when the sampler has exhausted the space (see TrialLedger)
@@ -182,7 +170,7 @@ class SweepDriver:
                 for open_trial in dispatch.context:
                     self._abandon(ledger, open_trial)
 
-    def _record(self, ledger: TrialLedger | HeldOutLedger, dispatch, outcomes) -> None:
+    def _record(self, ledger: StageLedger, dispatch, outcomes) -> None:
         received = time.time()
         for index, (open_trial, outcome) in enumerate(zip(dispatch.context, outcomes, strict=True)):
             try:
@@ -195,7 +183,7 @@ class SweepDriver:
                     self.records.state.save(later)
                 raise
 
-    def _abandon(self, ledger: TrialLedger | HeldOutLedger, open_trial) -> None:
+    def _abandon(self, ledger: StageLedger, open_trial) -> None:
         """Abandon an in-flight trial on a stop; a service already lost leaves it to the resume's reconcile."""
         try:
             ledger.abandon(open_trial)

@@ -7,9 +7,9 @@ import warnings
 
 import optuna
 
-from grkv_core.config import (BASELINE_TAG, EVICTION_ONLY, MERGER_OPTION_SPECS, PAPER_DEFAULT, PAPER_GRKV_OPTIONS,
-                              ZERO_SUFFIX, PressConfig)
+from grkv_core.config import MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS, PressConfig
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
+from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
 # and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).
@@ -77,10 +77,6 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     if EVICTION_ONLY in config.baselines:
         baselines.append((EVICTION_ONLY, budget))
     return baselines
-
-
-# Optuna user attribute of a ``one_at_a_time`` design's row: its index (so a resumed sweep enqueues no row twice).
-DESIGN_ROW_ATTR = "grkv.design_row"
 
 
 def one_at_a_time_params(config: SweepConfig) -> list[dict]:

@@ -1,5 +1,5 @@
-"""The ``grkv`` command line (``sweeps.cli``): every command's help, the shared flags, the library-only parser, and
-``grkv demo`` end to end on a tiny model with the real local stack (Ray head + MLflow server on free ports)."""
+"""The ``grkv`` command line (``sweeps.cli``): every command's help, the shared flags, the library-only parser, what
+it shares with the driver (``sweeps.entry_points``: environment, exit statuses), and ``grkv demo`` end to end on a tiny model with the real local stack (Ray head + MLflow server on free ports)."""
 
 import os
 
@@ -8,6 +8,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -17,8 +18,18 @@ import pytest
 import yaml
 
 from conftest import free_ports
-from grkv_core.config import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 from sweeps.cli import DEMO_CONFIG, build_service_parser, main
+from sweeps.entry_points import (
+    COMMAND_MLFLOW_RETRIES,
+    DRIVER_MLFLOW_RETRIES,
+    SERVICE_LOST,
+    STOPPED,
+    SUCCESS,
+    SWEEP_BUSY,
+    SWEEP_NOT_FOUND,
+    USER_ERROR,
+)
+from tracking.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("eval", "compare", "analyze", "leaderboard", "sweep", "report", "export", "demo")
@@ -59,6 +70,38 @@ def test_the_library_command_line_stands_alone():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['analyze', 'compare', 'eval', 'leaderboard']"
+
+
+SERVICE_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
+@pytest.mark.parametrize("entry_point, retries", [("sweep", DRIVER_MLFLOW_RETRIES),
+                                                  ("sweeps.cli", COMMAND_MLFLOW_RETRIES)])
+def test_both_entry_points_set_the_service_environment_before_ray_and_mlflow(entry_point, retries):
+    """The driver and the ``grkv`` command line set the same environment on import, differing only in MLflow's
+    client retries, before either has imported Ray or MLflow; what the user set stays (``RAY_AUTH_MODE`` here)."""
+    names = [*SERVICE_ENVIRONMENT, "MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    code = (f"import json, os, sys, {entry_point}; "
+            f"print(json.dumps([{{name: os.environ.get(name) for name in {names!r}}}, "
+            "sorted(m for m in ('ray', 'mlflow') if m in sys.modules)]))")
+    env = {name: value for name, value in os.environ.items() if name not in names} | {"RAY_AUTH_MODE": "token"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    environment, imported = json.loads(result.stdout)
+    assert environment == {**SERVICE_ENVIRONMENT, "RAY_AUTH_MODE": "token",
+                           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
+    assert imported == []
+
+
+def test_each_entry_point_tells_its_exit_statuses_apart():
+    """One table for both entry points: within each, a status has one meaning; across them, only 4 differs (another
+    driver holds the sweep / MLflow has no such sweep)."""
+    driver = [SUCCESS, USER_ERROR, SERVICE_LOST, SWEEP_BUSY, STOPPED]
+    commands = [SUCCESS, USER_ERROR, SERVICE_LOST, SWEEP_NOT_FOUND, STOPPED]
+    assert len(set(driver)) == len(driver) and len(set(commands)) == len(commands)
+    assert driver == commands == [0, 2, 3, 4, 5], "the statuses sweep.py's help and the README document"
 
 
 def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys):

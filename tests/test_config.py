@@ -12,7 +12,6 @@ import optuna
 import pytest
 
 from grkv_core.config import (
-    BASELINE_TAG,
     EVICTION_PRESS_NAMES,
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
@@ -30,6 +29,7 @@ from grkv_core.config import (
 )
 from grkv_core.registry import build
 from sweeps.config import ConfigError, SweepConfig, load_config
+from tracking.names import BASELINE_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 

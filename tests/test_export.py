@@ -13,11 +13,12 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import sqlite_tracking_store
-from grkv_core.config import PRESS_ARTIFACT, TEST_STAGE, PressConfig
+from grkv_core.config import PressConfig
 from grkv_core.registry import build, load_press_config, press_from_file, resolved
 from sweeps.cli import main
 from sweeps.config import SweepConfig
 from tracking.mlflow_tracker import SweepTracker
+from tracking.names import PRESS_ARTIFACT, TEST_STAGE
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-export-test"

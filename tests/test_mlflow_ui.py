@@ -22,15 +22,7 @@ import pytest
 import yaml
 
 from conftest import free_ports, sqlite_tracking_store
-from grkv_core.config import (
-    BASELINE_TAG,
-    EVICTION_ONLY,
-    PAPER_DEFAULT,
-    PARENT_TAG,
-    SCREEN_STAGE,
-    TEST_STAGE,
-    PressConfig,
-)
+from grkv_core.config import PressConfig
 from grkv_core.registry import resolved
 from sweeps.config import SweepConfig
 from sweeps.space import press_of, suggest_press
@@ -42,6 +34,7 @@ from tracking.mlflow_tracker import (
     TrackingUnavailableError,
     check_tracking_server,
 )
+from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE
 from tracking.reports.report import build_report
 from tracking.ui_check import CHROMIUM_NAMES, GENAI_MARKERS, check_sweep, render, visible_text
 from workers.protocol import TrialOutcome, WorkerIdentity

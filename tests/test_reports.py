@@ -23,10 +23,16 @@ from optuna.study import StudyDirection
 from scipy import stats
 
 from conftest import sqlite_tracking_store
-from grkv_core.config import (
+from grkv_core.config import GRKV_DEFAULTS
+from grkv_core.registry import resolved
+from sweeps.cli import report_main
+from sweeps.config import SweepConfig
+from sweeps.entry_points import SERVICE_LOST, SWEEP_NOT_FOUND
+from sweeps.space import suggest_press
+from tracking.mlflow_tracker import SweepTracker
+from tracking.names import (
     BASELINE_TAG,
     FULL_STAGE,
-    GRKV_DEFAULTS,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
@@ -37,11 +43,6 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
-from grkv_core.registry import resolved
-from sweeps.config import SweepConfig
-from sweeps.space import suggest_press
-from tracking.cli import EXIT_SWEEP_NOT_FOUND, EXIT_TRACKING_UNAVAILABLE, main
-from tracking.mlflow_tracker import SweepTracker
 from tracking.reports import (
     ReportOptions,
     SweepNotFoundError,
@@ -570,19 +571,19 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
 
 
 def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, capsys):
-    assert main(["--sweep-id", "ablation-sweep", "--tracking-uri", store, "--experiment", EXPERIMENT,
-                 "--output-dir", str(tmp_path), "--bootstrap-resamples", "500", "--no-log-artifacts"]) == 0
+    assert report_main(["--sweep-id", "ablation-sweep", "--tracking-uri", store, "--experiment", EXPERIMENT,
+                        "--output-dir", str(tmp_path), "--bootstrap-resamples", "500", "--no-log-artifacts"]) == 0
     assert "GRKV sweep ablation-sweep (RUNNING, 8 finished trial(s))" in capsys.readouterr().out
     assert (tmp_path / "report.html").exists()
 
-    assert main(["--sweep-id", "missing", "--tracking-uri", store]) == EXIT_SWEEP_NOT_FOUND
+    assert report_main(["--sweep-id", "missing", "--tracking-uri", store]) == SWEEP_NOT_FOUND
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "sweep 'missing' not found" in error
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert main(["--sweep-id", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == EXIT_TRACKING_UNAVAILABLE
+    assert report_main(["--sweep-id", "x", "--tracking-uri", f"http://127.0.0.1:{port}"]) == SERVICE_LOST
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "not reachable" in error
 
@@ -610,7 +611,7 @@ def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path
 def test_loss_performance_axis_is_logarithmic_only_when_the_losses_span_decades(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from tracking.reports.analyses import LossPerformance
+    from tracking.reports.analyses.loss_performance import LossPerformance
     from tracking.reports.figures import loss_performance_figure
     from tracking.reports.stats import correlate
 

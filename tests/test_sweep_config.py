@@ -12,12 +12,13 @@ import optuna
 import pytest
 import yaml
 
-from grkv_core.config import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
+from grkv_core.config import EvalConfig
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
                           suggest_press)
 from sweeps.stages import best_trials, presses_to_test, promotions
+from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
@@ -83,6 +84,15 @@ def test_defaults_screen_nothing_test_nothing_and_batch_eight(tmp_path):
 def test_a_dumped_config_validates_again():
     config = load_config(SMOKE)
     assert SweepConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_a_sweep_left_at_its_defaults_evaluates_the_librarys_defaults():
+    """The model, data and press sections take ``EvalConfig``'s and ``PressConfig``'s defaults; only the device
+    follows the workers (no GPU: cpu)."""
+    config = SweepConfig(name="defaults", search_space={}, trials=1)
+    assert config.eval_config() == EvalConfig(device="cpu")
+    gpus = SweepConfig(name="gpus", search_space={}, trials=1, workers={"num_gpus": 1}, data={"dataset": "longbench"})
+    assert gpus.eval_config() == EvalConfig(device="cuda", dataset="longbench", context_length=None)
 
 
 def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_path):

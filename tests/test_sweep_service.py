@@ -25,14 +25,19 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import free_ports
-from grkv_core.config import (
+from grkv_core.config import QUERY_AWARE
+from grkv_core.kvpress_layout import read_runs
+from grkv_core.registry import build, load_press_file, press_from_file
+from sweeps.config import ConfigError, load_config
+from sweeps.space import press_of
+from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
+from tracking.names import (
     BASELINE_TAG,
     EVICTION_ONLY,
     FULL_STAGE,
     PAPER_DEFAULT,
     PRESS_ARTIFACT,
     PROMOTED_FROM_TAG,
-    QUERY_AWARE,
     RECOVERED_TAG,
     REUSES_ATTR,
     ROLE_TAG,
@@ -43,11 +48,6 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
 )
-from grkv_core.kvpress_layout import read_runs
-from grkv_core.registry import build, load_press_file, press_from_file
-from sweeps.config import ConfigError, load_config
-from sweeps.ledger import EXHAUSTED_AFTER_DUPLICATES
-from sweeps.space import press_of
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"

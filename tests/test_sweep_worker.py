@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from grkv_core.config import FULL_STAGE, SCREEN_STAGE, TEST_STAGE, EvalConfig, PressConfig
+from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.kvpress_layout import read_runs
-from sweeps.ledger import StateDir
+from sweeps.state.state_dir import StateDir
+from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, split_samples
 

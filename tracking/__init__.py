@@ -1,2 +1,2 @@
 """MLflow logging of sweeps (``mlflow_tracker``: one parent run per sweep, one child run per trial) and the
-reports built from those runs alone (``reports``, the ``grkv-report`` command)."""
+reports built from those runs alone (``reports``, the ``grkv report`` command)."""

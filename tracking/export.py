@@ -16,8 +16,9 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, QUESTION_AGNOSTIC, TEST_STAGE, PressConfig
+from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
 from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD, merger_option_names
+from tracking.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 
 

@@ -22,12 +22,12 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
-from grkv_core.config import (
-    ANSWER_METRICS,
+from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, PressConfig
+from grkv_core.kvpress_layout import KVPRESS_FOLDER
+from tracking.names import (
     BASELINE_TAG,
     BEST_TRIALS_TAG,
     FULL_STAGE,
-    LOSS_METRICS,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
@@ -38,9 +38,7 @@ from grkv_core.config import (
     TEST_STAGE,
     TRIAL_TAG,
     WORKER_PID_TAG,
-    PressConfig,
 )
-from grkv_core.kvpress_layout import KVPRESS_FOLDER
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome, WorkerIdentity
 

@@ -3,7 +3,7 @@
 Both cross the Ray boundary as they are (Ray pickles dataclasses) and round-trip exactly through JSON
 (``to_dict``/``from_dict``), which is how the driver's state directory keeps finished outcomes.
 
-A request belongs to a stage (``grkv_core.config.STAGES``): a screening trial (losses and answer metrics, nothing
+A request belongs to a stage (``tracking.names.STAGES``): a screening trial (losses and answer metrics, nothing
 generated) or a full trial, both numbered in their own Optuna study, or a held-out test evaluation, named by
 what it confirms (``test_of``: a trial number or a baseline name) and numbered in no study.
 
@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grkv_core.config import FULL_STAGE, GRKV_DEFAULTS, STAGES, TEST_STAGE, PressConfig
+from grkv_core.config import GRKV_DEFAULTS, PressConfig
+from tracking.names import FULL_STAGE, STAGES, TEST_STAGE
 
 OK = "ok"
 FAILED = "failed"

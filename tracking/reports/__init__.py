@@ -6,24 +6,23 @@ stage -> DataFrames), the statistics (``pareto_front``, ``paired_bootstrap_ci``,
 ``finding``: the sweep's held-out result in one sentence.
 """
 
-from tracking.reports.analyses import (
-    ablation_table,
-    budget_points,
-    depth_window,
+from tracking.reports.analyses.ablation import ablation_table
+from tracking.reports.analyses.depth_window import depth_window
+from tracking.reports.analyses.loss_performance import loss_performance
+from tracking.reports.analyses.metrics import sample_table
+from tracking.reports.analyses.resources import budget_points, iso_resource, trade_off
+from tracking.reports.analyses.screening import screening
+from tracking.reports.analyses.significance import (
     held_out_finding,
-    iso_resource,
-    loss_performance,
-    sample_table,
-    screening,
     significance,
     tidy_sample_scores,
     tidy_task_scores,
-    trade_off,
     tuned_winner,
 )
 from tracking.reports.data import SweepNotFoundError, SweepRuns, load_sweep
 from tracking.reports.optuna_study import param_importances, rebuild_study
-from tracking.reports.report import Report, ReportOptions, build_report, finding
+from tracking.reports.options import ReportOptions
+from tracking.reports.report import Report, build_report
 from tracking.reports.stats import (
     BootstrapCI,
     Correlation,
@@ -36,6 +35,7 @@ from tracking.reports.stats import (
     sign_flip_test,
     within_sample_correlation,
 )
+from tracking.reports.summary import finding
 
 __all__ = [
     "BootstrapCI", "Correlation", "PairedComparison", "Report", "ReportOptions", "SweepNotFoundError", "SweepRuns",

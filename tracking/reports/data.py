@@ -25,22 +25,22 @@ from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import (
+from grkv_core.config import QUESTION_AGNOSTIC
+from tracking.mlflow_tracker import SAMPLE_FIELDS
+from tracking.names import (
     BASELINE_TAG,
     FULL_STAGE,
     PARENT_TAG,
-    QUESTION_AGNOSTIC,
     ROLE_TAG,
     SAMPLER_PREFIX,
     SCREEN_STAGE,
-    STAGE_TAG,
     STAGES,
+    STAGE_TAG,
     SWEEP_TAG,
     TEST_OF_TAG,
     TEST_STAGE,
     TRIAL_TAG,
 )
-from tracking.mlflow_tracker import SAMPLE_FIELDS
 
 # NOTE: a report downloads one small predictions.json per full- and test-stage run (never the screening runs', which
 # can be many); MLflow would draw a progress bar for each.

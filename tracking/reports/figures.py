@@ -9,8 +9,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from grkv_core.config import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
-from tracking.reports.analyses import SCREEN_PREFIX, IsoResource, LossPerformance, TradeOff
+from tracking.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
+from tracking.reports.analyses.loss_performance import LossPerformance
+from tracking.reports.analyses.resources import IsoResource, TradeOff
+from tracking.reports.analyses.screening import SCREEN_PREFIX
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text
 from tracking.reports.stats import PairedComparison

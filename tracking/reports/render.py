@@ -12,6 +12,9 @@ import numpy as np
 import pandas as pd
 
 MISSING = "–"
+SCORE_FORMAT = "{:.2f}"
+PERCENT = "{:.0%}"
+P_VALUE = "{:.3g}"
 
 
 def format_value(value, spec: str = "{:.4g}") -> str:
@@ -137,3 +140,23 @@ def html_page(title: str, headline: str, sections: list[Section]) -> str:
         parts += [_image(path) for path in section.figures]
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+class TableWriter:
+    """Writes tables (CSV + Markdown) and remembers every file, for the artifact upload."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+        self.files: list[Path] = []
+
+    def path(self, name: str) -> Path:
+        path = self.output_dir / name
+        self.files.append(path)
+        return path
+
+    def table(self, stem: str, raw: pd.DataFrame, display: pd.DataFrame, footer: str = "") -> None:
+        raw.to_csv(self.path(f"{stem}.csv"), index=False)
+        self.path(f"{stem}.md").write_text(markdown_table(display) + (f"\n{footer}\n" if footer else ""))
+
+    def text(self, name: str, text: str) -> None:
+        self.path(name).write_text(text)

@@ -1,0 +1,15 @@
+"""The sweep's state: where every trial's fate is written, always in the same order.
+
+A finished trial goes first to the sweep's state directory (atomically), then to MLflow, then to Optuna. Only
+the driver writes the Optuna storage. On a restart with the same sweep id, each ledger walks that chain
+(``reconcile``), so nothing finished is redone and nothing is logged twice; a trial that was interrupted is
+re-enqueued once.
+
+- ``state_dir``: the driver's own record of finished trials, one JSON file each, and where the rest lives;
+- ``optuna_storage``: the Optuna storage, a journal file in the state directory (repaired after a torn write)
+  or a database URL;
+- ``records``: what every stage writes through (``SweepRecords``: state directory, Optuna storage, MLflow parent
+  run, service overhead) and what the driver asks of a stage's ledger (``StageLedger``);
+- ``ledgers``: one ledger a stage, a ``TrialLedger`` for an Optuna stage (the screening study or the main
+  study), a ``HeldOutLedger`` for the held-out test stage.
+"""

@@ -1,0 +1,86 @@
+"""The sweep's Optuna storage: a journal file in the state directory, repaired after its writer died mid-write,
+or a database at ``storage.url``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import optuna
+
+from sweeps.state.state_dir import StateDirError
+from tracking.retry import one_line
+
+log = logging.getLogger("grkv.sweep")
+
+
+class StorageUnavailableError(RuntimeError):
+    """The Optuna storage URL (``storage.url``) does not answer."""
+
+
+def repair_journal(journal: Path) -> None:
+    """Make an Optuna journal loadable after its writer died mid-write.
+
+    A last line without its newline is a write cut short: it is cut off (Optuna would fail on it, and append
+    to it), after a copy of the whole file is kept next to it (``<journal>.torn-<time>``). Dropping it is what
+    the journal would hold had the driver died a moment earlier, which every resume already handles.
+
+    Raises
+    ------
+    StateDirError
+        If a line before the last one does not parse: that is not a torn write and cannot be repaired here.
+    """
+    if not journal.is_file():
+        return
+    data = journal.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        backup = journal.with_name(f"{journal.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(journal, backup)
+        with open(journal, "r+b") as file:
+            file.truncate(complete)
+            os.fsync(file.fileno())
+        log.warning("%s: cut off its torn last line (%d bytes of a write cut short); the file as it was is in %s",
+                    journal, len(data) - complete, backup)
+    for number, line in enumerate(data[:complete].splitlines(), start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            raise StateDirError(
+                f"Optuna journal {journal} is corrupt at line {number} (not a torn last line); restore it from a "
+                f"backup, or move it aside and run the sweep under a new --sweep-id (the finished trials' results "
+                f"stay in {journal.parent})") from None
+
+
+def open_journal(journal: Path) -> optuna.storages.JournalStorage:
+    """The Optuna storage of the journal file ``journal``, repaired first (``repair_journal``).
+
+    NOTE: only the lease holder calls this, so a journal lock file left here is a dead driver's: removed at
+    once rather than waited on (Optuna forces a stale lock only after 30 s).
+    """
+    repair_journal(journal)
+    lock = journal.with_name(journal.name + ".lock")
+    if os.path.lexists(lock):
+        os.unlink(lock)
+        log.info("%s: removed a dead driver's journal lock", lock)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+
+
+def open_storage_url(url: str) -> optuna.storages.RDBStorage:
+    """The Optuna RDB storage at ``url``, or ``StorageUnavailableError`` (password hidden) when it does not answer."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as error:  # noqa: BLE001 - drivers raise their own types (ImportError, OperationalError...)
+        try:
+            shown = make_url(url).render_as_string(hide_password=True)
+        except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
+            shown = url.split("@")[-1]
+        reason = one_line(error)
+        raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
+                                      "start it or fix storage.url / --storage-url") from None

@@ -1,0 +1,225 @@
+"""What every stage of a sweep writes through (``SweepRecords``: the state directory, the Optuna storage, the
+MLflow runs and the service overhead), the trials it has open, and what the driver asks of a stage's ledger
+(``StageLedger``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import optuna
+
+from sweeps.config import SweepConfig
+from sweeps.lease import SweepLease
+from sweeps.state.optuna_storage import open_journal, open_storage_url
+from sweeps.state.state_dir import StateDir
+from tracking.export import export_press
+from tracking.mlflow_tracker import SweepTracker, check_tracking_server
+from tracking.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FROM_TAG, RECOVERED_TAG
+from tracking.retry import RetryPolicy, TrackingUnavailableError
+from workers.protocol import TrialOutcome, TrialRequest
+
+log = logging.getLogger("grkv.sweep")
+
+
+@dataclass
+class OpenTrial:
+    """A trial whose MLflow run is open; ``asked_s``: driver seconds spent opening it; ``trial``: its Optuna
+    trial (None in the test stage)."""
+
+    request: TrialRequest
+    run_id: str
+    asked_s: float
+    trial: optuna.Trial | None = None
+
+
+@dataclass
+class Overhead:
+    """Driver-side seconds spent around trials (Optuna, MLflow, Ray dispatch) vs seconds spent evaluating."""
+
+    service_s: float = 0.0
+    evaluation_s: float = 0.0
+    trials: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        fraction = self.service_s / self.evaluation_s if self.evaluation_s else 0.0
+        return {"service_overhead_s": self.service_s, "evaluation_s": self.evaluation_s,
+                "service_overhead_fraction": fraction, "timed_trials": self.trials}
+
+
+class StageLedger(Protocol):
+    """What the driver and the records ask of one stage's ledger (``sweeps.state.ledgers``), whichever it is."""
+
+    stage: str
+    # Whether the driver fills each batch up to ``workers.batch_size`` (the test stage: the methods it compares are
+    # measured together) rather than spreading the stage's trials over the workers.
+    fills_batches: bool
+
+    def remaining(self) -> int:
+        """Evaluations still to run."""
+        ...
+
+    def open_trials(self, count: int) -> list[OpenTrial]:
+        """The next ``count`` evaluations (fewer only when an Optuna stage's space is exhausted), runs opened."""
+        ...
+
+    def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
+        """Write an evaluation's outcome, in the order of ``sweeps.state``."""
+        ...
+
+    def abandon(self, open_trial: OpenTrial) -> None:
+        """Close an evaluation's run as KILLED and put the evaluation back to be run again."""
+        ...
+
+    def progress(self) -> dict[str, float]:
+        """This stage's counts on the parent run."""
+        ...
+
+    def artifacts(self) -> dict[str, str]:
+        """Files (name: text) this stage logs on the parent run when the sweep closes."""
+        ...
+
+
+class SweepRecords:
+    """What every stage of a sweep writes to: the state directory, the Optuna storage and the MLflow runs.
+
+    The ledgers register themselves in ``ledgers`` (by stage); the parent run carries their progress.
+    """
+
+    def __init__(self, config: SweepConfig, sweep_id: str):
+        self.config = config
+        self.sweep_id = sweep_id
+        self.overhead = Overhead()
+        self.ledgers: dict[str, StageLedger] = {}
+        self.state = StateDir(Path(config.storage.state_dir).expanduser(), sweep_id)
+        self.lease = SweepLease(self.state.root, sweep_id)
+        # NOTE: set once an MLflow call has failed for good; from then on nothing more is sent to MLflow and the
+        # runs left open are closed by the resume (``close_leftovers``).
+        self.tracking_lost = False
+
+    def check_services(self) -> None:
+        """Fail fast, in one line, when the MLflow server or the Optuna storage URL does not answer.
+
+        NOTE: called before anything of the sweep is created, so a sweep that cannot run leaves no study, no
+        state directory and no half-made runs behind.
+        """
+        check_tracking_server(self.config.tracking.tracking_uri)
+        self.storage = open_storage_url(self.config.storage.url) if self.config.storage.url else None
+
+    def open(self) -> None:
+        """After ``check_services``: create the state directory, take the sweep's lease, open the Optuna storage
+        and the MLflow parent run. NOTE: nothing of the sweep is written before its lease is held."""
+        tracking = self.config.tracking
+        self.state.create()
+        self.lease.acquire()
+        try:
+            self.storage = self.storage or open_journal(self.state.journal)
+            self.tracker = SweepTracker.open(tracking.tracking_uri, tracking.experiment, self.sweep_id,
+                                             self.config.model_dump(mode="json"),
+                                             RetryPolicy(tracking.retries, tracking.retry_backoff_s))
+        except BaseException:
+            self.lease.release()
+            raise
+
+    def write(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int,
+              started: float) -> dict[str, float] | None:
+        """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
+        self.state.save(outcome)
+        if not outcome.ok:
+            self.tracker.fail_trial(open_trial.run_id, outcome)
+            log.warning("%s failed: %s", outcome, outcome.error)
+            return None
+        timing = outcome.worker_timing()
+        # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a crash
+        # never leaves a finished run without it; it therefore leaves out its own MLflow write and the Optuna
+        # tell that follow. The sweep-level total on the parent run (``count``) includes them.
+        timing.update(trial_dispatch_s=dispatch_s, worker_attempts=attempts,
+                      service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started))
+        self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
+        return timing
+
+    def count(self, open_trial: OpenTrial, timing: dict[str, float], dispatch_s: float, started: float) -> None:
+        """Add a finished trial, fully recorded, to the service overhead."""
+        self.overhead.evaluation_s += timing["trial_eval_s"]
+        self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
+        self.overhead.trials += 1
+
+    def start(self, item: TrialRequest | TrialOutcome, sampler_params: dict | None = None,
+              user_attrs: dict | None = None) -> str:
+        """Open the MLflow run of a request (or of a recovered outcome); the Optuna user attributes that name a
+        baseline or a promotion become tags."""
+        user_attrs = user_attrs or {}
+        tags = {PROMOTED_FROM_TAG: str(user_attrs[PROMOTED_FROM_TAG])} if PROMOTED_FROM_TAG in user_attrs else {}
+        return self.tracker.start_trial(item.trial_number, sampler_params or {}, user_attrs.get(BASELINE_TAG),
+                                        stage=item.stage, test_of=item.test_of, tags=tags)
+
+    def recover(self, outcome: TrialOutcome, sampler_params: dict | None = None,
+                user_attrs: dict | None = None) -> None:
+        """Log a finished outcome of the state directory whose run never closed (the driver died in between)."""
+        run_id = self.start(outcome, sampler_params, user_attrs)
+        self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
+        self.tracker.finish_trial(run_id, outcome, outcome.worker_timing(), self.state.kvpress_folder(outcome))
+        log.info("%s: recovered its finished result", outcome)
+
+    def close_leftovers(self, runs: list) -> list:
+        """Close the RUNNING ones of an item's runs as KILLED (their driver is gone); return the FINISHED ones."""
+        for run in runs:
+            if run.info.status == "RUNNING":
+                self.tracker.client.set_terminated(run.info.run_id, "KILLED")
+        return [run for run in runs if run.info.status == "FINISHED"]
+
+    def abandon(self, open_trial: OpenTrial) -> None:
+        """On a stop: close the trial's run as KILLED (left to the resume when MLflow is lost)."""
+        if self.tracking_lost:
+            return
+        try:
+            self.tracker.fail_trial(open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"),
+                                    status="KILLED")
+        except TrackingUnavailableError:
+            self.tracking_lost = True
+
+    def update_parent(self) -> None:
+        full = self.ledgers[FULL_STAGE]
+        metrics = self.overhead.as_metrics()
+        for ledger in self.ledgers.values():
+            metrics.update(ledger.progress())
+        self.tracker.update_parent(full.best(), full.completed(), metrics)
+
+    def export_recommendation(self) -> None:
+        """At the end of a sweep: the press it recommends (``tracking.export.choose``: the test stage's best, else
+        the best trial) as a press file in the state directory and on the parent run (``press.yaml``)."""
+        path = self.state.root / PRESS_ARTIFACT
+        try:
+            exported = export_press(self.tracker.client, self.sweep_id, path,
+                                    experiment=self.config.tracking.experiment)
+        except ValueError as error:  # no finished run carries the objective's metric
+            log.warning("sweep %s: no press to recommend (%s)", self.sweep_id, error)
+            return
+        log.info("sweep %s: recommends %s (%s); press file %s, also %s on the parent run", self.sweep_id,
+                 exported.choice.configuration, exported.choice.how, path, PRESS_ARTIFACT)
+
+    def close(self, status: str) -> None:
+        """Close the parent run with ``status`` (when MLflow still answers) and give the lease back."""
+        try:
+            if not self.tracking_lost:
+                self.update_parent()
+                self.tracker.close(status, {name: text for ledger in self.ledgers.values()
+                                            for name, text in ledger.artifacts().items()})
+        except TrackingUnavailableError:
+            self.tracking_lost = True
+        finally:
+            self.lease.release()
+
+
+def discard_checkpoint(outcome: TrialOutcome, request: TrialRequest) -> None:
+    """Remove a finished trial's per-sample checkpoint, its results now in the state directory; a failed trial's
+    stays for the next attempt at the same press.
+
+    NOTE: workers write checkpoints on their own machines; on a single-machine cluster that is the state
+    directory, elsewhere there is nothing here to remove.
+    """
+    if outcome.ok and request.checkpoint is not None:
+        request.checkpoint.unlink(missing_ok=True)
