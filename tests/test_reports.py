@@ -831,3 +831,18 @@ def test_answer_report_says_ties_in_one_line_and_reports_depth(store, answer_swe
     assert {"depth.md", "within_sample_correlations.md", "iso_memory_answer_nll.md", "sample_differences_answer_nll.png",
             "significance.md"} <= names
     assert "sample_differences.png" not in names  # the tied score has no difference to draw
+
+
+def test_the_ablation_display_emphasises_each_metrics_best_in_its_own_direction():
+    from tracking.reports.render import ablation_display
+
+    row = dict(factor="Update steps (S)", held="at defaults", n=1, better=1)
+    table = pd.DataFrame([
+        {**row, "setting": "S=1", "default": True, "trials": "0", "niah_a": 10.0, "avg": 2.5, "answer_top1": 0.4},
+        {**row, "setting": "S=2", "default": False, "trials": "1", "niah_a": 20.0, "avg": 2.4, "answer_top1": 0.3},
+    ])
+    shown = ablation_display(table, ["niah_a"], lambda text: f"*{text}*", score="answer_nll", metrics=("answer_top1",))
+    assert list(shown.columns) == ["Factor", "Setting", "n", "niah_a", "Avg.", "answer_top1", "Better"]
+    assert list(shown["Avg."]) == ["2.5", "*2.4*"], "a lower answer NLL is better"
+    assert list(shown["answer_top1"]) == ["*0.4*", "0.3"], "a higher top-1 agreement is better"
+    assert list(shown["Setting"]) == ["S=1†", "S=2"]

@@ -22,7 +22,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
-from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, PressConfig
+from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, OPTION_SYMBOLS, PressConfig
 from grkv_core.kvpress_layout import KVPRESS_FOLDER
 from tracking.names import (
     BASELINE_TAG,
@@ -65,8 +65,6 @@ SAMPLE_FIELDS = (*ANSWER_METRICS, "answer_in_window", "answer_depth", *LOSS_METR
 # Per needle-depth bin of ``summarize``'s ``depth_scores``: the bin's score and its scored samples, as metrics.
 DEPTH_SCORE_PREFIX = "score_depth."
 DEPTH_SAMPLES_PREFIX = "samples_depth."
-# The paper's symbols for GRKV's options in run names (README: ``GRKVPress`` options); others keep their name.
-OPTION_SYMBOLS = {"lambda_k": "λk", "lambda_v": "λv", "beta": "β", "window_size": "m", "steps": "S"}
 
 
 def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tracking.reports.analyses.metrics import higher_is_better
+
 MISSING = "–"
 SCORE_FORMAT = "{:.2f}"
 PERCENT = "{:.0%}"
@@ -76,24 +78,30 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 
 def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[str], str],
-                     escape: Callable[[str], str] = str) -> pd.DataFrame:
-    """The paper's ablation table layout: factor on its group's first row, † default, best Avg. emphasised.
+                     escape: Callable[[str], str] = str, score: str = "mean_score",
+                     metrics: tuple[str, ...] = ()) -> pd.DataFrame:
+    """The paper's ablation table layout: factor on its group's first row, † default, best Avg. (the mean of
+    ``score``) and best of each answer metric in ``metrics`` emphasised, each in its own direction.
 
     Rows whose other hyperparameters were not held at the defaults get ‡ after their setting. Every
-    cell goes through ``escape`` (e.g. ``html.escape``) before the best average gets ``emphasis``.
+    cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
     """
+    measured = {"Avg.": ("avg", score), **{metric: (metric, metric) for metric in metrics}}
     rows = []
     for factor, group in table.groupby("factor", sort=False):
-        best = group["avg"].max()
+        best = {column: (group[column].max() if higher_is_better(metric) else group[column].min())
+                for column, metric in measured.values()}
         for position, (_, row) in enumerate(group.iterrows()):
             setting = row["setting"] + ("†" if row["default"] else "") + ("‡" if row["held"] == "varied" else "")
-            average = escape(format_value(row["avg"], "{:.2f}"))
             better = MISSING if pd.isna(row["better"]) else f"{int(row['better'])}/{len(tasks)}"
             cells = {"Factor": factor if position == 0 else "", "Setting": setting, "n": str(row["n"]),
                      **{task: format_value(row[task], "{:.2f}") for task in tasks}, "Better": better}
-            rows.append({**{name: escape(text) for name, text in cells.items()},
-                         "Avg.": emphasis(average) if row["avg"] == best else average})
-    columns = ["Factor", "Setting", "n", *tasks, "Avg.", "Better"]
+            values = {}
+            for name, (column, metric) in measured.items():
+                text = escape(format_value(row[column], "{:.2f}" if metric == "mean_score" else "{:.4g}"))
+                values[name] = emphasis(text) if row[column] == best[column] else text
+            rows.append({**{name: escape(text) for name, text in cells.items()}, **values})
+    columns = ["Factor", "Setting", "n", *tasks, *measured, "Better"]
     return pd.DataFrame(rows, columns=columns)
 
 

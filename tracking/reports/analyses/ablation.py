@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
 from tracking.names import PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
 from tracking.reports.analyses.metrics import score_columns
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 
-PARAM_SYMBOLS = {"lambda_k": "λk", "lambda_v": "λv", "beta": "β", "steps": "S", "window_size": "m"}
 COMPONENT_NAMES = {"kv": "GRKV", "k": "GRK", "v": "GRV"}
 
 
@@ -37,12 +37,12 @@ class AblationFactor:
             return _param_text("components", values[0])
         if self.params == ("lambda_k", "lambda_v") and _same(*values):
             return f"λ={_short(values[0])}"  # the paper's λ = λ_k = λ_v
-        return ", ".join(f"{PARAM_SYMBOLS.get(p, p)}={_param_text(p, v)}" for p, v in zip(self.params, values))
+        return ", ".join(f"{OPTION_SYMBOLS.get(p, p)}={_param_text(p, v)}" for p, v in zip(self.params, values))
 
     def range_label(self, values: pd.Series) -> str:
         """A binned setting, named by the range of its first param's values."""
         param = self.params[0]
-        return (f"{PARAM_SYMBOLS.get(param, param)} ∈ [{_param_text(param, values.min())}, "
+        return (f"{OPTION_SYMBOLS.get(param, param)} ∈ [{_param_text(param, values.min())}, "
                 f"{_param_text(param, values.max())}]")
 
     def restricted_to(self, params: list[str]) -> "AblationFactor":
@@ -56,6 +56,7 @@ ABLATION_FACTORS = (
     AblationFactor("Update steps (S)", ("steps",)),
     AblationFactor("Surrogate window size (m)", ("window_size",)),
     AblationFactor("Fixed sink tokens (n_sink)", ("n_sink",)),
+    AblationFactor("Fixed window tokens (fix_window)", ("fix_window",)),
     AblationFactor("Optimized cache components", ("components",)),
 )
 
@@ -85,14 +86,17 @@ class AblationTable:
     ``table`` has one row per (factor, setting): ``factor``, ``setting``, ``default`` (the paper
     default's setting), ``held`` ("at defaults" when every other hyperparameter equals the paper
     default's, "varied" when no such trials exist and the row averages over the others), ``n``
-    (trials averaged), ``trials``, one column per task, ``avg`` and ``better`` (tasks where the row
-    beats the eviction-only base press; NaN without one).
+    (trials averaged), ``trials``, one column per task, ``avg`` (the mean of ``score``), one column per answer
+    metric the trials logged besides it (``metrics``) and ``better`` (tasks where the row beats the eviction-only
+    base press; NaN without one).
     """
 
     table: pd.DataFrame
     reference_trial: int | None
     base_trial: int | None
     notes: list[str] = field(default_factory=list)
+    score: str = "mean_score"
+    metrics: list[str] = field(default_factory=list)
 
 
 def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATION_FACTORS,
@@ -116,6 +120,8 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
     tunable = [name for name in runs.search_space if name != "compression_ratio" and name in trials]
     base = eviction_rows(trials, reference["compression_ratio"])
     task_columns = score_columns(runs)
+    metrics = [metric for metric in ANSWER_METRICS
+               if metric != score and metric in trials and trials[metric].notna().any()]
     base_scores = base[task_columns].mean() if len(base) else None
     if base_scores is None:
         notes.append("no eviction-only trial at the paper default's budget: the Better column is empty")
@@ -138,10 +144,11 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
                 "n": len(group), "trials": ", ".join(str(n) for n in group["trial_number"]),
                 **task_means.rename(lambda c: c.removeprefix(SCORE_PREFIX)).to_dict(),
                 "avg": group[score].mean(),
+                **{metric: group[metric].mean() for metric in metrics},
                 "better": int((task_means > base_scores).sum()) if base_scores is not None else np.nan,
             })
     return AblationTable(pd.DataFrame(rows), int(reference["trial_number"]),
-                         int(base.iloc[0]["trial_number"]) if len(base) else None, notes)
+                         int(base.iloc[0]["trial_number"]) if len(base) else None, notes, score, metrics)
 
 
 def _settings(trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series,

@@ -16,10 +16,11 @@ def ablation_section(runs: SweepRuns, result: AblationTable, writer: TableWriter
     section.lines.insert(0, f"Paper default: trial {result.reference_trial}; base press (Better counts tasks "
                             f"beating it): trial {result.base_trial if result.base_trial is not None else '–'}.")
     footer = ("† paper default. ‡ other hyperparameters not held at the paper default (mean over the trials). "
-              "Bold: best Avg. in the group. Better: tasks on which the setting beats the eviction-only base press.")
-    writer.table("ablation", result.table, ablation_display(result.table, runs.task_names, lambda s: f"**{s}**"),
-                 footer)
-    markup = ablation_display(result.table, runs.task_names, lambda s: f"<b>{s}</b>", html.escape).to_html(
-        index=False, border=0, escape=False)
+              "Bold: the best Avg. (the report's score) and the best answer metric in the group. Better: tasks on which the setting beats the eviction-only base press.")
+    shown = dict(score=result.score, metrics=tuple(result.metrics))
+    writer.table("ablation", result.table,
+                 ablation_display(result.table, runs.task_names, lambda s: f"**{s}**", **shown), footer)
+    markup = ablation_display(result.table, runs.task_names, lambda s: f"<b>{s}</b>", html.escape,
+                              **shown).to_html(index=False, border=0, escape=False)
     section.raw_tables.append((footer, markup))
     return section

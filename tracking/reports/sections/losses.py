@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import LOSS_METRICS
+from grkv_core.config import LOSS_METRICS, OPTION_SYMBOLS
 from tracking.reports import figures
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.analyses.screening import Screening
@@ -40,8 +40,7 @@ def loss_section(result: LossPerformance, colors: dict[str, str], writer: TableW
         "summarised over the samples: free of what makes one sample harder than another for every configuration)."])
     table_formats = {"budget": PERCENT, **{loss: "{:.4g}" for loss in LOSS_METRICS},
                      **{metric: metric_spec(metric) for metric in metrics}}
-    display = formatted(result.table, table_formats, {"trial_number": "trial", "lambda_k": "λk", "lambda_v": "λv",
-                                                     "window_size": "m", "steps": "S"})
+    display = formatted(result.table, table_formats, {"trial_number": "trial", **OPTION_SYMBOLS})
     writer.table("loss_performance", result.table, display)
     correlations = pd.DataFrame([vars(c) for c in result.correlations])
     if correlations.empty:
