@@ -33,7 +33,8 @@ def model_and_press(models, presses):
 
 @functools.lru_cache(maxsize=None)
 def tiny_model(name: str = "tiny-llama", attn_implementation: str = "sdpa", dtype: str = "float32") -> LoadedModel:
-    """A tiny random model (``grkv_core.models.tiny``), loaded once per test session for each set of arguments.
+    """A tiny random model (``grkv_core.models.tiny``), or an embedded real one, loaded once per test session for
+    each set of arguments.
 
     The defaults are what ``load_model`` picks on the CPU (its default device) for ``dtype="auto"`` and no
     attention implementation.

@@ -54,7 +54,8 @@ def test_a_base_models_completion_template_renders_rulers_base_prompt_under_both
     monkeypatch.setattr(tiny.tokenizer, "chat_template", COMPLETION_TEMPLATE)
     sample = samples[0]
     context, questions = render_sample(tiny.tokenizer, sample, protocol)
-    assert context + questions[0] == tiny.tokenizer.bos_token + sample.context + sample.questions[0] + sample.answer_prefix
+    bos = tiny.tokenizer.bos_token
+    assert context + questions[0] == bos + sample.context + sample.questions[0] + sample.answer_prefix
     assert questions == ([sample.questions[0] + sample.answer_prefix] if protocol == "question_agnostic"
                          else [sample.answer_prefix])
     context_ids, _ = tokenize_sample(tiny.tokenizer, sample, protocol)

@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import functools
+import importlib.util
 import re
 import statistics
 
@@ -18,8 +20,10 @@ from kvpress import MergingPress as KVPressMergingPress
 from kvpress.utils import compute_n_kept
 from transformers import DynamicCache, pipeline
 
+from grkv_core.datasets import load_dataset_samples
 from grkv_core.diagnostics.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill
+from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill, tokenize_sample
+from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import MergingPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
@@ -478,4 +482,32 @@ def test_half_precision_merges_stay_finite(model_name, name, dtype):
 def test_batch_elements_are_merged_independently_over_every_base(model_name, name, base):
     model = tiny_model(model_name).model
     ids = token_ids(model.config.vocab_size, batch=2, seed=8)
+    assert_batch_elements_compressed_independently(model, ids, merger(name, base))
+
+
+# ------------------------------------------------------------------------- the press matrix on Gemma 3 270M
+
+
+@functools.lru_cache(maxsize=None)
+def real_prompt_ids(model_name, length=256):
+    """(2, length) token ids of real text for ``model_name``: two stretches of one RULER prompt, rendered with the
+    model's prompt template (BOS first)."""
+    tokenizer = tiny_model(model_name).tokenizer
+    sample = load_dataset_samples("ruler", tasks=["niah_single_1"], context_length=3 * length, samples_per_task=1,
+                                  tokenizer=tokenizer)[0]
+    context_ids, _ = tokenize_sample(tokenizer, sample)
+    return torch.cat([context_ids[:, :length], context_ids[:, length:2 * length]])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec(GEMMA3.module) is None, reason=f"needs `{GEMMA3.pip_install}`")
+@pytest.mark.parametrize("model_name,name,base", model_merger_base([GEMMA3.name]))
+def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(model_name, name,
+                                                                                                base):
+    """The real model: 18 layers, 15 of them sliding-window (512 tokens), one KV head of dimension 256. kvpress 0.5.5
+    compresses every layer of a Gemma3ForCausalLM, sliding ones included (it skips them only in
+    Gemma3ForConditionalGeneration), and a merger compresses the layers its base press does."""
+    model = tiny_model(model_name).model
+    ids = real_prompt_ids(model_name)
+    assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name, base)
     assert_batch_elements_compressed_independently(model, ids, merger(name, base))

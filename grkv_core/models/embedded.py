@@ -144,7 +144,8 @@ def load_embedded(
     embedded: EmbeddedGGUFModel, checkpoint_dir: Path, dtype: str, attn_implementation: str | None,
     device: torch.device,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model and tokenizer of a converted checkpoint (``embedded_checkpoint``); ``"auto"`` dtype is bf16 on a GPU."""
+    """The model and tokenizer of a converted checkpoint (``embedded_checkpoint``), with the model's prompt template;
+    ``"auto"`` dtype is bf16 on a GPU."""
     torch_dtype = resolve_dtype(dtype, torch.bfloat16, device)
     model = AutoModelForCausalLM.from_pretrained(
         checkpoint_dir,
