@@ -1,6 +1,7 @@
 """What the test modules share: the tiny-model loader, free ports for the services, and the press checks."""
 
 import functools
+import importlib.util
 import socket
 from pathlib import Path
 
@@ -43,6 +44,11 @@ def tiny_model(name: str = "tiny-llama", attn_implementation: str = "sdpa", dtyp
     hooks come off on exit) but must not change its parameters or configuration; load a fresh model to do that.
     """
     return load_model(name, attn_implementation=attn_implementation, dtype=dtype)
+
+
+def needs_package(embedded) -> pytest.MarkDecorator:
+    """Skip unless the PyPI package of the embedded real model ``embedded`` (an ``EmbeddedGGUFModel``) is installed."""
+    return pytest.mark.skipif(importlib.util.find_spec(embedded.module) is None, reason=f"needs `{embedded.pip_install}`")
 
 
 def free_ports(n: int) -> list[int]:

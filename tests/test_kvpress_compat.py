@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import functools
-import importlib.util
 import re
 import statistics
 
@@ -28,7 +27,7 @@ from grkv_core.presses import MergingPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
 from grkv_core.shared_prefill import attention_modules
-from conftest import assert_batch_elements_compressed_independently, model_and_press, tiny_model
+from conftest import assert_batch_elements_compressed_independently, model_and_press, needs_package, tiny_model
 from test_baselines import MERGE_ALL
 
 MERGER_NAMES = [name for name, merger in MERGERS.items() if merger is not None]
@@ -500,7 +499,7 @@ def real_prompt_ids(model_name, length=256):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec(GEMMA3.module) is None, reason=f"needs `{GEMMA3.pip_install}`")
+@needs_package(GEMMA3)
 @pytest.mark.parametrize("model_name,name,base", model_merger_base([GEMMA3.name]))
 def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(model_name, name,
                                                                                                 base):

