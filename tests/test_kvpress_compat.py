@@ -509,4 +509,6 @@ def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_ba
     model = tiny_model(model_name).model
     ids = real_prompt_ids(model_name)
     assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name, base)
-    assert_batch_elements_compressed_independently(model, ids, merger(name, base))
+    # NOTE: an 18-layer real model's batched and single forwards differ by float32 rounding (GRKV over SnapKV: one
+    # key entry in 16384 off by 6e-4, of magnitude 1.4); a batch element leaking into the other would be O(1).
+    assert_batch_elements_compressed_independently(model, ids, merger(name, base), tolerance=1e-3)
