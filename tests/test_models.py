@@ -266,7 +266,12 @@ def test_gemma3_converts_once_then_loads_from_cache_with_its_tokenizer_and_compl
     assert rendered == "<bos>The capital of France is"
     answer = greedy_answer(first, tokenizer(rendered, add_special_tokens=False, return_tensors="pt"),
                            max_new_tokens=12)
-    assert "Paris" in answer
+    assert "France" in answer, "a base model continues the sentence on topic"
+    # NOTE: 1.48 nats per token measured in float32; wrong weights or a wrong tokenizer are near-random (~12).
+    facts = tokenizer("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.",
+                      return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert float(first.model(facts, labels=facts).loss) < 2.0
     print(f"\n{timing}, greedy completion {answer!r}")
 
 
