@@ -52,7 +52,8 @@ def add_command(commands, name: str, help: str, example: str) -> argparse.Argume
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="HF id, local dir, smollm2-135m or tiny-llama/-mistral/-qwen3")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="HF id, local dir, smollm2-135m, gemma3-270m or tiny-llama/-mistral/-qwen3/-gemma3")
     parser.add_argument("--dataset", default="ruler", choices=DATASETS)
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of the dataset's)")
     parser.add_argument("--context-length", type=int, default=2048, help="RULER prompt length in tokens")

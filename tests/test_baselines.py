@@ -15,9 +15,9 @@ from transformers.models.llama.modeling_llama import rotate_half
 from grkv_core.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.registry import MERGERS, build_press
-from conftest import assert_batch_elements_compressed_independently, tiny_model
+from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, tiny_model
 
-ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
+ARCHITECTURES = TINY_ARCHITECTURES
 BASELINES = ["cam", "d2o", "asymkv", "kvmerger"]
 CONTEXT = 160
 RATIO = 0.75

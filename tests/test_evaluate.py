@@ -16,7 +16,8 @@ from kvpress.utils import compute_n_kept
 from grkv_core.config import GRKV_DEFAULTS, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, run_evaluations
-from grkv_core.generation import tokenize_sample
+from grkv_core.generation import render_sample, tokenize_sample
+from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,22 @@ def test_question_ids_carry_template_tail_and_answer_prefix(tiny, samples):
     assert sample.context in tiny.tokenizer.decode(context_ids[0])
     # The context part must not contain the question: it is compressed alone.
     assert sample.questions[0] not in tiny.tokenizer.decode(context_ids[0])
+
+
+@pytest.mark.parametrize("protocol", ["question_agnostic", "query_aware"])
+def test_a_base_models_completion_template_renders_rulers_base_prompt_under_both_protocols(tiny, samples, protocol,
+                                                                                          monkeypatch):
+    """A base model's prompt (gemma3-270m's template) is RULER's for base models: BOS, context, question, answer
+    prefix, nothing between them; the protocol only moves the question to the prefill's side."""
+    monkeypatch.setattr(tiny.tokenizer, "chat_template", COMPLETION_TEMPLATE)
+    sample = samples[0]
+    context, questions = render_sample(tiny.tokenizer, sample, protocol)
+    bos = tiny.tokenizer.bos_token
+    assert context + questions[0] == bos + sample.context + sample.questions[0] + sample.answer_prefix
+    assert questions == ([sample.questions[0] + sample.answer_prefix] if protocol == "question_agnostic"
+                         else [sample.answer_prefix])
+    context_ids, _ = tokenize_sample(tiny.tokenizer, sample, protocol)
+    assert context_ids[0, 0] == tiny.tokenizer.bos_token_id, "the BOS is the special token, not its spelling"
 
 
 def test_costs_and_losses_per_sample(tiny, samples):

@@ -21,9 +21,9 @@ from grkv_core.presses.selection import TokenSelection
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
-from conftest import assert_batch_elements_compressed_independently, tiny_model
+from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, model_and_press, tiny_model
 
-ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
+ARCHITECTURES = TINY_ARCHITECTURES
 CONTEXT = 160
 RATIO = 0.75
 
@@ -43,8 +43,7 @@ def expected_lengths(press, model, length):
     return [compute_n_kept(length, RATIO)] * len(layers_of(model))
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-@pytest.mark.parametrize("press_name", sorted(EVICTION_PRESSES))
+@pytest.mark.parametrize("architecture,press_name", model_and_press(ARCHITECTURES, sorted(EVICTION_PRESSES)))
 def test_grkv_over_base_press_compresses_and_generates(architecture, press_name):
     loaded = tiny_model(architecture, required_attention(press_name) or "sdpa")
     model = loaded.model
@@ -91,9 +90,8 @@ def capture_layer0_window(model, ids, window):
     return cache.layers[0].keys, cache.layers[0].values, captured["queries"]
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-@pytest.mark.parametrize("press_name", ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention",
-                                        "criticalkv"])
+@pytest.mark.parametrize("architecture,press_name", model_and_press(
+    ARCHITECTURES, ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention", "criticalkv"]))
 def test_grkv_lowers_layer0_window_discrepancy_versus_plain_eviction(architecture, press_name):
     # Layer 0 sees the same input with or without compression, so both caches keep the same tokens.
     model = tiny_model(architecture).model
@@ -465,7 +463,12 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     recomputed = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False,
                                                  **converged))
     assert supplied and not any(supplied)
-    for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
+    for layer, layer_reused, layer_recomputed in zip(layers_of(model), reused.layers, recomputed.layers):
+        if (getattr(layer.self_attn, "sliding_window", None) or CONTEXT) < CONTEXT:
+            # NOTE: a sliding-window layer (tiny-gemma3's first) attends within its window: the forward's target is
+            # that windowed output, the recomputed one attends over the whole prompt.
+            assert not torch.allclose(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
+            continue
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert reusing._capture is None, "the window outputs it kept are released on exit"

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import TINY_ARCHITECTURES, tiny_model
 
 from grkv_core.presses.window_capture import OUTPUTS_BEFORE_O_PROJ, WindowCapture
 
-ARCHITECTURES = ["tiny-llama", "tiny-mistral", "tiny-qwen3"]
 WINDOW = 8
 
 
@@ -26,7 +25,7 @@ def recorded_calls(language_model):
     return calls, handles
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
 @pytest.mark.parametrize("keep_outputs", [True, False])
 def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outputs(architecture, keep_outputs):
     model = tiny_model(architecture).model

@@ -2,7 +2,7 @@
 builds back into the press and ``grkv eval --press-config`` evaluates.
 
 Read from MLflow alone, like the reports: the chosen run's params hold the press exactly as it ran
-(``PressConfig.resolved()``), so the file carries every option of its merger, defaults included.
+(``grkv_core.registry.resolved``), so the file carries every option of its merger, defaults included.
 """
 
 from __future__ import annotations

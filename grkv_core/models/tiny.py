@@ -1,5 +1,5 @@
-"""Tiny random test models: 2-layer GQA Llama, Mistral and Qwen3 with seeded weights and an offline byte-level
-ChatML tokenizer; they need no files and load in well under a second."""
+"""Tiny random test models: 2-layer GQA Llama, Mistral, Qwen3 and Gemma 3 with seeded weights and an offline
+byte-level ChatML tokenizer; they need no files and load in well under a second."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -23,6 +24,7 @@ TINY_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "tiny-llama": LlamaConfig,
     "tiny-mistral": MistralConfig,
     "tiny-qwen3": Qwen3Config,
+    "tiny-gemma3": Gemma3TextConfig,
 }
 _TINY_ARCHITECTURE: dict[str, Any] = {
     "num_hidden_layers": 2,
@@ -34,7 +36,16 @@ _TINY_ARCHITECTURE: dict[str, Any] = {
     "max_position_embeddings": 4096,
 }
 # A seed per name so that tiny-llama and tiny-mistral, near-identical architectures, still differ in weights.
-_TINY_WEIGHT_SEEDS = {"tiny-llama": 1234, "tiny-mistral": 1235, "tiny-qwen3": 1236}
+_TINY_WEIGHT_SEEDS = {"tiny-llama": 1234, "tiny-mistral": 1235, "tiny-qwen3": 1236, "tiny-gemma3": 1237}
+# Gemma 3 270M's layout in small: a sliding-window layer (a window shorter than the tests' prompts) before a global
+# one, a single KV head and a wider head; the softmax scale stays Gemma's query_pre_attn_scalar**-0.5 = 1/16, not
+# head_dim**-0.5, so a press that assumes the latter is caught.
+_TINY_GEMMA3_LAYOUT: dict[str, Any] = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+}
 _TINY_BOS, _TINY_PAD = "<s>", "</s>"
 _CHATML_START, _CHATML_END = "<|im_start|>", "<|im_end|>"
 _CHATML_TEMPLATE = (
@@ -59,7 +70,9 @@ def build_tiny_model(
     if config_class is MistralConfig:
         # Mistral-7B-v0.3, the real model this stands in for, attends over the full context.
         extra["sliding_window"] = None
-    config = config_class(vocab_size=len(tokenizer), **_TINY_ARCHITECTURE, **special_token_ids, **extra)
+    elif config_class is Gemma3TextConfig:
+        extra.update(_TINY_GEMMA3_LAYOUT)
+    config = config_class(vocab_size=len(tokenizer), **{**_TINY_ARCHITECTURE, **extra}, **special_token_ids)
 
     torch_dtype = resolve_dtype(dtype, torch.float32, device)
     attention = resolve_attn_implementation(attn_implementation, device, torch_dtype)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -24,9 +25,12 @@ from grkv_core.queries import SurrogateQueries
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
-# Mistral whose sliding window is shorter than the prompt attends within the window, and that windowed output
-# becomes the target. Other classes get the target recomputed by the solver.
-OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
+# sliding-window layer (Gemma 3's local layers, a Mistral with a window) shorter than the prompt attends within the
+# window, and that windowed output, what the full cache gives, becomes the target; the solver's recomputed target
+# (``target_from_forward=False``) attends over the whole prompt. Gemma 3's attention logits are not soft-capped
+# (``attn_logit_softcapping`` is None), else its outputs would not be this softmax. Other classes get the target
+# recomputed by the solver.
+OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention, Gemma3Attention)
 
 
 class WindowCapture:
