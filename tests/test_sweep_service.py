@@ -305,7 +305,7 @@ def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage
     has proposed nothing new ``EXHAUSTED_AFTER_DUPLICATES`` times in a row, and the stage ends."""
     sweep_id, state = "reuse", tmp_path / "state"
     config = write_config(tmp_path, drop=("screening", "test", "data.test"), merge=["none", "cam"], trials=4,
-                          **{"tracking.experiment": "grkv-reuse"})
+                          search_space={}, **{"tracking.experiment": "grkv-reuse"})
     driver = start_driver(services, config, sweep_id, state)
     output, _ = driver.communicate(timeout=600)
     assert driver.returncode == 0, output[-3000:]
