@@ -33,6 +33,7 @@ from sweeps.space import press_of
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
 from tracking.names import (
     BASELINE_TAG,
+    DESIGN_ROW_ATTR,
     EVICTION_ONLY,
     FULL_STAGE,
     PAPER_DEFAULT,
@@ -322,6 +323,35 @@ def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage
     assert_each_configuration_evaluated_once(children, study, config)
     assert any(t.params == {"merge": "none"} for t in study.trials)  # proposed, and reused eviction-only's result
     assert parents[0].data.metrics["reused_proposals"] == reused and parents[0].data.metrics["completed_trials"] == 2
+
+
+def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(services, tmp_path):
+    """The paper's ablation design on the tiny model: the two baselines, then each factor changed alone from the paper
+    default (S = 2, GRV); the report's ablation table holds every row at the defaults, on the answer NLL."""
+    from tracking.reports import ablation_table, load_sweep
+
+    sweep_id, state = "one-at-a-time", tmp_path / "state"
+    held = {name: {"type": "categorical", "choices": [value]}
+            for name, value in (("safeguard", False), ("cg_max_iter", 200), ("cg_rtol", 1e-7))}
+    config = write_config(
+        tmp_path, drop=("screening", "test", "data.test"), trials=4, objectives=[{"metric": "answer_nll"}],
+        sampler={"type": "one_at_a_time"}, search_space={
+            "steps": {"type": "categorical", "choices": [1, 2]},
+            "components": {"type": "categorical", "choices": ["kv", "v"]}, **held},
+        **{"tracking.experiment": "grkv-one-at-a-time"})
+    driver = start_driver(services, config, sweep_id, state)
+    output, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0, output[-3000:]
+    trials = complete_trials(study_of(state, sweep_id))
+    assert [t.user_attrs.get(BASELINE_TAG) for t in trials[:2]] == [PAPER_DEFAULT, EVICTION_ONLY]
+    assert len(trials) == 4 and sorted(t.user_attrs[DESIGN_ROW_ATTR] for t in trials[2:]) == [0, 1]
+    assert sorted((t.params["steps"], t.params["components"]) for t in trials[2:]) == [(1, "v"), (2, "kv")]
+    result = ablation_table(load_sweep(MlflowClient(services["tracking_uri"]), sweep_id), score="answer_nll")
+    table = result.table.set_index(["factor", "setting"])
+    for factor, settings in (("Update steps (S)", ["S=1", "S=2"]), ("Optimized cache components", ["GRKV", "GRV"])):
+        assert [table.loc[(factor, setting), "held"] for setting in settings] == ["at defaults"] * 2
+    assert not any("no trials vary it alone" in note for note in result.notes)
+    assert table["avg"].notna().all() and {"answer_kl", "answer_top1"} <= set(result.metrics)
 
 
 def slow_config(tmp_path, trials, stages=False, **changes):
