@@ -23,16 +23,20 @@ COMMAND_MLFLOW_RETRIES = 2
 
 
 def set_service_environment(mlflow_retries: int) -> None:
-    """Set what Ray and MLflow read from the environment, where the user has not set it already.
+    """Set what Ray and MLflow read from the environment, where the user has not set it already, and MLflow's client
+    retries in any case.
 
     ``mlflow_retries``: ``DRIVER_MLFLOW_RETRIES`` or ``COMMAND_MLFLOW_RETRIES``, the one setting in which the two
     entry points differ.
+
+    NOTE: the retries are each entry point's own, never inherited: ``grkv sweep`` starts the local Ray head from its
+    own environment, so a driver that kept an inherited value would retry beyond the bound its config sets.
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # NOTE: Ray >= 2.52 switches to token auth when a token file exists unless told otherwise; say it explicitly.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(mlflow_retries))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(mlflow_retries)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 

@@ -80,12 +80,14 @@ SERVICE_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY
                                                   ("sweeps.cli", COMMAND_MLFLOW_RETRIES)])
 def test_both_entry_points_set_the_service_environment_before_ray_and_mlflow(entry_point, retries):
     """The driver and the ``grkv`` command line set the same environment on import, differing only in MLflow's
-    client retries, before either has imported Ray or MLflow; what the user set stays (``RAY_AUTH_MODE`` here)."""
+    client retries, before either has imported Ray or MLflow; what the user set stays (``RAY_AUTH_MODE`` here), but
+    not inherited client retries (a driver started under ``grkv sweep`` inherits the command's)."""
     names = [*SERVICE_ENVIRONMENT, "MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
     code = (f"import json, os, sys, {entry_point}; "
             f"print(json.dumps([{{name: os.environ.get(name) for name in {names!r}}}, "
             "sorted(m for m in ('ray', 'mlflow') if m in sys.modules)]))")
-    env = {name: value for name, value in os.environ.items() if name not in names} | {"RAY_AUTH_MODE": "token"}
+    env = {name: value for name, value in os.environ.items() if name not in names} | {
+        "RAY_AUTH_MODE": "token", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
