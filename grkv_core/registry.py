@@ -70,12 +70,6 @@ MERGERS: dict[str, type[BasePress] | None] = {
 MERGING_TYPES = tuple(merger for merger in MERGERS.values() if merger is not None)
 
 
-def merger_option_names(merge: str) -> list[str]:
-    """The options of a merger by name: its fields but the base press and the budget (the base press's)."""
-    merger = MERGERS[merge]
-    return [item.name for item in fields(merger) if item.name not in ("press", "compression_ratio")] if merger else []
-
-
 def required_attention(press_name: str) -> str | None:
     """The attention implementation a press needs ("eager"), or None when sdpa/flash work."""
     return "eager" if press_name in EAGER_ONLY else None
