@@ -1,6 +1,7 @@
 """Gemma 3 270M on offline RULER at 2K: SnapKV compressing every layer (what kvpress 0.5.5 does to a
-Gemma3ForCausalLM) against SnapKV on the global layers only (its sliding-window layers left whole, as kvpress does
-for Gemma3ForConditionalGeneration), by the needle in each greedy answer.
+Gemma3ForCausalLM, entered as ``press(model)``) against SnapKV on the global layers only (its sliding-window layers
+left whole, as kvpress does for Gemma3ForConditionalGeneration and every evaluation here does for every model:
+``grkv_core.presses.sliding_layers``), by the needle in each greedy answer.
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/gemma3_sliding_layers.py --compression-ratio 0.8
 """
@@ -9,12 +10,21 @@ from __future__ import annotations
 
 import argparse
 
-from kvpress import PerLayerCompressionPress
+import torch
+from transformers import DynamicCache
 
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.generation import answer_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
+
+
+def prefill_as_kvpress(model, context_ids: torch.Tensor, press) -> DynamicCache:
+    """kvpress's own treatment: ``press(model)`` as it is, every layer of a Gemma3ForCausalLM hooked."""
+    cache = DynamicCache()
+    with press(model), torch.inference_mode():
+        model.model(input_ids=context_ids, past_key_values=cache)
+    return cache
 
 
 def main() -> None:
@@ -26,20 +36,18 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model("gemma3-270m")
-    sliding = [layer.self_attn.is_sliding for layer in loaded.model.model.layers]
-    ratio = args.compression_ratio
-    presses = {
-        "full": None,
-        "snapkv every layer": build_press("snapkv", ratio),
-        "snapkv global layers only": PerLayerCompressionPress(build_press("snapkv", 0.0),
-                                                              [0.0 if is_sliding else ratio for is_sliding in sliding]),
+    press = build_press("snapkv", args.compression_ratio)
+    prefills = {
+        "full": lambda ids: prefill(loaded.model, ids),
+        "snapkv every layer": lambda ids: prefill_as_kvpress(loaded.model, ids, press),
+        "snapkv global layers only": lambda ids: prefill(loaded.model, ids, press),
     }
     samples = load_dataset_samples("ruler", tasks=args.tasks, context_length=2048, samples_per_task=args.samples,
                                    tokenizer=loaded.tokenizer)
     for sample in samples:
         context_ids, (question_ids,) = tokenize_sample(loaded.tokenizer, sample)
-        for name, press in presses.items():
-            cache = prefill(loaded.model, context_ids, press)
+        for name, prefilled in prefills.items():
+            cache = prefilled(context_ids)
             answer = answer_question(loaded.model, cache, question_ids, context_ids.shape[1], args.max_new_tokens,
                                      stop_token_ids(loaded))
             text = loaded.tokenizer.decode(answer.token_ids, skip_special_tokens=True)

@@ -8,7 +8,6 @@ question sees the same compressed context.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.config import PROTOCOL_SPEC, QUERY_AWARE, QUESTION_AGNOSTIC
 from grkv_core.datasets.schema import EvalSample
+from grkv_core.presses.sliding_layers import compressing
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def prefill(model: PreTrainedModel, context_ids: torch.Tensor, press=None) -> Dy
         raise ValueError(f"context_ids must be (batch, n) with n >= 1 (an empty context has nothing to prefill), got "
                          f"shape {tuple(context_ids.shape)}")
     cache = DynamicCache()
-    with press(model) if press is not None else contextlib.nullcontext(), torch.inference_mode():
+    with compressing(press, model), torch.inference_mode():
         model.model(input_ids=context_ids.to(model.device), past_key_values=cache)
     return cache
 

@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import sharing_scores
+from grkv_core.presses.sliding_layers import compressing
 
 # NOTE: state a press leaves on an attention module for the decoding that follows its prefill: kvpress's
 # masking presses (AdaKV) mark evicted entries in ``masked_key_indices``, which kvpress's attention patch reads
@@ -180,8 +181,7 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
         attentions = attention_modules(model)
         handles += [attention.register_forward_hook(fan_out.set_aside, with_kwargs=True) for attention in attentions]
         for index, press in enumerate(presses):
-            if press is not None:
-                stack.enter_context(press(model))
+            stack.enter_context(compressing(press, model))
             handles += [attention.register_forward_hook(fan_out.taker(index), with_kwargs=True)
                         for attention in attentions]
         _synchronize(model.device)

@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from grkv_core.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
+from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.registry import MERGERS, build_press
 from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, tiny_model
 
@@ -213,11 +214,14 @@ def test_cache_is_compacted_to_the_budget_over_snapkv(architecture, merge):
     ids = context_ids(model.config.vocab_size)
     full = prefill(model, ids)
     merged = prefill(model, ids, build_press("snapkv", RATIO, merge=merge, **MERGE_ALL[merge]))
-    assert cache_lengths(merged) == [compute_n_kept(CONTEXT, RATIO)] * model.config.num_hidden_layers
+    sliding = sliding_layer_indices(model)  # left whole (grkv_core.presses.sliding_layers)
+    assert cache_lengths(merged) == [CONTEXT if index in sliding else compute_n_kept(CONTEXT, RATIO)
+                                     for index in range(model.config.num_hidden_layers)]
     for layer in merged.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
-    # Layer 0 sees the same input either way: plain eviction would keep verbatim rows of its full cache.
-    merged_values, full_values = merged.layers[0].values, full.layers[0].values
+    # A layer sees the same input either way: plain eviction would keep verbatim rows of its full cache.
+    first = min(set(range(model.config.num_hidden_layers)) - sliding)
+    merged_values, full_values = merged.layers[first].values, full.layers[first].values
     verbatim = (merged_values[:, :, :, None, :] == full_values[:, :, None, :, :]).all(-1).any(-1)
     assert not verbatim.all()
 

@@ -24,6 +24,7 @@ from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill, tokenize_sample
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
+from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
 from grkv_core.shared_prefill import attention_modules
@@ -363,13 +364,17 @@ def test_cam_keeps_kvpress_keys_once_rows_are_aligned_by_position():
 
 def assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name, base):
     """The merged cache has the eviction's lengths (or, per-head budgets, its masks), finite entries, and differs from
-    what eviction alone leaves."""
+    what eviction alone leaves on every global layer; sliding-window layers are left whole by both."""
     full = prefill(model, ids)
     evicted, evicted_masks = prefill_and_module_state(model, ids, build_press(base, RATIO), "masked_key_indices")
     merged, merged_masks = prefill_and_module_state(model, ids, merger(name, base), "masked_key_indices")
     assert cache_lengths(merged) == cache_lengths(evicted)
-    for full_layer, evicted_layer, merged_layer, evicted_mask, merged_mask in zip(
-            full.layers, evicted.layers, merged.layers, evicted_masks, merged_masks):
+    sliding = sliding_layer_indices(model)
+    for index, (full_layer, evicted_layer, merged_layer, evicted_mask, merged_mask) in enumerate(zip(
+            full.layers, evicted.layers, merged.layers, evicted_masks, merged_masks)):
+        if index in sliding:  # left whole by both (grkv_core.presses.sliding_layers)
+            assert torch.equal(merged_layer.keys, full_layer.keys) and torch.equal(evicted_layer.keys, full_layer.keys)
+            continue
         assert torch.isfinite(merged_layer.keys).all() and torch.isfinite(merged_layer.values).all()
         if base in NOT_EAGER:  # per-head budgets: the same entries masked, the kept ones merged in place
             assert all(torch.equal(e, m) for e, m in zip(evicted_mask, merged_mask))
@@ -503,9 +508,9 @@ def real_prompt_ids(model_name, length=256):
 @pytest.mark.parametrize("model_name,name,base", model_merger_base([GEMMA3.name]))
 def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(model_name, name,
                                                                                                 base):
-    """The real model: 18 layers, 15 of them sliding-window (512 tokens), one KV head of dimension 256. kvpress 0.5.5
-    compresses every layer of a Gemma3ForCausalLM, sliding ones included (it skips them only in
-    Gemma3ForConditionalGeneration), and a merger compresses the layers its base press does."""
+    """The real model: 18 layers, 15 of them sliding-window (512 tokens), one KV head of dimension 256. Its sliding
+    layers are left whole (kvpress 0.5.5 would compress them in a Gemma3ForCausalLM; grkv_core.presses.sliding_layers),
+    and a merger compresses the 3 global layers its base press does."""
     model = tiny_model(model_name).model
     ids = real_prompt_ids(model_name)
     assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name, base)

@@ -18,6 +18,7 @@ from grkv_core.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection
+from grkv_core.presses.sliding_layers import sliding_layer_indices
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
@@ -36,11 +37,19 @@ def layers_of(model):
     return model.model.layers
 
 
+def compressed_layers(model):
+    """The layers a press compresses: all but the sliding-window ones (``grkv_core.presses.sliding_layers``)."""
+    sliding = sliding_layer_indices(model)
+    return [layer for index, layer in enumerate(layers_of(model)) if index not in sliding]
+
+
 def expected_lengths(press, model, length):
-    base = press.press
+    base, sliding = press.press, sliding_layer_indices(model)
     if type(base).__name__ == "PyramidKVPress":
-        return [base.get_layer_budget(layer.self_attn, length) for layer in layers_of(model)]
-    return [compute_n_kept(length, RATIO)] * len(layers_of(model))
+        budgets = [base.get_layer_budget(layer.self_attn, length) for layer in layers_of(model)]
+    else:
+        budgets = [compute_n_kept(length, RATIO)] * len(layers_of(model))
+    return [length if index in sliding else budget for index, budget in enumerate(budgets)]
 
 
 @pytest.mark.parametrize("architecture,press_name", model_and_press(ARCHITECTURES, sorted(EVICTION_PRESSES)))
@@ -55,7 +64,7 @@ def test_grkv_over_base_press_compresses_and_generates(architecture, press_name)
         # Per-head budgets are realised by masking: the cache keeps its length, evicted entries are masked.
         assert cache_lengths(cache) == [CONTEXT] * len(layers_of(model))
         heads = model.config.num_key_value_heads
-        for layer in layers_of(model):
+        for layer in compressed_layers(model):
             masked = layer.self_attn.masked_key_indices
             assert masked[0].numel() == heads * (CONTEXT - compute_n_kept(CONTEXT, RATIO))
     else:
@@ -74,39 +83,42 @@ def test_grkv_over_base_press_compresses_and_generates(architecture, press_name)
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
 
 
-def capture_layer0_window(model, ids, window):
-    """Full-cache prefill, returning layer 0's full cache and its surrogate queries."""
+def capture_window(model, ids, window, layer_index=0):
+    """Full-cache prefill, returning one layer's full cache and its surrogate queries."""
     captured = {}
 
     def hook(module, args, kwargs, output):
         captured["queries"] = surrogate_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"],
                                                 n_queries=window)
 
-    handle = layers_of(model)[0].self_attn.register_forward_hook(hook, with_kwargs=True)
+    handle = layers_of(model)[layer_index].self_attn.register_forward_hook(hook, with_kwargs=True)
     try:
         cache = prefill(model, ids)
     finally:
         handle.remove()
-    return cache.layers[0].keys, cache.layers[0].values, captured["queries"]
+    return cache.layers[layer_index].keys, cache.layers[layer_index].values, captured["queries"]
 
 
 @pytest.mark.parametrize("architecture,press_name", model_and_press(
     ARCHITECTURES, ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention", "criticalkv"]))
-def test_grkv_lowers_layer0_window_discrepancy_versus_plain_eviction(architecture, press_name):
-    # Layer 0 sees the same input with or without compression, so both caches keep the same tokens.
+def test_grkv_lowers_the_first_compressed_layers_window_discrepancy_versus_plain_eviction(architecture, press_name):
+    # A layer sees the same input with or without compression (the prefill's forward never reads a compressed
+    # cache), so both caches keep the same tokens.
     model = tiny_model(architecture).model
+    layer = compressed_layers(model)[0].self_attn.layer_idx
     ids = context_ids(model.config.vocab_size, seed=1)
-    full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
-    plain = prefill(model, ids, build_press(press_name, RATIO)).layers[0]
-    merged = prefill(model, ids, build_press(press_name, RATIO, merge="grkv")).layers[0]
+    full_keys, full_values, window = capture_window(model, ids, window=32, layer_index=layer)
+    plain = prefill(model, ids, build_press(press_name, RATIO)).layers[layer]
+    merged = prefill(model, ids, build_press(press_name, RATIO, merge="grkv")).layers[layer]
 
     positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
-    assert torch.equal(layers_of(model)[0].self_attn.kept_positions, positions)
+    assert torch.equal(layers_of(model)[layer].self_attn.kept_positions, positions)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
-    args = dict(query_positions=window.positions, compressed_positions=positions)
+    args = dict(query_positions=window.positions, compressed_positions=positions,
+                scale=layers_of(model)[layer].self_attn.scaling)
     plain_loss = reconstruction_loss(window.queries, full_keys, full_values, plain_keys, plain_values, **args)
     merged_loss = reconstruction_loss(window.queries, full_keys, full_values, merged.keys, merged.values, **args)
     assert merged_loss < plain_loss
@@ -156,7 +168,7 @@ def test_press_options_run_and_keep_the_budget(options):
 def test_trust_region_caps_bound_the_update_per_head():
     model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size, seed=5)
-    full_keys, full_values, _ = capture_layer0_window(model, ids, window=32)
+    full_keys, full_values, _ = capture_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
     capped = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", lambda_k=0.0, lambda_v=0.0,
                                              max_rel_update_k=0.025, max_rel_update_v=0.1)).layers[0]
@@ -173,7 +185,7 @@ def test_trust_region_caps_bound_the_update_per_head():
 def test_objective_acceptance_never_worsens_the_window_discrepancy():
     model = tiny_model("tiny-mistral").model
     ids = context_ids(model.config.vocab_size, seed=6)
-    full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
+    full_keys, full_values, window = capture_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("knorm", RATIO)).layers[0]
     accepted = prefill(model, ids, build_press("knorm", RATIO, merge="grkv", lambda_k=0.0,
                                                accept="objective")).layers[0]
@@ -193,13 +205,15 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     from grkv_core.solver import grkv_merge
 
     model = tiny_model(architecture).model
+    layer = compressed_layers(model)[0].self_attn.layer_idx
+    scale = layers_of(model)[layer].self_attn.scaling
     ids = context_ids(model.config.vocab_size, batch=2, seed=11)
-    full_keys, full_values, window = capture_layer0_window(model, ids, window=32)
+    full_keys, full_values, window = capture_window(model, ids, window=32, layer_index=layer)
     options = dict(lambda_k=0.0, lambda_v=1e-4, target_from_forward=False)  # little ridge: room to overfit
-    plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
-    always = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", **options)).layers[0]
+    plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[layer]
+    always = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", **options)).layers[layer]
     validated = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", accept="validation",
-                                                **options)).layers[0]
+                                                **options)).layers[layer]
     positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
@@ -215,8 +229,9 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     token = torch.arange(window.queries.shape[2]) % window.token_positions.numel()
     even, odd = token % 2 == 0, token % 2 == 1
     half_keys, half_values = grkv_merge(window.queries[:, :, even], full_keys, full_values, positions, fixed,
-                                        query_positions=window.positions[even], lambda_k=0.0, lambda_v=1e-4)
-    held_out = dict(query_positions=window.positions[odd], compressed_positions=positions)
+                                        query_positions=window.positions[even], scale=scale, lambda_k=0.0,
+                                        lambda_v=1e-4)
+    held_out = dict(query_positions=window.positions[odd], compressed_positions=positions, scale=scale)
     half_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, half_keys, half_values,
                                      **held_out)[0]
     plain_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, plain_keys, plain_values,
@@ -463,12 +478,7 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     recomputed = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False,
                                                  **converged))
     assert supplied and not any(supplied)
-    for layer, layer_reused, layer_recomputed in zip(layers_of(model), reused.layers, recomputed.layers):
-        if (getattr(layer.self_attn, "sliding_window", None) or CONTEXT) < CONTEXT:
-            # NOTE: a sliding-window layer (tiny-gemma3's first) attends within its window: the forward's target is
-            # that windowed output, the recomputed one attends over the whole prompt.
-            assert not torch.allclose(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
-            continue
+    for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert reusing._capture is None, "the window outputs it kept are released on exit"
@@ -488,7 +498,7 @@ def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projec
     monkeypatch.setattr(KeptRegression, "of", classmethod(lambda cls, *args, **kwargs: (
         given.append(kwargs["row_weights"]), reduce(*args, **kwargs))[1]))
     weighted = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", head_weighting="o_proj"))
-    config, layers = model.config, model.model.layers
+    config, layers = model.config, compressed_layers(model)
     groups = config.num_attention_heads // config.num_key_value_heads
     expected = []  # per layer: (H_kv, groups) query-head weights, ‖W_o^h‖²_F over the layer's mean, in float64
     for layer in layers:
@@ -546,7 +556,7 @@ def test_window_queries_come_from_the_forwards_own_q_proj(architecture, press_na
         for handle in handles:
             handle.remove()
     assert queries_module.get_prerope_query_states is projections
-    assert len(used) == len(layers_of(model))
+    assert len(used) == len(compressed_layers(model))
     for from_forward, module, hidden_states, position_embeddings in used:
         # NOTE: the queries as the press built them before it kept q_proj's outputs: projected again.
         recomputed = surrogate_queries(module, hidden_states, position_embeddings, n_queries=press.window_size)

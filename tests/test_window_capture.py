@@ -34,7 +34,7 @@ def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outp
     calls, handles = recorded_calls(language_model)
     capture = WindowCapture(WINDOW, keep_outputs=keep_outputs)
     try:
-        with torch.no_grad(), capture.hooked(language_model):
+        with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
             for layer in language_model.layers:
                 index = layer.self_attn.layer_idx
@@ -65,7 +65,7 @@ def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
 
     handles.append(attention.register_forward_hook(project_something_else, with_kwargs=True))
     try:
-        with torch.no_grad(), capture.hooked(language_model):
+        with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
             projections, _ = capture.take(0)
             torch.testing.assert_close(projections, calls["q", 0][:, -WINDOW:], rtol=0, atol=0)
@@ -83,7 +83,7 @@ def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
     hooks_before = [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),
                      len(layer.self_attn.o_proj._forward_pre_hooks)) for layer in language_model.layers]
     capture = WindowCapture(WINDOW, keep_outputs=True)
-    with torch.no_grad(), capture.hooked(language_model):
+    with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
         language_model(input_ids=ids)
     assert capture.take(0) == (None, None)
     assert hooks_before == [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),

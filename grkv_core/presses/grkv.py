@@ -14,6 +14,7 @@ from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection, forced_score_positions
+from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
 from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
 from grkv_core.presses.window_capture import (WindowCapture, WindowRegression, output_projection_weights,
                                               stack_by_kv_head)
@@ -101,13 +102,15 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         """kvpress's context manager; with the window policy, the window's queries (and, with
         ``target_from_forward``, its attention outputs) are kept from the forward itself (``WindowCapture``), and
         with ``layers_per_solve`` > 1 the layers' merges wait for their group (``LayerGroups``)."""
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        decoder = language_model(model)
+        sliding = sliding_layer_indices(model)
+        merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index not in sliding]
         capture = WindowCapture(self.window_size, keep_outputs=self.target_from_forward)
         try:
-            with capture.hooked(language_model) if self.query_policy == "window" else contextlib.nullcontext():
+            with capture.hooked(merged_attentions) if self.query_policy == "window" else contextlib.nullcontext():
                 with super().__call__(model):
                     self._capture = capture
-                    self._groups = LayerGroups.for_press(self, language_model, self.layers_per_solve, self._capped)
+                    self._groups = LayerGroups.for_press(self, decoder, self.layers_per_solve, self._capped)
                     yield
         finally:
             self._capture = self._groups = None

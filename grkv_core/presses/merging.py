@@ -36,6 +36,7 @@ from grkv_core import config
 from grkv_core.presses.selection import (MASKING_PRESSES, SELECTION_WRAPPERS, SUPPORTED_BASE_PRESSES, TokenSelection,
                                          check_compression_ratio, compression_ratio_of, select_tokens,
                                          unsupported_base_press_reason)
+from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
 
 # kvpress's own merger: like ours, it keeps a ScorerPress's tokens and merges the evicted ones into them.
 KVPRESS_MERGERS = (KVPressMergingPress,)
@@ -110,12 +111,13 @@ class BaseMergerPress(ScorerPress):
 
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager, refusing bad options and padded batches before any layer runs."""
+        """kvpress's context manager, refusing bad options and padded batches before any layer runs; sliding-window
+        layers are left whole (``sliding_layers``)."""
         self.check_options()
-        language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
-        guard = language_model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        guard = language_model(model).register_forward_pre_hook(_refuse_padding, with_kwargs=True)
         try:
             with super().__call__(model):
+                unhook_sliding_layers(self, model)
                 yield
         finally:
             guard.remove()

@@ -24,12 +24,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from grkv_core.queries import SurrogateQueries
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
-# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. One exception: a
-# sliding-window layer (Gemma 3's local layers, a Mistral with a window) shorter than the prompt attends within the
-# window, and that windowed output, what the full cache gives, becomes the target; the solver's recomputed target
-# (``target_from_forward=False``) attends over the whole prompt. Gemma 3's attention logits are not soft-capped
-# (``attn_logit_softcapping`` is None), else its outputs would not be this softmax. Other classes get the target
-# recomputed by the solver.
+# softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. Sliding-window layers, which
+# attend within their window instead, are never merged (``sliding_layers``) and so never captured. Gemma 3's
+# attention logits are not soft-capped (``attn_logit_softcapping`` is None), else its outputs would not be this
+# softmax. Other classes get the target recomputed by the solver.
 OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention, Gemma3Attention)
 
 
@@ -55,11 +53,12 @@ class WindowCapture:
         self._awaiting_projections: set[int] = set()
 
     @contextmanager
-    def hooked(self, language_model: nn.Module):
-        """Observe every layer whose attention class passes its target to ``o_proj``; forget everything after."""
+    def hooked(self, attentions: list[nn.Module]):
+        """Observe those of the ``attentions`` modules whose class passes its target to ``o_proj``; forget everything
+        after."""
         handles = []
         try:
-            for attention in (layer.self_attn for layer in language_model.layers):
+            for attention in attentions:
                 if not isinstance(attention, OUTPUTS_BEFORE_O_PROJ):
                     continue
                 handles.append(attention.register_forward_pre_hook(
