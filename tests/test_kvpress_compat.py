@@ -517,3 +517,13 @@ def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_ba
     # NOTE: an 18-layer real model's batched and single forwards differ by float32 rounding (GRKV over SnapKV: one
     # key entry in 16384 off by 6e-4, of magnitude 1.4); a batch element leaking into the other would be O(1).
     assert_batch_elements_compressed_independently(model, ids, merger(name, base), tolerance=1e-3)
+
+
+def test_kvpress_says_a_model_is_untested_once_per_process_not_at_every_press(caplog):
+    model = tiny_model("tiny-gemma3").model
+    ids = token_ids(model.config.vocab_size)
+    with caplog.at_level("WARNING", logger="kvpress.presses.base_press"):
+        for _ in range(3):
+            prefill(model, ids, build_press("snapkv", RATIO))
+    untested = [record for record in caplog.records if "not tested" in record.getMessage()]
+    assert len(untested) <= 1, "the first entry may log it (unless an earlier test did), never the later ones"

@@ -253,7 +253,7 @@ def test_bad_press_options_raise_value_error_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("window_size", 0), ("max_rel_update_k", -1.0), ("beta", 5), ("n_sink", -3), ("layers_per_solve", 0),
+    ("window_size", 0), ("max_rel_update_k", -1.0), ("beta", 5), ("n_sink", -3), ("layers_per_solve", -1),
     ("accept", "best"),
 ])
 def test_options_changed_after_construction_are_refused_when_the_press_is_used(field, value):

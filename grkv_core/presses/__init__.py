@@ -5,7 +5,11 @@
 - ``grkv``: ``GRKVPress``, global ridge regression of the kept keys and values (the paper's method).
 - ``local_merging``: ``LocalMergePress`` and ``MergeInputs``, what the local baselines share; one baseline per
   file: ``cam`` (CaM), ``d2o`` (D2O), ``asymkv`` (AsymKV), ``kvmerger`` (KVMerger).
+- ``sliding_layers``: every press leaves a model's sliding-window layers whole (``compressing``).
+- ``layer_groups``, ``window_capture``, ``update_rules``: GRKV's batched solves, captured windows and update rules.
 """
+
+import logging
 
 from grkv_core.presses.asymkv import AsymKVPress
 from grkv_core.presses.cam import CaMPress
@@ -14,6 +18,27 @@ from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.kvmerger import KVMergerPress
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs
 from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.sliding_layers import compressing
+
+
+
+class _OncePerMessage(logging.Filter):
+    """kvpress logs "Model ... not tested" at every entry of a press (thousands of lines in a sweep on Gemma 3):
+    each distinct message passes once per process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
+
+
+logging.getLogger("kvpress.presses.base_press").addFilter(_OncePerMessage())
 
 __all__ = ["AsymKVPress", "CaMPress", "D2OPress", "GRKVPress", "KVMergerPress", "LocalMergePress", "MergeInputs",
-           "BaseMergerPress"]
+           "BaseMergerPress", "compressing"]

@@ -77,9 +77,10 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     layers_per_solve : int
         Within this press's own context manager, the merges of this many consecutive layers (of one shape) are
         solved together, in one batched call when the last of them is compressed; the earlier layers' caches are
-        merged in place then. Results equal merging each layer alone up to float rounding; on SmolLM2 on 2 CPU
-        cores 6 layers cut the merge's prefill overhead by about 30% (benchmarks/RESULTS.md §6). 1 merges every
-        layer at once.
+        merged in place then. 0 (the default): every layer the press compresses, in one call at the last of them.
+        Results equal merging each layer alone up to float rounding (on SmolLM2 bit for bit); fewer calls dispatch
+        fewer operations, which is most of the merge's prefill overhead on a CPU (benchmarks/RESULTS.md §6). 1
+        merges each layer as it is compressed.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
@@ -176,9 +177,11 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             # NOTE: one full-cache pass serves every merge and every candidate's loss below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
                                               scale=scale)
+        # NOTE: kept comes from the base press's own selection and the query positions from an arange: their values
+        # need no check, which would cost operations (and GPU synchronisations) at every layer.
         regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
                                        query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs,
-                                       row_weights=context.row_weights)
+                                       row_weights=context.row_weights, check_positions=False)
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
             self._groups.defer(regression, options)

@@ -33,7 +33,7 @@ class LayerGroups:
     Parameters
     ----------
     size : int
-        ``layers_per_solve``: how many layers' merges are solved together.
+        ``layers_per_solve``: how many layers' merges are solved together; 0: all of them, at the last hooked layer.
     last_layer : int
         The last layer kvpress hooked: its compression solves whatever waits.
     finish : callable
@@ -53,7 +53,7 @@ class LayerGroups:
         the press is not hooked on the layers itself: a wrapper runs it)."""
         hooked = [layer.self_attn.layer_idx for layer in language_model.layers
                   if press.forward_hook in layer.self_attn._forward_hooks.values()]
-        return cls(size, max(hooked), finish) if size > 1 and hooked else None
+        return cls(size, max(hooked), finish) if size != 1 and hooked else None
 
     def defer(self, regression: KeptRegression, options: SolverOptions) -> None:
         """Let a layer's merge wait; its kept rows (``regression.kept_keys``/``kept_values``, the very tensors the
@@ -64,7 +64,7 @@ class LayerGroups:
 
     def compressed(self, layer_idx: int) -> None:
         """Called after a layer is compressed: solve the group once it is full or this was the last hooked layer."""
-        if self._pending and (len(self._pending) >= self.size or layer_idx == self.last_layer):
+        if self._pending and (len(self._pending) == self.size or layer_idx == self.last_layer):
             self.solve()
 
     def solve(self) -> None:

@@ -63,15 +63,21 @@ class KeptRegression:
         scale: float | None = None,
         full_outputs: torch.Tensor | None = None,
         row_weights: torch.Tensor | None = None,
+        check_positions: bool = True,
     ) -> KeptRegression:
         """Check the inputs of one cache and reduce it to its regression (arguments as ``grkv_merge`` takes them).
+
+        ``check_positions=False`` skips the checks that read the position tensors' values (``kept`` in range and
+        distinct, ``query_positions`` non-negative): for callers that build them (``GRKVPress``, from its base
+        press's selection), where those checks cost tensor operations and, on a GPU, synchronisations per layer.
 
         Raises
         ------
         ValueError
             Naming the argument, for any malformed input.
         """
-        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights)
+        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights,
+                  check_positions)
         scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
         if query_positions is not None:
             query_positions = query_positions.to(device=keys.device, dtype=torch.long)
@@ -113,7 +119,8 @@ class KeptRegression:
         return cls(**joined, query_positions=first.query_positions, scale=first.scale)
 
 
-def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights) -> None:
+def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights,
+              check_positions: bool = True) -> None:
     """Raise a ValueError naming the argument for any malformed tensor (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -144,21 +151,14 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
     budget = kept.shape[2]
     if not 1 <= budget <= length:
         raise ValueError(f"kept must select between 1 and n={length} positions per head, got c={budget}")
-    lowest, highest = (int(bound) for bound in torch.aminmax(kept))
-    if lowest < 0 or highest >= length:
-        raise ValueError(f"kept positions must lie in [0, {length}), got range [{lowest}, {highest}]")
-    # NOTE: distinct positions mark exactly c slots of a head's n; a repeat marks fewer.
-    marked = torch.zeros(batch, heads, length, dtype=torch.bool, device=kept.device).scatter_(-1, kept.long(), True)
-    if int(marked.sum()) != kept.numel():
-        raise ValueError("kept must not repeat a position within a (batch, head)")
     if query_positions is not None:
         if not isinstance(query_positions, torch.Tensor) or query_positions.shape != (queries.shape[2],):
             shape = tuple(query_positions.shape) if isinstance(query_positions, torch.Tensor) else query_positions
             raise ValueError(f"query_positions must have shape (M={queries.shape[2]},), got {shape}")
         if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
             raise ValueError(f"query_positions must be an integer tensor, got {query_positions.dtype}")
-        if bool((query_positions < 0).any()):
-            raise ValueError("query_positions must be non-negative")
+    if check_positions:
+        _validate_positions(kept, query_positions, batch, heads, length)
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     if full_outputs is not None:
@@ -179,3 +179,16 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
     if len(devices) > 1:
         raise ValueError("queries, keys, values, kept, fixed (and full_outputs, row_weights) must be on one device, "
                          f"got {sorted(map(str, devices))}")
+
+
+def _validate_positions(kept: torch.Tensor, query_positions, batch: int, heads: int, length: int) -> None:
+    """The checks that read position values: ``kept`` in [0, length) and distinct per head, ``query_positions`` >= 0."""
+    lowest, highest = (int(bound) for bound in torch.aminmax(kept))
+    if lowest < 0 or highest >= length:
+        raise ValueError(f"kept positions must lie in [0, {length}), got range [{lowest}, {highest}]")
+    # NOTE: distinct positions mark exactly c slots of a head's n; a repeat marks fewer.
+    marked = torch.zeros(batch, heads, length, dtype=torch.bool, device=kept.device).scatter_(-1, kept.long(), True)
+    if int(marked.sum()) != kept.numel():
+        raise ValueError("kept must not repeat a position within a (batch, head)")
+    if query_positions is not None and bool((query_positions < 0).any()):
+        raise ValueError("query_positions must be non-negative")
