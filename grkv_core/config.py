@@ -176,7 +176,7 @@ class GRKVOptions:
         "shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool))
     ridge_scale: str = _option("absolute", OptionSpec(
         "'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES))
-    layers_per_solve: int = _option(0, OptionSpec(
+    layers_per_solve: int = _option(6, OptionSpec(
         "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the press "
         "compresses, in one call (results equal up to float rounding; more layers dispatch fewer operations)", int,
         low=0))
