@@ -102,7 +102,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     def __call__(self, model):
         """kvpress's context manager; with the window policy, the window's queries (and, with
         ``target_from_forward``, its attention outputs) are kept from the forward itself (``WindowCapture``), and
-        with ``layers_per_solve`` > 1 the layers' merges wait for their group (``LayerGroups``)."""
+        with ``layers_per_solve`` other than 1 the layers' merges wait for their group (``LayerGroups``)."""
         decoder = language_model(model)
         sliding = sliding_layer_indices(model)
         merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index not in sliding]
