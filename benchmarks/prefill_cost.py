@@ -61,13 +61,19 @@ def timed_hook(hook, total: list[float], on_cuda: bool):
     return timed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_prefill_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options every prefill benchmark here shares: the model, the base press and its budget, the essay prompt's
+    length and how many prefills are timed per press."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--press", default="snapkv")
     parser.add_argument("--compression-ratio", type=float, default=0.9)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prefill_arguments(parser, rounds=5)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--heap", choices=HEAP_SETTINGS, default="keep", help="CPU heap handling (solver_cost.py)")

@@ -25,7 +25,7 @@ from grkv_core.cli import parse_merge_variant
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
-from prefill_cost import essay_prompt
+from prefill_cost import add_prefill_arguments, essay_prompt
 
 
 class CountedOperations(TorchDispatchMode):
@@ -46,11 +46,7 @@ class CountedOperations(TorchDispatchMode):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--press", default="snapkv")
-    parser.add_argument("--compression-ratio", type=float, default=0.9)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_prefill_arguments(parser, rounds=3)
     parser.add_argument("--option", default="", metavar="k=v,...", help="GRKV options, e.g. layers_per_solve=0")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()

@@ -26,7 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import sharing_scores
-from grkv_core.presses.sliding_layers import compressing
+from grkv_core.presses.sliding_layers import compressing, language_model
 
 # NOTE: state a press leaves on an attention module for the decoding that follows its prefill: kvpress's
 # masking presses (AdaKV) mark evicted entries in ``masked_key_indices``, which kvpress's attention patch reads
@@ -102,7 +102,7 @@ class SharedPrefill:
 
 def attention_modules(model: PreTrainedModel) -> list:
     """The model's attention modules, one per layer: where kvpress's hooks and the engine's go."""
-    return [layer.self_attn for layer in model.model.layers]
+    return [layer.self_attn for layer in language_model(model).layers]
 
 
 def _synchronize(device: torch.device) -> None:

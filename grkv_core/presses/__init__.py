@@ -21,7 +21,6 @@ from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.sliding_layers import compressing
 
 
-
 class _OncePerMessage(logging.Filter):
     """kvpress logs "Model ... not tested" at every entry of a press (thousands of lines in a sweep on Gemma 3):
     each distinct message passes once per process."""
