@@ -8,18 +8,27 @@ Counts come from a ``TorchDispatchMode`` over one prefill (each operation attrib
 kvpress function on the stack); times from ``torch.profiler`` over ``--rounds`` prefills (self CPU time per
 operation, per prefill). The model's own operations are the same under both presses, so their time differences
 are noise; the operations GRKV adds are the rows whose call counts differ.
+
+Last, the floor that GRKV's linear algebra sets with its results unchanged: every matrix product and factorisation
+the merge dispatched in that prefill (``LINEAR_ALGEBRA``: same shapes, same count) replayed alone on random inputs,
+the median of ``--repeats`` timings each, summed, against the base press's median prefill time over ``--rounds``
+untimed-by-the-profiler prefills; with their FLOPs (``torch.utils.flop_counter``). No change that keeps the merge's
+arithmetic can make GRKV's added cost smaller than that share, on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
+import time
 
 import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from grkv_core.cli import parse_merge_variant
 from grkv_core.generation import prefill
@@ -28,12 +37,21 @@ from grkv_core.registry import build_press
 from prefill_cost import add_prefill_arguments, essay_prompt
 
 
+# The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
+LINEAR_ALGEBRA = ("bmm", "baddbmm", "mm", "addmm", "linalg_vecdot", "linalg_cholesky_ex", "cholesky_solve",
+                  "linalg_eigh")
+# Where the merge's own operations come from (the model's run under grkv_core.generation, the scoring under kvpress).
+MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
+
+
 class CountedOperations(TorchDispatchMode):
-    """Counts every dispatched operation by the nearest grkv_core or kvpress function that called it."""
+    """Counts every dispatched operation by the nearest grkv_core or kvpress function that called it, and keeps
+    the merge's ``LINEAR_ALGEBRA`` calls (``MERGE_CODE``) (operation, arguments' shapes) for ``replayed_ms``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_caller: collections.Counter = collections.Counter()
+        self.linear_algebra: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
@@ -41,7 +59,45 @@ class CountedOperations(TorchDispatchMode):
             frame = frame.f_back
         caller = "model" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}"
         self.by_caller[caller] += 1
+        if frame is not None and any(part in frame.f_code.co_filename for part in MERGE_CODE) \
+                and func.overloadpacket.__name__ in LINEAR_ALGEBRA:
+            shapes = tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args)
+            self.linear_algebra[(func, shapes, tuple(sorted((kwargs or {}).items())))] += 1
         return func(*args, **(kwargs or {}))
+
+
+def replayed_ms(calls: collections.Counter, repeats: int) -> tuple[float, float]:
+    """(ms, GFLOP) of ``CountedOperations.linear_algebra``'s calls, each replayed alone on random inputs of its
+    shapes (median of ``repeats`` timings, times its count)."""
+    total_ms = 0.0
+    with FlopCounterMode(display=False) as flops:
+        for (func, shapes, kwargs), count in calls.items():
+            args = [_random_like(shape) for shape in shapes]
+            func(*args, **dict(kwargs))
+            for _ in range(count - 1):
+                func(*args, **dict(kwargs))
+    for (func, shapes, kwargs), count in calls.items():
+        args = [_random_like(shape) for shape in shapes]
+        timings = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            func(*args, **dict(kwargs))
+            timings.append(time.perf_counter() - start)
+        total_ms += statistics.median(timings) * count * 1000
+    return total_ms, flops.get_total_flops() / 1e9
+
+
+def _random_like(shape):
+    """A random tensor for a recorded (shape, dtype); factorisations get a symmetric positive definite batch."""
+    if not (isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[1], torch.dtype)):
+        return shape
+    size, dtype = shape
+    if dtype == torch.bool:
+        return torch.ones(size, dtype=dtype)
+    tensor = torch.randn(size, dtype=dtype)
+    if len(size) >= 2 and size[-1] == size[-2]:
+        tensor = tensor @ tensor.mT + size[-1] * torch.eye(size[-1], dtype=dtype)
+    return tensor
 
 
 def main() -> None:
@@ -49,6 +105,7 @@ def main() -> None:
     add_prefill_arguments(parser, rounds=3)
     parser.add_argument("--option", default="", metavar="k=v,...", help="GRKV options, e.g. layers_per_solve=0")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=15, help="timings of each replayed linear-algebra call")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
 
@@ -57,12 +114,13 @@ def main() -> None:
     _, merge, options = parse_merge_variant(f"grkv=grkv:{args.option}" if args.option else "grkv=grkv")
     presses = {"base": build_press(args.press, args.compression_ratio),
                "grkv": build_press(args.press, args.compression_ratio, merge=merge, **options)}
-    counts, times = {}, {}
+    counts, times, linear_algebra, prefill_s = {}, {}, {}, {}
     for name, press in presses.items():
         prefill(loaded.model, ids, press)  # warm-up
         with CountedOperations() as counted:
             prefill(loaded.model, ids, press)
-        counts[name] = counted.by_caller
+        counts[name], linear_algebra[name] = counted.by_caller, counted.linear_algebra
+        prefill_s[name] = statistics.median(_timed_prefill(loaded.model, ids, press) for _ in range(args.rounds))
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             for _ in range(args.rounds):
                 prefill(loaded.model, ids, press)
@@ -87,6 +145,18 @@ def main() -> None:
     for extra_ms, extra_calls, key in sorted(rows, reverse=True)[:args.top]:
         print(f"{key[:44]:44s} {extra_calls:+8.0f} {extra_ms:+9.2f}")
     print(f"{'total':44s} {sum(row[1] for row in rows):+8.0f} {sum(row[0] for row in rows):+9.2f}")
+    floor_ms, gflop = replayed_ms(linear_algebra["grkv"], args.repeats)
+    base_ms = prefill_s["base"] * 1000
+    print(f"\nGRKV's linear algebra: {sum(linear_algebra['grkv'].values())} calls, {gflop:.2f} GFLOP, replayed alone "
+          f"{floor_ms:.1f} ms per prefill = {floor_ms / base_ms:.2%} of the base press's prefill ({base_ms:.0f} ms, "
+          f"median of {args.rounds}); whole prefill with GRKV {prefill_s['grkv'] * 1000:.0f} ms "
+          f"({prefill_s['grkv'] / prefill_s['base'] - 1:+.2%})")
+
+
+def _timed_prefill(model, ids: torch.Tensor, press) -> float:
+    start = time.perf_counter()
+    prefill(model, ids, press)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -230,3 +230,17 @@ def test_a_one_at_a_time_design_that_cannot_be_run_is_refused_in_one_line(tmp_pa
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert problem in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "sweeps" / "configs").glob("*.yaml")), ids=lambda path: path.name)
+def test_every_committed_sweep_config_is_valid(path):
+    assert load_config(path).name
+
+
+def test_the_query_aware_answer_sweep_differs_from_the_agnostic_one_only_in_protocol_and_tuning_design():
+    agnostic = yaml.safe_load((REPO / "sweeps/configs/ruler-snapkv-answer.yaml").read_text())
+    query_aware = yaml.safe_load((REPO / "sweeps/configs/ruler-snapkv-answer-query-aware.yaml").read_text())
+    assert query_aware["data"] == {**agnostic["data"], "protocol": "query_aware"}
+    assert {key for key in agnostic.keys() | query_aware.keys()
+            if agnostic.get(key) != query_aware.get(key)} == {"name", "data", "screening", "trials"}
+    assert query_aware["screening"]["metric"] == "answer_nll" and query_aware["screening"]["trials"] >= 48
