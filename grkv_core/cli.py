@@ -92,11 +92,14 @@ def _add_merger_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=name, type=spec.kind, metavar=spec.kind.__name__.upper(), help=text)
 
 
-def _add_kvpress_dir(parser: argparse.ArgumentParser) -> None:
+def _add_evaluation_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kvpress-dir", default=None, metavar="DIR",
                         help="also write the results in kvpress's evaluation layout under DIR "
                              "(dataset__data_dir__model__press__ratio[__query_aware]/ with predictions.csv, "
                              "metrics.json, config.yaml; grkv leaderboard reads them)")
+    parser.add_argument("--no-decode", dest="decode", action="store_false",
+                        help="generate no answers (no score): only the reference answer's NLL, KL and top-1, the "
+                             "losses and the prefill's costs, about a tenth of the time")
 
 
 def _quiet_model_loading() -> None:
@@ -149,6 +152,7 @@ def _config(args, press: str, ratio: float, merge: str, merge_options: dict, var
         seed=args.seed,
         press=PressConfig(press, ratio if press != FULL_CACHE else 0.0, merge, merge_options, variant),
         dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device, data_dir=args.data_dir,
+        decode=getattr(args, "decode", True),
     )
 
 
@@ -266,7 +270,7 @@ def _add_library_commands(commands) -> None:
                                "merger options")
     _add_merger_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
-    _add_kvpress_dir(evaluate)
+    _add_evaluation_outputs(evaluate)
     evaluate.set_defaults(handler=cmd_eval)
 
     compare = add_command(commands, "compare", "full cache vs an eviction press vs the press + GRKV",
@@ -278,7 +282,7 @@ def _add_library_commands(commands) -> None:
     compare.add_argument("--merge-variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
                          help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
     compare.add_argument("--output-dir", default="outputs/compare")
-    _add_kvpress_dir(compare)
+    _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)
 
     analyze = add_command(commands, "analyze", "carrier concentration of eviction presses, merge maps, "

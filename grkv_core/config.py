@@ -341,6 +341,8 @@ class EvalConfig:
     ``loss_window`` is the number of last prompt positions whose queries measure the window discrepancy,
     and ``heldout_tokens`` the number of first generated tokens whose queries measure the held-out one.
     ``protocol`` is one of ``PROTOCOLS``; files written before it existed were question-agnostic.
+    ``decode``: answers are generated and scored; False: only what needs no generation (the reference answer's
+    metrics, the window and question losses, the costs of the prefill), about a tenth of the time.
     NOTE: ``loss_window`` is the probe's, not the press's surrogate window (GRKV's ``window_size``, m): it
     stays fixed while a sweep searches m, so every trial's window loss is measured on the same queries.
     """
@@ -359,9 +361,12 @@ class EvalConfig:
     loss_window: int = PAPER_WINDOW
     heldout_tokens: int = 8
     protocol: str = QUESTION_AGNOSTIC
+    decode: bool = True
 
     def __post_init__(self) -> None:
         PROTOCOL_SPEC.check("protocol", self.protocol)
+        if not isinstance(self.decode, bool):
+            raise ValueError(f"decode must be True or False, got {self.decode!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,7 +19,7 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -310,6 +310,10 @@ class ResultStore:
         if self.path.exists():
             stored = json.loads(self.path.read_text())
             stored_config = EvalConfig.from_dict(stored["config"])
+            if "decode" not in stored["config"]:
+                # NOTE: files written before the field existed decoded exactly when their rows hold scores.
+                stored_config = replace(stored_config, decode=any(row.get("score") is not None
+                                                                  for row in stored["samples"]))
             if stored_config.resume_key() != config.resume_key():
                 raise ValueError(
                     f"{self.path} holds results of a different configuration; choose another --output or delete it"
@@ -423,12 +427,17 @@ def run_evaluations(
     """
     if len(configs) != len(outputs):
         raise ValueError(f"{len(configs)} configurations but {len(outputs)} outputs")
+    decode = configs[0].decode
+    if any(config.decode != decode for config in configs):
+        raise ValueError("configurations evaluated together either all decode or none does")
+    if kvpress_dir is not None and not decode:
+        raise ValueError("kvpress's evaluation layout holds predictions: decode (drop --no-decode) to write it")
     setup = setup or EvaluationSetup.load(configs[0])
     stores = [ResultStore(Path(output), config, setup.model_dtype) if output is not None else None
               for config, output in zip(configs, outputs)]
     label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
     results = evaluate_samples(setup.evaluator, setup.samples, [config.press for config in configs], stores,
-                               progress=label if progress else None)
+                               decode=decode, progress=label if progress else None)
     summaries = [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
                   **summarize(rows)} for config, rows in zip(configs, results)]
     if kvpress_dir is not None:

@@ -189,3 +189,12 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
     finally:
         subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)},
                        capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["eval", "compare"])
+def test_no_decode_reaches_every_evaluated_configuration(command):
+    from grkv_core.cli import _config, build_parser
+
+    for flags, decode in (([], True), (["--no-decode"], False)):
+        args = build_parser().parse_args([command, *flags])
+        assert _config(args, "snapkv", 0.5, "grkv", {}).decode is decode

@@ -105,6 +105,37 @@ def test_several_configurations_share_each_sample_and_resume_each_from_its_own_f
     assert {row["batch_trials"] for row in new_rows} == {2, 3}  # shared with those still missing the sample
 
 
+def test_without_decoding_the_answer_metrics_and_losses_equal_a_decoding_runs_and_nothing_is_scored(tiny, samples,
+                                                                                                      tmp_path):
+    presses = [PressConfig("full", 0.0), PressConfig("snapkv", 0.5), PressConfig("snapkv", 0.5, "grkv")]
+    setup = EvaluationSetup(tiny, samples[:2], Evaluator(tiny))
+    runs = {}
+    for decode in (True, False):
+        configs = [EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
+                              press=press, decode=decode) for press in presses]
+        outputs = [tmp_path / f"{decode}-{index}.json" for index in range(len(configs))]
+        run_evaluations(configs, outputs, setup=setup, progress=False)
+        runs[decode] = [json.loads(output.read_text())["samples"] for output in outputs]
+    same = ("answer_nll", "answer_kl", "answer_top1", "window_loss", "question_loss", "kv_bytes")
+    for decoded, answer_only in zip(runs[True], runs[False]):
+        for row, row_only in zip(decoded, answer_only, strict=True):
+            assert row["score"] is not None and row_only["score"] is None and row_only["predictions"] == []
+            assert {name: row[name] for name in same} == {name: row_only[name] for name in same}
+            assert row_only["answer_nll"] > 0
+    answer_only_file = tmp_path / "False-1.json"
+    with pytest.raises(ValueError, match="different configuration"):
+        run_evaluation(EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
+                                  press=presses[1]), answer_only_file, setup=setup, progress=False)
+    written = json.loads(answer_only_file.read_text())
+    del written["config"]["decode"]  # as written before the field existed: its rows say it did not decode
+    answer_only_file.write_text(json.dumps(written))
+    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
+                        press=presses[1], decode=False)
+    assert run_evaluation(config, answer_only_file, setup=setup, progress=False)["samples"] == 2
+    with pytest.raises(ValueError, match="drop --no-decode"):
+        run_evaluation(config, None, setup=setup, progress=False, kvpress_dir=tmp_path / "kvpress")
+
+
 def test_h2o_needs_eager_attention_and_says_so(tiny, samples):
     with pytest.raises(ValueError, match="eager"):
         Evaluator(tiny).evaluate_sample(samples[0], PressConfig("h2o", 0.5))

@@ -161,9 +161,9 @@ class TrialWorker:
         stage = requests[0].stage
         presses = [request.press for request in requests]
         settings = [resolved(press) for press in presses]
-        per_trial = evaluate_samples(self.setup.evaluator, self.samples[stage], presses,
-                                     [self._checkpoint(request) for request in requests],
-                                     decode=stage != SCREEN_STAGE)
+        checkpoints = [self._checkpoint(request) for request in requests]
+        per_trial = evaluate_samples(self.setup.evaluator, self.samples[stage], presses, checkpoints,
+                                     decode=self._stage_config(requests[0]).decode)
         finished = time.time()
         self.trials_evaluated += len(requests)
         identity = self.identity()
@@ -186,7 +186,11 @@ class TrialWorker:
         if request.checkpoint is None:
             return None
         request.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        return ResultStore(request.checkpoint, replace(self.config, press=request.press), self.setup.model_dtype)
+        return ResultStore(request.checkpoint, self._stage_config(request), self.setup.model_dtype)
+
+    def _stage_config(self, request: TrialRequest) -> EvalConfig:
+        """The evaluation a request's stage runs: its press; screening generates nothing."""
+        return replace(self.config, press=request.press, decode=request.stage != SCREEN_STAGE)
 
     @staticmethod
     def _raise_if_storage(error: Exception) -> None:
