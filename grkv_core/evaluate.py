@@ -310,7 +310,7 @@ class ResultStore:
         if self.path.exists():
             stored = json.loads(self.path.read_text())
             stored_config = EvalConfig.from_dict(stored["config"])
-            if "decode" not in stored["config"]:
+            if "decode" not in stored["config"] and stored["samples"]:
                 # NOTE: files written before the field existed decoded exactly when their rows hold scores.
                 stored_config = replace(stored_config, decode=any(row.get("score") is not None
                                                                   for row in stored["samples"]))
