@@ -63,12 +63,13 @@ def timed_hook(hook, total: list[float], on_cuda: bool):
 
 def add_prefill_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The options every prefill benchmark here shares: the model, the base press and its budget, the essay prompt's
-    length and how many prefills are timed per press."""
+    length, how many prefills are timed per press and the CPU heap's handling."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--press", default="snapkv")
     parser.add_argument("--compression-ratio", type=float, default=0.9)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--heap", choices=HEAP_SETTINGS, default="keep", help="CPU heap handling (solver_cost.py)")
 
 
 def main() -> None:
@@ -76,7 +77,6 @@ def main() -> None:
     add_prefill_arguments(parser, rounds=5)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--heap", choices=HEAP_SETTINGS, default="keep", help="CPU heap handling (solver_cost.py)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
                         help="another merger configuration to time (grkv compare's --merge-variant syntax), "
                              "e.g. cg8=grkv:cg_max_iter=8")

@@ -6,8 +6,9 @@ own CPU time, against the base press alone (the same essay prompt as ``prefill_c
 
 Counts come from a ``TorchDispatchMode`` over one prefill (each operation attributed to the nearest grkv_core or
 kvpress function on the stack); times from ``torch.profiler`` over ``--rounds`` prefills (self CPU time per
-operation, per prefill). The model's own operations are the same under both presses, so their time differences
-are noise; the operations GRKV adds are the rows whose call counts differ.
+operation, per prefill), with the CPU heap kept (``--heap``, as ``prefill_cost.py``). The model's own operations
+are the same under both presses, so their time differences are noise; the operations GRKV adds are the rows whose
+call counts differ.
 
 Last, the floor that GRKV's linear algebra sets with its results unchanged: every matrix product and factorisation
 the merge dispatched in that prefill (``LINEAR_ALGEBRA``: same shapes, same count) replayed alone on random inputs,
@@ -35,6 +36,7 @@ from grkv_core.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
 from prefill_cost import add_prefill_arguments, essay_prompt
+from solver_cost import heap_preparation
 
 
 # The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
@@ -110,6 +112,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     loaded = load_model(args.model)
+    heap_preparation(args.heap, loaded.model.device)
     ids = essay_prompt(loaded.tokenizer, args.tokens)
     _, merge, options = parse_merge_variant(f"grkv=grkv:{args.option}" if args.option else "grkv=grkv")
     presses = {"base": build_press(args.press, args.compression_ratio),
