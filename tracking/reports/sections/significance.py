@@ -19,6 +19,8 @@ from tracking.reports.stats import MAX_EXACT_SIGN_FLIP_UNITS, PairedComparison
 def significance_section(runs: SweepRuns, writer: TableWriter, options: ReportOptions, metrics: list[str]) -> Section:
     results = [significance(runs, metric, options.bootstrap_resamples, options.seed) for metric in metrics]
     score = results[0]
+    # NOTE: a sweep tuned on an answer metric picks its winner by that metric, not by the score: both are told.
+    tuned_on = next((result for result in results[1:] if result.metric == runs.objectives[0].metric), None)
     resamples = f"{options.bootstrap_resamples:,}"
     if score.stage == TEST_STAGE:
         section = Section("Paired significance on the held-out test samples", lines=[
@@ -28,7 +30,8 @@ def significance_section(runs: SweepRuns, writer: TableWriter, options: ReportOp
             "answer metrics), on each of " + ", ".join(metrics) + "; percentile "
             f"bootstrap over the samples with {resamples} resamples and a two-sided sign-flip test (exact over all "
             f"2^n sign assignments up to {MAX_EXACT_SIGN_FLIP_UNITS} samples, else {resamples} random ones).",
-            *_held_out_lines(score, options.score)])
+            *_held_out_lines(score, options.score),
+            *(_held_out_lines(tuned_on, tuned_on.metric, winners_only=True) if tuned_on is not None else [])])
     else:
         section = Section("Paired significance over tasks", lines=[
             f"Task-level paired differences on the tuning samples: percentile bootstrap with {resamples} resamples "
@@ -78,21 +81,24 @@ def _comparison_line(c: PairedComparison, metric: str) -> str:
             f"p = {c.p_value:.3g}, better on {c.better_units}/{len(c.units)} {c.unit}s: {c.verdict}")
 
 
-def _held_out_lines(result: Significance, score: str) -> list[str]:
-    """Each confirmed configuration's tuning and held-out scores, then the verdict on each budget's tuned winner."""
+def _held_out_lines(result: Significance, score: str, winners_only: bool = False) -> list[str]:
+    """Each confirmed configuration's tuning and held-out values of ``score`` (unless ``winners_only``), then the
+    verdict on each budget's tuned winner by that metric."""
     tuning, test = f"tuning_{score}", f"test_{score}"
 
     def value(number: float, signed: bool = False) -> str:
         return metric_text(score, number, signed)
 
-    lines = [f"{row['configuration']} ({row['method']}, {row['budget']:.0%}): {value(row[tuning])} on the tuning "
-             f"samples, {value(row[test])} on the held-out test samples ({value(row['change'], True)})"
-             for _, row in result.held_out.iterrows()]
+    lines = [] if winners_only else [
+        f"{row['configuration']} ({row['method']}, {row['budget']:.0%}): {value(row[tuning])} on the tuning "
+        f"samples, {value(row[test])} on the held-out test samples ({value(row['change'], True)})"
+        for _, row in result.held_out.iterrows()]
     sign = 1.0 if higher_is_better(score) else -1.0  # NOTE: sign * change < 0 is a change for the worse
     for _, winner in result.tuned_winners.iterrows():
         verdict = ("worse on the held-out samples than on the samples that selected it" if sign * winner["change"] < 0
                    else "no worse on the held-out samples than on the samples that selected it")
-        lines.append(f"The tuned winner at {winner['budget']:.0%}, {winner['configuration']} (best tuning score of "
+        measure = "score" if score == "mean_score" else score
+        lines.append(f"The tuned winner at {winner['budget']:.0%}, {winner['configuration']} (best tuning {measure} of "
                      f"the confirmed merging configurations there, {value(winner[tuning])}), scores "
                      f"{value(winner[test])} on the held-out test samples ({value(winner['change'], True)}): "
                      f"{verdict}.")
