@@ -177,8 +177,7 @@ class TrialWorker:
         """A test-stage evaluation's results in kvpress's layout (the test samples' texts are the worker's)."""
         if request.stage != TEST_STAGE:
             return []
-        config = replace(self.config, press=request.press)
-        return [run.to_dict() for run in kvpress_runs(config, self.samples[TEST_STAGE], results,
+        return [run.to_dict() for run in kvpress_runs(self._stage_config(request), self.samples[TEST_STAGE], results,
                                                       str(build(request.press)), {"summary": summarize(results)})]
 
     def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
