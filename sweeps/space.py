@@ -7,9 +7,12 @@ import warnings
 
 import optuna
 
-from grkv_core.config import MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS, PressConfig
+from grkv_core.config import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS, PressConfig
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
-from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
+from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
+
+# The paper's Alg. 1 where it departs from GRKVPress's defaults (no safeguard, the key step to convergence).
+PAPER_OPTIONS_OFF_DEFAULT = {name: value for name, value in PAPER_GRKV_OPTIONS.items() if value != GRKV_DEFAULTS[name]}
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
 # and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).
@@ -19,7 +22,10 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     """Ask ``trial`` for every searched value and return the press configuration it describes.
 
     NOTE: the eviction-only baseline (user attribute ``BASELINE_TAG``) is a fixed reference, not a point of the
-    search space: it is the eviction press alone at the sweep's budget whatever the merge choices.
+    search space: it is the eviction press alone at the sweep's budget whatever the merge choices. The paper-default
+    baseline runs the paper's Alg. 1 (``PAPER_GRKV_OPTIONS``): the searched options at the values it was enqueued
+    with (``baseline_params``), every other option at the paper's value; so do the rows of a ``one_at_a_time``
+    design, which change one factor from it.
     """
     space = dict(config.search_space)
     ratio_param = space.pop("compression_ratio", None)
@@ -31,6 +37,8 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     # keep their defaults, and the sampler is not asked for what the chosen merger does not read.
     taken = MERGER_OPTION_SPECS[merge]
     options = {name: _suggest(trial, name, param) for name, param in space.items() if name in taken}
+    if trial.user_attrs.get(BASELINE_TAG) == PAPER_DEFAULT or DESIGN_ROW_ATTR in trial.user_attrs:
+        options = {**PAPER_OPTIONS_OFF_DEFAULT, **options}
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 
@@ -55,9 +63,10 @@ def _suggest(trial: optuna.Trial, name: str, param):
 
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     """The trials enqueued first, as ``(name, params)`` (the driver tags each with its name): the paper's Alg. 1
-    behind the press (its options among the searched ones; a sweep that does not search an option runs
-    GRKVPress's default), and the press alone (named, not proposed: see ``suggest_press``); both at the sweep's
-    ``press.compression_ratio``, also when the ratio is searched."""
+    behind the press (here its values of the searched options; ``suggest_press`` adds the others), and the press
+    alone (named, not proposed: see ``suggest_press``); both at the sweep's ``press.compression_ratio``, also when
+    the ratio is searched. A searched parameter that cannot propose the paper's value (a categorical one without
+    it among its choices, e.g. ``null`` for no cap) is left to the sampler, with a warning."""
     budget = {}
     if "compression_ratio" in config.search_space:
         budget = _fixed("compression_ratio", config.search_space["compression_ratio"], config.press.compression_ratio)

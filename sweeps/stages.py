@@ -52,7 +52,8 @@ def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str,
 
     NOTE: a baseline is tested with the press its full trial ran, so both stages compare the same methods.
     """
-    presses = [(str(trial.number), press_of(trial.params, config)) for trial in best_trials(study, config)]
+    presses = [(str(trial.number), press_of(trial.params, config, trial.user_attrs))
+               for trial in best_trials(study, config)]
     trials = study.get_trials(deepcopy=False)
     for name in config.baselines:
         runs = sorted((t for t in trials

@@ -6,19 +6,20 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import optuna
 import pytest
 import yaml
 
-from grkv_core.config import EvalConfig
+from grkv_core.config import GRKV_DEFAULTS, PAPER_GRKV_OPTIONS, EvalConfig
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
                           suggest_press)
 from sweeps.stages import best_trials, presses_to_test, promotions
-from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
+from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
@@ -204,10 +205,28 @@ def test_the_ablation_config_is_the_papers_table_one_factor_at_a_time():
         {"beta": 0.0}, {"beta": 0.2}, {"beta": 0.3}, {"steps": 2}, {"steps": 3}, {"window_size": 48},
         {"window_size": 64}, {"n_sink": 0}, {"fix_window": False}, {"components": "k"}, {"components": "v"},
     ]
-    paper = resolved(press_of(dict(baseline_params(config))[PAPER_DEFAULT], config))
-    for change, params in zip(changes, one_at_a_time_params(config)):
-        row = resolved(press_of(params, config))
+    paper = resolved(press_of(dict(baseline_params(config))[PAPER_DEFAULT], config, {BASELINE_TAG: PAPER_DEFAULT}))
+    assert {name: paper[name] for name in PAPER_GRKV_OPTIONS} == PAPER_GRKV_OPTIONS
+    for row_number, (change, params) in enumerate(zip(changes, one_at_a_time_params(config))):
+        row = resolved(press_of(params, config, {DESIGN_ROW_ATTR: row_number}))
         assert {name: value for name, value in row.items() if paper[name] != value} == change
+
+
+def test_the_paper_baseline_runs_alg_1_in_every_option_the_sweep_does_not_search(tmp_path):
+    """A sweep searching only the ridges: its paper-default trial runs them at the paper's values and the rest of
+    Alg. 1 (no safeguard, CG to convergence) as well, where an ordinary trial keeps GRKVPress's defaults; a
+    categorical choice of ``null`` lets the baseline run the paper's uncapped step."""
+    config = load_config(smoke_with(tmp_path, search_space={
+        "lambda_k": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
+        "max_rel_update_k": {"type": "categorical", "choices": [0.025, None]}}))
+    paper_params = dict(baseline_params(config))[PAPER_DEFAULT]
+    paper = resolved(press_of(paper_params, config, {BASELINE_TAG: PAPER_DEFAULT}))
+    assert {name: paper[name] for name in PAPER_GRKV_OPTIONS} == PAPER_GRKV_OPTIONS
+    ordinary = resolved(press_of(paper_params, config))
+    assert {name: ordinary[name] for name in GRKV_DEFAULTS} == GRKV_DEFAULTS
+    assert ordinary["safeguard"] and ordinary["cg_max_iter"] < PAPER_GRKV_OPTIONS["cg_max_iter"]
+    eviction = press_of(dict(baseline_params(config))[EVICTION_ONLY], config, {BASELINE_TAG: EVICTION_ONLY})
+    assert eviction.merge == "none" and not eviction.merge_options
 
 
 @pytest.mark.parametrize("changes, problem", [
@@ -235,6 +254,16 @@ def test_a_one_at_a_time_design_that_cannot_be_run_is_refused_in_one_line(tmp_pa
 @pytest.mark.parametrize("path", sorted((REPO / "sweeps" / "configs").glob("*.yaml")), ids=lambda path: path.name)
 def test_every_committed_sweep_config_is_valid(path):
     assert load_config(path).name
+
+
+def test_the_hypotheses_sweep_anchors_on_the_papers_exact_alg_1():
+    """Its caps can propose ``null`` (no cap), so the paper-default baseline is the paper's GRKV, no option drawn."""
+    config = load_config(REPO / "sweeps/configs/ruler-snapkv-hypotheses.yaml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = dict(baseline_params(config))[PAPER_DEFAULT]
+    paper = resolved(press_of(params, config, {BASELINE_TAG: PAPER_DEFAULT}))
+    assert {name: paper[name] for name in PAPER_GRKV_OPTIONS} == PAPER_GRKV_OPTIONS
 
 
 def test_the_query_aware_answer_sweep_differs_from_the_agnostic_one_only_in_protocol_and_tuning_design():

@@ -27,9 +27,10 @@ from mlflow.tracking import MlflowClient
 from conftest import free_ports
 from grkv_core.config import QUERY_AWARE
 from grkv_core.kvpress_layout import read_runs
-from grkv_core.registry import build, load_press_file, press_from_file
+from grkv_core.registry import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
+from tracking.export import press_of_run
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
 from tracking.names import (
     BASELINE_TAG,
@@ -331,13 +332,11 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
     from tracking.reports import ablation_table, load_sweep
 
     sweep_id, state = "one-at-a-time", tmp_path / "state"
-    held = {name: {"type": "categorical", "choices": [value]}
-            for name, value in (("safeguard", False), ("cg_max_iter", 200), ("cg_rtol", 1e-7))}
     config = write_config(
         tmp_path, drop=("screening", "test", "data.test"), trials=4, objectives=[{"metric": "answer_nll"}],
         sampler={"type": "one_at_a_time"}, search_space={
             "steps": {"type": "categorical", "choices": [1, 2]},
-            "components": {"type": "categorical", "choices": ["kv", "v"]}, **held},
+            "components": {"type": "categorical", "choices": ["kv", "v"]}},
         **{"tracking.experiment": "grkv-one-at-a-time"})
     driver = start_driver(services, config, sweep_id, state)
     output, _ = driver.communicate(timeout=600)
@@ -346,7 +345,13 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
     assert [t.user_attrs.get(BASELINE_TAG) for t in trials[:2]] == [PAPER_DEFAULT, EVICTION_ONLY]
     assert len(trials) == 4 and sorted(t.user_attrs[DESIGN_ROW_ATTR] for t in trials[2:]) == [0, 1]
     assert sorted((t.params["steps"], t.params["components"]) for t in trials[2:]) == [(1, "v"), (2, "kv")]
-    result = ablation_table(load_sweep(MlflowClient(services["tracking_uri"]), sweep_id), score="answer_nll")
+    client = MlflowClient(services["tracking_uri"])
+    sweep = load_sweep(client, sweep_id)
+    ran = [resolved(press_of_run(client, run_id))
+           for run_id, baseline in zip(sweep.trials["run_id"], sweep.trials["baseline"]) if baseline != EVICTION_ONLY]
+    assert len(ran) == 3 and all(press["safeguard"] is False and press["cg_max_iter"] == 200 for press in ran), \
+        "the paper default and its rows run Alg. 1's unsearched options"
+    result = ablation_table(sweep, score="answer_nll")
     table = result.table.set_index(["factor", "setting"])
     for factor, settings in (("Update steps (S)", ["S=1", "S=2"]), ("Optimized cache components", ["GRKV", "GRV"])):
         assert [table.loc[(factor, setting), "held"] for setting in settings] == ["at defaults"] * 2
