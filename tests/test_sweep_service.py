@@ -30,8 +30,8 @@ from grkv_core.kvpress_layout import read_runs
 from grkv_core.registry import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
-from tracking.export import press_of_run
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
+from tracking.export import press_of_run
 from tracking.names import (
     BASELINE_TAG,
     DESIGN_ROW_ATTR,
