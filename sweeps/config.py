@@ -180,18 +180,26 @@ class WorkerSection(_Strict):
         "K compressed caches plus one full cache in memory"))
 
 
+_MIN_DISTANCE = (
+    "skip a configuration closer than this to a better one already chosen: the largest difference over its "
+    "parameters, each as a fraction of its searched range (log scale where searched so), a different categorical "
+    "choice 1 (0: skip only repeats; e.g. 0.1 keeps the sampler's near-copies of one configuration out)")
+
+
 class ScreeningSection(_Strict):
     """A cheap first stage: trials ranked by a reconstruction loss, nothing generated; the best are promoted."""
 
     trials: int = Field(default=0, ge=0, description="screening trials before the full ones (0: no screening)")
     promote: int = Field(default=4, ge=1, description="best screened configurations run first as full trials")
     metric: Literal[SCREENING_METRICS] = "question_loss"
+    min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
 
 
 class TestSection(_Strict):
     """What the held-out test stage confirms (on ``data.test.samples`` samples per task)."""
 
     top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
+    min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
     eviction_ratios: list[float] = Field(default_factory=list, description=(
         "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"))
     mergers: list[str] = Field(default_factory=list, description=(

@@ -123,7 +123,8 @@ class SweepDriver:
             if not self.stop_requested:
                 # NOTE: enqueued after the baselines, so the promoted configurations are the first full trials
                 # after them; enqueue_once makes this a no-op when a resumed sweep gets here again.
-                full.enqueue_once(promotions(screen.study, self.config.screening.promote))
+                full.enqueue_once(promotions(screen.study, self.config.screening.promote,
+                                             self.config.screening.min_distance))
         if not self.stop_requested:
             self._run_stage(pool, full)
         if self.config.test_stage and not self.stop_requested:

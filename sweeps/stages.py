@@ -9,6 +9,8 @@ study's best trials, the baselines, and eviction-only at larger budgets.
 
 from __future__ import annotations
 
+import math
+
 import optuna
 
 from grkv_core.config import PressConfig
@@ -24,16 +26,18 @@ SCREEN_SEED_OFFSET = 1
 COMPLETE = optuna.trial.TrialState.COMPLETE
 
 
-def promotions(screen: optuna.Study, count: int) -> list[tuple[dict, dict]]:
-    """The ``count`` best distinct screened configurations, best first, as ``(params, user_attrs)`` to enqueue
-    in the main study."""
+def promotions(screen: optuna.Study, count: int, min_distance: float = 0.0) -> list[tuple[dict, dict]]:
+    """The ``count`` best distinct screened configurations (at least ``min_distance`` apart, see
+    ``configuration_distance``), best first, as ``(params, user_attrs)`` to enqueue in the main study."""
     ranked = sorted(screen.get_trials(deepcopy=False, states=(COMPLETE,)), key=lambda t: (t.value, t.number))
-    return [(trial.params, {PROMOTED_FROM_TAG: trial.number}) for trial in _distinct(ranked)[:count]]
+    return [(trial.params, {PROMOTED_FROM_TAG: trial.number})
+            for trial in _distinct(ranked, min_distance)[:count]]
 
 
 def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.FrozenTrial]:
     """The main study's best trials that are not baselines, at most ``test.top_k``: the best values for one
-    objective, the Pareto set for several (ordered by the first objective), distinct configurations only."""
+    objective, the Pareto set for several (ordered by the first objective), distinct configurations only (at least
+    ``test.min_distance`` apart)."""
     signs = [1.0 if direction == "minimize" else -1.0 for direction in config.directions]
     candidates = [trial for trial in study.get_trials(deepcopy=False, states=(COMPLETE,))
                   if BASELINE_TAG not in trial.user_attrs]
@@ -42,7 +46,7 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
         candidates = [trial for trial in candidates
                       if not any(_dominates(costs[other.number], costs[trial.number]) for other in candidates)]
     ranked = sorted(candidates, key=lambda trial: (costs[trial.number], trial.number))
-    return _distinct(ranked)[:config.test.top_k]
+    return _distinct(ranked, config.test.min_distance)[:config.test.top_k]
 
 
 def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
@@ -68,11 +72,35 @@ def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str,
     return presses
 
 
-def _distinct(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    seen, kept = [], []
+def configuration_distance(first: optuna.trial.FrozenTrial, second: optuna.trial.FrozenTrial) -> float:
+    """How far apart two trials' configurations are, in [0, 1]: the largest difference over their parameters, each
+    measured on its own range (a float or integer as a fraction of its range, on a log scale where it is searched
+    log-uniformly; a categorical choice 0 when equal, else 1; a parameter only one of them has, 1).
+
+    NOTE: 0 exactly when the parameters are equal, so a minimum distance of 0 keeps every configuration that is not
+    a repeat.
+    """
+    distance = 0.0
+    for name in first.params.keys() | second.params.keys():
+        if name not in first.params or name not in second.params:
+            return 1.0
+        a, b = first.params[name], second.params[name]
+        distribution = first.distributions[name]
+        if isinstance(distribution, (optuna.distributions.FloatDistribution, optuna.distributions.IntDistribution)):
+            scale = math.log if distribution.log else float
+            width = scale(distribution.high) - scale(distribution.low)
+            distance = max(distance, abs(scale(a) - scale(b)) / width if width > 0 else float(a != b))
+        else:
+            distance = max(distance, float(a != b))
+    return distance
+
+
+def _distinct(trials: list[optuna.trial.FrozenTrial], min_distance: float = 0.0) -> list[optuna.trial.FrozenTrial]:
+    """``trials`` in order, leaving out each one closer than ``min_distance`` to (or a repeat of) one kept before."""
+    kept = []
     for trial in trials:
-        if trial.params not in seen:
-            seen.append(trial.params)
+        if all(trial.params != other.params and configuration_distance(trial, other) >= min_distance
+               for other in kept):
             kept.append(trial)
     return kept
 

@@ -18,7 +18,7 @@ from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
                           suggest_press)
-from sweeps.stages import best_trials, presses_to_test, promotions
+from sweeps.stages import best_trials, configuration_distance, presses_to_test, promotions
 from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +47,8 @@ def smoke_with(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
     ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 2 baselines > 8 trials
     ({"screening.metric": "mean_score"}, (), "screening.metric"),
     ({"screening.trials": -1}, (), "screening.trials"),
+    ({"screening.min_distance": 1.5}, (), "screening.min_distance"),
+    ({"test.min_distance": -0.1}, (), "test.min_distance"),
     ({"data.test.samples": -1}, (), "data.test.samples"),
     ({"workers.batch_size": 0}, (), "workers.batch_size"),
     ({"test.top_k": 0}, (), "test.top_k"),
@@ -131,6 +133,27 @@ def test_the_best_distinct_screened_configurations_are_promoted():
     promoted = promotions(screen, 2)
     assert [params["lambda_k"] for params, _ in promoted] == [0.2, 0.3]
     assert [attrs[PROMOTED_FROM_TAG] for _, attrs in promoted] == [1, 2]
+
+
+def test_a_minimum_distance_keeps_near_copies_of_a_better_configuration_out():
+    screen = optuna.create_study(direction="minimize")
+    distributions = {"lambda_k": optuna.distributions.FloatDistribution(1e-4, 1.0, log=True),
+                     "beta": optuna.distributions.FloatDistribution(0.0, 0.5),
+                     "query_policy": optuna.distributions.CategoricalDistribution(["window", "stratified"])}
+    for lambda_k, beta, policy, loss in [(1e-2, 0.1, "window", 0.1), (1.1e-2, 0.11, "window", 0.2),
+                                         (1e-2, 0.1, "stratified", 0.3), (1e-2, 0.2, "window", 0.4),
+                                         (1e-3, 0.1, "window", 0.5)]:
+        screen.add_trial(optuna.trial.create_trial(
+            params={"lambda_k": lambda_k, "beta": beta, "query_policy": policy}, distributions=distributions,
+            values=[loss]))
+    trials = screen.get_trials()
+    # log10(1.1) / 4 decades = 0.010 for lambda_k, 0.01 / 0.5 = 0.02 for beta: the larger counts.
+    assert configuration_distance(trials[0], trials[1]) == pytest.approx(0.02)
+    assert configuration_distance(trials[0], trials[2]) == 1.0  # another categorical choice
+    assert configuration_distance(trials[0], trials[4]) == pytest.approx(0.25)  # one decade of four
+    assert [attrs[PROMOTED_FROM_TAG] for _, attrs in promotions(screen, 3)] == [0, 1, 2]
+    assert [attrs[PROMOTED_FROM_TAG] for _, attrs in promotions(screen, 3, min_distance=0.1)] == [0, 2, 3]
+    assert [attrs[PROMOTED_FROM_TAG] for _, attrs in promotions(screen, 3, min_distance=0.21)] == [0, 2, 4]
 
 
 def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(tmp_path):
