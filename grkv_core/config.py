@@ -64,6 +64,7 @@ RIDGE_SCALES = ("absolute", "relative")
 QUERY_POLICIES = ("window", "stratified")
 ACCEPT_RULES = ("always", "objective", "validation")
 HEAD_WEIGHTINGS = ("uniform", "o_proj")
+MERGED_LAYERS = ("all", "early", "late")
 
 
 def is_number(value) -> bool:
@@ -185,6 +186,9 @@ class GRKVOptions:
     head_weighting: str = _option("uniform", OptionSpec(
         "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
         "next layer sees of its error), 'uniform' alike (paper)", str, choices=HEAD_WEIGHTINGS))
+    merged_layers: str = _option("all", OptionSpec(
+        "which of the compressed layers GRKV merges: 'all' (paper), the first half ('early') or the second half "
+        "('late'); the others keep the base press's eviction, unmerged", str, choices=MERGED_LAYERS))
 
 
 def option_specs(options: type) -> dict[str, OptionSpec]:

@@ -154,6 +154,7 @@ def test_batch_elements_are_compressed_independently(architecture):
     dict(components="k"), dict(components="v"), dict(steps=3), dict(lambda_k=0.0, lambda_v=0.0),
     dict(query_policy="stratified"), dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
     dict(accept="objective"), dict(accept="validation"), dict(beta=0.0), dict(head_weighting="o_proj"),
+    dict(merged_layers="early"), dict(merged_layers="late"),
     pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
 ])
 def test_press_options_run_and_keep_the_budget(options):
@@ -163,6 +164,39 @@ def test_press_options_run_and_keep_the_budget(options):
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, RATIO)] * len(layers_of(model))
     for layer in cache.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("merged_layers", ["early", "late"])
+def test_merged_layers_merges_its_half_of_the_compressed_layers_and_leaves_the_rest_evicted(architecture, merged_layers):
+    model = tiny_model(architecture).model
+    ids = context_ids(model.config.vocab_size, seed=12)
+    full = prefill(model, ids)
+    plain = prefill(model, ids, build_press("snapkv", RATIO))
+    every = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv"))
+    part = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", merged_layers=merged_layers))
+    compressed = [layer.self_attn.layer_idx for layer in compressed_layers(model)]
+    half = len(compressed) // 2
+    merged = compressed[:half] if merged_layers == "early" else compressed[half:]
+    # NOTE: tiny-gemma3 compresses one global layer, so "early" (half of one, rounded down) merges none.
+    for index in compressed:
+        # kvpress's SnapKV stores its rows in score order, a merger in position order.
+        order = recover_kept_positions(plain.layers[index].keys, full.layers[index].keys).argsort(-1)[..., None]
+        evicted = [rows.gather(2, order.expand_as(rows)) for rows in (plain.layers[index].keys,
+                                                                     plain.layers[index].values)]
+        got = (part.layers[index].keys, part.layers[index].values)
+        if index in merged:
+            torch.testing.assert_close(got, (every.layers[index].keys, every.layers[index].values), rtol=1e-5,
+                                       atol=1e-6)
+            assert not torch.equal(got[0], evicted[0]) or not torch.equal(got[1], evicted[1])
+        else:
+            assert torch.equal(got[0], evicted[0]) and torch.equal(got[1], evicted[1])
+
+
+def test_merged_layers_other_than_all_needs_the_press_set_up_for_a_model():
+    press = build_press("snapkv", RATIO, merge="grkv", merged_layers="late")
+    with pytest.raises(ValueError, match="merged_layers='late'.*not set up"):
+        press.layer_context(None, None, None, {})
 
 
 def test_trust_region_caps_bound_the_update_per_head():
@@ -246,6 +280,7 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     ("steps", 0), ("steps", True), ("n_sink", -1), ("components", "kq"), ("query_policy", "random"),
     ("max_rel_update_k", 0.0), ("accept", "sometimes"), ("cg_rtol", -1), ("cg_rtol", "1e-6"),
     ("safeguard", "yes"), ("ridge_scale", "per-head"), ("target_from_forward", 1), ("head_weighting", "o-proj"),
+    ("merged_layers", "middle"),
 ])
 def test_bad_press_options_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

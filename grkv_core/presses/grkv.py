@@ -21,6 +21,7 @@ from grkv_core.presses.window_capture import (WindowCapture, WindowRegression, o
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.merge import solve_regression
+from grkv_core.solver.problem import gather_rows
 from grkv_core.solver.regression import KeptRegression
 
 
@@ -90,6 +91,11 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         "uniform" (the paper): every query head's error counts alike. "o_proj": each query head's rows of the loss
         are weighted by ‖W_o^h‖²_F, the squared norm of its block of the output projection, over the layer's mean
         (so λ keeps its scale): the error that reaches the residual stream, with the heads' cross terms left out.
+    merged_layers : {"all", "early", "late"}
+        Which of the layers the press compresses are merged: all of them (the paper), the first half of them in depth
+        order ("early") or the rest ("late"). The others keep the base press's rows as eviction leaves them: where a
+        merge's effect on the answer comes from, since every layer's merge is fitted on the full model's inputs but
+        later serves inputs that earlier compressed layers have changed.
     """
 
     def __post_init__(self) -> None:
@@ -97,6 +103,12 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         # NOTE: both exist only within this press's own context manager (see ``__call__``).
         self._capture: WindowCapture | None = None
         self._groups: LayerGroups | None = None
+        # NOTE: set by ``post_init_from_model``, which kvpress (and its wrappers) call before any layer is hooked.
+        self._merged_layers: frozenset[int] | None = None
+
+    def post_init_from_model(self, model) -> None:
+        super().post_init_from_model(model)
+        self._merged_layers = merged_layer_indices(model, self.merged_layers)
 
     @contextmanager
     def __call__(self, model):
@@ -104,8 +116,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         ``target_from_forward``, its attention outputs) are kept from the forward itself (``WindowCapture``), and
         with ``layers_per_solve`` other than 1 the layers' merges wait for their group (``LayerGroups``)."""
         decoder = language_model(model)
-        sliding = sliding_layer_indices(model)
-        merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index not in sliding]
+        merged = merged_layer_indices(model, self.merged_layers)
+        merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index in merged]
         capture = WindowCapture(self.window_size, keep_outputs=self.target_from_forward)
         try:
             with capture.hooked(merged_attentions) if self.query_policy == "window" else contextlib.nullcontext():
@@ -117,7 +129,13 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             self._capture = self._groups = None
 
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                      kwargs: dict) -> WindowRegression:
+                      kwargs: dict) -> WindowRegression | None:
+        """The layer's regression inputs; None for a layer that ``merged_layers`` leaves unmerged."""
+        if self._merged_layers is None and self.merged_layers != "all":
+            raise ValueError(f"GRKVPress(merged_layers={self.merged_layers!r}) was not set up for a model: enter it "
+                             "with `with press(model):` or inside a kvpress press that calls its post_init_from_model")
+        if self._merged_layers is not None and module.layer_idx not in self._merged_layers:
+            return None
         projections, outputs = self._capture.take(module.layer_idx) if self._capture else (None, None)
         surrogate = surrogate_queries(
             module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size,
@@ -129,7 +147,10 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         row_weights = output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
         return WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
-    def head_context(self, context: WindowRegression, batch_index: int, head_index: int) -> WindowRegression:
+    def head_context(self, context: WindowRegression | None, batch_index: int,
+                     head_index: int) -> WindowRegression | None:
+        if context is None:
+            return None
         head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
         surrogate = context.surrogate
         head_queries = SurrogateQueries(
@@ -163,10 +184,13 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         """Refit the kept rows by GRKV's regression; then the trust-region caps and the acceptance rule, if set.
 
         A layer that ``context.deferrable`` marks gets its kept rows back as they are, and they are merged in place
-        together with the other layers of its group (``layers_per_solve``), when the last of them is compressed.
+        together with the other layers of its group (``layers_per_solve``), when the last of them is compressed. A
+        layer without a context (``merged_layers``) gets its kept rows unmerged.
         """
-        surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         kept = selection.kept_positions()
+        if context is None:
+            return gather_rows(keys, kept), gather_rows(values, kept)
+        surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         fixed = self._fixed(selection, kept)
         if bool(fixed.all()):
             # NOTE: one message per setting (not per layer or head), so Python's warning filter shows it once.
@@ -221,3 +245,12 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
 
     def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
         return self._capped(regression, *solve_regression(regression, options))
+
+
+def merged_layer_indices(model: nn.Module, merged_layers: str) -> frozenset[int]:
+    """The indices of the layers GRKV merges on ``model``: of its compressed (not sliding-window) layers, all, the
+    first half (``"early"``, rounded down) or the rest (``"late"``)."""
+    compressed = [index for index in range(len(language_model(model).layers))
+                  if index not in sliding_layer_indices(model)]
+    half = len(compressed) // 2
+    return frozenset({"all": compressed, "early": compressed[:half], "late": compressed[half:]}[merged_layers])
