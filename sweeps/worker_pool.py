@@ -282,8 +282,7 @@ class WorkerPool:
             return
         self.no_node_since = self.no_node_since or time.time()
         if time.time() - self.no_node_since > self.node_wait_s:
-            wanted = ", ".join(f"{value:g} {name.removeprefix('num_').upper()}s" for name, value in
-                               self.resources.items() if value)
+            wanted = ", ".join(f"{value:g} {ray_resource(name)}s" for name, value in self.resources.items() if value)
             raise NoWorkerLeftError(f"no node of the cluster can hold a worker ({wanted}) for "
                                     f"{self.node_wait_s:g} s (workers.node_wait_s); add one")
 
@@ -310,7 +309,12 @@ def alive_nodes() -> dict[str, dict]:
 
 def fits(node_resources: dict, wanted: dict) -> bool:
     """Whether a node with ``node_resources`` (Ray's names) could hold a worker asking ``wanted`` (``num_cpus``…)."""
-    return all(node_resources.get(name.removeprefix("num_").upper(), 0) >= value for name, value in wanted.items())
+    return all(node_resources.get(ray_resource(name), 0) >= value for name, value in wanted.items())
+
+
+def ray_resource(option: str) -> str:
+    """A worker option's resource as Ray names it on a node: ``num_cpus`` -> ``CPU``, ``num_gpus`` -> ``GPU``."""
+    return option.removeprefix("num_").removesuffix("s").upper()
 
 
 def _trials(dispatch: Dispatch) -> str:

@@ -410,3 +410,20 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
         assert_sweep_complete(own["tracking_uri"], state, sweep_id, trials)
     finally:
         subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=env, timeout=300)
+
+
+def test_a_cluster_without_room_for_a_worker_stops_the_sweep_in_one_line_naming_the_resources(monkeypatch):
+    from sweeps import worker_pool
+
+    pool = worker_pool.WorkerPool({}, test_samples=0, count=1, num_cpus=2, num_gpus=1, max_retries=0,
+                                  node_wait_s=0.5)
+    monkeypatch.setattr(worker_pool, "alive_nodes", lambda: {"node": {"CPU": 1.0}})
+    pool._check_capacity()  # the first look only starts the wait
+    pool.no_node_since -= 1.0
+    with pytest.raises(worker_pool.NoWorkerLeftError) as raised:
+        pool._check_capacity()
+    assert str(raised.value) == ("no node of the cluster can hold a worker (2 CPUs, 1 GPUs) for 0.5 s "
+                                 "(workers.node_wait_s); add one")
+    monkeypatch.setattr(worker_pool, "alive_nodes", lambda: {"node": {"CPU": 2.0, "GPU": 1.0}})
+    pool._check_capacity()
+    assert pool.no_node_since is None
