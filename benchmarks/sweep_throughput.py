@@ -43,8 +43,13 @@ from grkv_core.models import load_model
 
 EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens",
                 "answer_top1")
+# NOTE: what a greedy decode or an argmax yields can flip on a rounding difference at a near tie
+DECODED_FIELDS = ("predictions", "scores", "score", "generated_tokens", "answer_top1")
 HELDOUT_RTOL = 1e-5
 ANSWER_ATOL = 1e-5
+# In half precision the engine's batched forwards round differently from single-trial ones (GPU kernels are not
+# batch-invariant): float metrics then agree to the format's precision, not bit for bit (RESULTS §10)
+BATCHED_RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-10}
 # mode -> Evaluator.evaluate_trials arguments
 MODES = {"full": dict(decode=True), "screening": dict(decode=False),
          "answer": dict(decode=False, measure_reconstruction=False)}
@@ -70,22 +75,33 @@ def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConf
             *(PressConfig(press, ratio, "grkv", options) for options in variants)]
 
 
-def mismatches(engine, alone) -> tuple[list[str], float]:
+def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], float]:
     """The differences beyond tolerance between the engine's and the per-trial results, and the largest absolute
-    difference of an answer NLL or KL."""
+    difference of an answer NLL or KL. ``rtol`` (``BATCHED_RTOL`` of a half-precision model): the float metrics
+    agree to this relative tolerance and the decoded fields are not compared; ``None``: every field as exactly as
+    float32 allows."""
+    exact = EXACT_FIELDS if rtol is None else tuple(name for name in EXACT_FIELDS if name not in DECODED_FIELDS)
     found, largest = [], 0.0
     for ours, theirs in zip(engine, alone):
         ours, theirs = asdict(ours), asdict(theirs)
         found += [f"{ours['sample_id']}: {name} {ours[name]!r} != {theirs[name]!r}"
-                  for name in EXACT_FIELDS if ours[name] != theirs[name]]
-        a, b = ours["heldout_loss"], theirs["heldout_loss"]
-        if (a is None) != (b is None) or (a is not None and not math.isclose(a, b, rel_tol=HELDOUT_RTOL, abs_tol=1e-12)):
-            found.append(f"{ours['sample_id']}: heldout_loss {a!r} != {b!r}")
-        for name in ("answer_nll", "answer_kl"):
+                  for name in exact if ours[name] != theirs[name]]
+        for name in ("heldout_loss", "answer_nll", "answer_kl"):
             a, b = ours[name], theirs[name]
-            if (a is None) != (b is None) or (a is not None and abs(a - b) > ANSWER_ATOL):
+            if (a is None) != (b is None):
                 found.append(f"{ours['sample_id']}: {name} {a!r} != {b!r}")
-            elif a is not None:
+                continue
+            if a is None:
+                continue
+            if rtol is not None:
+                close = math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12)
+            elif name == "heldout_loss":
+                close = math.isclose(a, b, rel_tol=HELDOUT_RTOL, abs_tol=1e-12)
+            else:
+                close = abs(a - b) <= ANSWER_ATOL
+            if not close:
+                found.append(f"{ours['sample_id']}: {name} {a!r} != {b!r}")
+            elif name != "heldout_loss":
                 largest = max(largest, abs(a - b))
     return found, largest
 
@@ -93,13 +109,15 @@ def mismatches(engine, alone) -> tuple[list[str], float]:
 def both_paths(evaluator: Evaluator, sample, trials: list[PressConfig], mode: str
                ) -> tuple[float, float, list[str], float]:
     """``trials`` on ``sample`` each with its own prefill, then all on the engine: the seconds of each path, the
-    differences beyond tolerance and the largest answer-metric difference (``mismatches``)."""
+    differences beyond tolerance and the largest answer-metric difference (``mismatches``, to the model's
+    ``BATCHED_RTOL`` in half precision)."""
     started = time.perf_counter()
     alone = [evaluator.evaluate_trials(sample, [trial], **MODES[mode])[0] for trial in trials]
     per_trial = time.perf_counter() - started
     started = time.perf_counter()
     engine = evaluator.evaluate_trials(sample, trials, **MODES[mode])
-    return (per_trial, time.perf_counter() - started, *mismatches(engine, alone))
+    rtol = BATCHED_RTOL.get(evaluator.loaded.dtype)
+    return (per_trial, time.perf_counter() - started, *mismatches(engine, alone, rtol))
 
 
 def main() -> int:
