@@ -622,3 +622,16 @@ def test_the_window_is_held_fixed_unless_fix_window_is_off(fix_window):
     same = (merged.keys[:, :, -window:] == full.keys[:, :, -window:]).all(-1) & \
         (merged.values[:, :, -window:] == full.values[:, :, -window:]).all(-1)
     assert bool(same.all()) == fix_window
+
+
+@pytest.mark.parametrize("batch,heads,length,budget", [(1, 1, 7, 3), (2, 3, 64, 16), (1, 4, 300, 299), (3, 2, 50, 1)])
+def test_kept_positions_are_each_heads_kept_positions_in_increasing_order(batch, heads, length, budget):
+    generator = torch.Generator().manual_seed(length + budget)
+    kept = torch.rand(batch, heads, length, generator=generator).argsort(dim=-1)[..., :budget]
+    kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool).scatter_(-1, kept, True)
+    selection = TokenSelection(scores=torch.zeros(batch, heads, length), kept_mask=kept_mask, uniform_budget=budget)
+    reference = torch.tensor([[[position for position in range(length) if kept_mask[b, h, position]]
+                               for h in range(heads)] for b in range(batch)])
+    assert torch.equal(selection.kept_positions(), reference)
+    assert selection.kept_positions() is selection.kept_positions()  # computed once per selection
+    assert torch.equal(selection.kept_positions(), kept_mask.nonzero()[:, 2].view(batch, heads, budget))

@@ -93,11 +93,19 @@ class TokenSelection:
     uniform_budget: int | None
 
     def kept_positions(self) -> torch.Tensor:
-        """(B, H_kv, c) kept positions in increasing order; only defined for a uniform budget."""
+        """(B, H_kv, c) kept positions in increasing order; only defined for a uniform budget.
+
+        NOTE: computed once per selection, by a stable sort that puts the kept positions first in their order
+        (the same positions as ``kept_mask.nonzero()``, which would wait for the GPU at every call and layer).
+        """
         if self.uniform_budget is None:
             raise ValueError("per-head budgets have no rectangular (B, H_kv, c) kept-position tensor")
-        batch, heads, _ = self.kept_mask.shape
-        return self.kept_mask.nonzero()[:, 2].view(batch, heads, self.uniform_budget)
+        cached = self.__dict__.get("_kept_positions")
+        if cached is None:
+            evicted_first_key = (~self.kept_mask).to(torch.uint8)
+            cached = evicted_first_key.argsort(dim=-1, stable=True)[..., : self.uniform_budget]
+            self.__dict__["_kept_positions"] = cached  # NOTE: a cache, not state: frozen fields stay untouched
+        return cached
 
     def of_head(self, batch_index: int, head_index: int) -> TokenSelection:
         """The choice for one (batch, head), as a (1, 1, n) selection with a uniform budget (its kept count)."""
