@@ -485,7 +485,14 @@ def test_significance_pairs_held_out_test_samples(store, staged_sweep):
         ("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)"),
         ("trial 2 (snapkv+grkv, 10%)", "paper_default (snapkv+grkv, 10%)"),
         ("paper_default (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)"),
-        ("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)")}
+        ("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)"),
+        # Eviction at a larger budget, which spends the memory the merge saves (none is larger than 12%).
+        ("trial 2 (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)"),
+        ("paper_default (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)")}
+    larger_budget = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)")]
+    assert len(larger_budget.units) == 12 and larger_budget.treatment_mean == pytest.approx(700 / 12)
+    assert larger_budget.control_mean == pytest.approx(
+        by_pair[("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)")].control_mean)
     versus_eviction = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)")]
     assert versus_eviction.unit == "sample" and len(versus_eviction.units) == 12 and versus_eviction.p_exact
     assert sorted(versus_eviction.differences) == [0.0] * 11 + [100.0]  # only sample 6 differs

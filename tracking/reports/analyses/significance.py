@@ -43,8 +43,9 @@ class Significance:
     metric : str
         What is compared: ``mean_score`` or an answer metric (direction from ``higher_is_better``).
     stage : str
-        ``test``: every confirmed merging configuration against eviction only at its budget and against the
-        paper default at its budget, paired per held-out test sample. ``full`` (no test stage): the paper
+        ``test``: every confirmed merging configuration against eviction only at its budget, the paper default at
+        its budget and eviction only at every larger tested budget (which spends the memory the merge saves),
+        paired per held-out test sample. ``full`` (no test stage): the paper
         default and the best trial at the base press's budget, paired per task on the tuning samples that also
         selected the best trial.
     comparisons : list[PairedComparison]
@@ -123,6 +124,7 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
         eviction = eviction_rows(same_budget, treatment["compression_ratio"])
         default = same_budget[(same_budget["baseline"] == PAPER_DEFAULT) & (same_budget["merge"] != "none")
                               & (same_budget["run_id"] != treatment["run_id"])]
+        at_budget = []
         for kind, controls in (("eviction-only", eviction), ("paper-default", default)):
             if kind == "paper-default" and treatment["baseline"] == PAPER_DEFAULT:
                 continue
@@ -130,10 +132,14 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
                 notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare "
                              f"{_test_name(treatment)} with")
                 continue
+            at_budget.append(controls.iloc[0])
+        # NOTE: eviction at a larger budget keeps the memory the merge saves: the paired iso-memory question
+        larger = test[(test["merge"] == "none") & (test["compression_ratio"] < treatment["compression_ratio"] - 1e-9)]
+        for control in [*at_budget, *(row for _, row in larger.iterrows())]:
             try:
-                comparisons.append(_test_comparison(tidy, treatment, controls.iloc[0], metric, n_resamples, seed))
+                comparisons.append(_test_comparison(tidy, treatment, control, metric, n_resamples, seed))
             except (KeyError, ValueError) as error:
-                notes.append(f"{_test_name(treatment)} vs {_test_name(controls.iloc[0])}: {error}")
+                notes.append(f"{_test_name(treatment)} vs {_test_name(control)}: {error}")
     held_out = pd.DataFrame({"configuration": test["configuration"], "method": test["method"],
                              "budget": test["budget"], "merge": test["merge"],
                              f"tuning_{metric}": tuning_scores(runs, metric),
