@@ -237,7 +237,8 @@ def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_
         report.add("trial engine", {"mode": mode, "context": context, "samples": len(rows), "trials": len(chosen),
                                     "per-trial s": seconds["per trial"], "engine s": seconds["engine"],
                                     "speed-up": seconds["per trial"] / seconds["engine"], "agree": not problems,
-                                    "tolerance": "exact" if rtol is None else f"relative {rtol:.2g}, decoded not compared",
+                                    "tolerance": "exact" if rtol is None
+                                    else f"relative {rtol:.2g}, decoded not compared",
                                     "largest answer difference": largest})
         report.problems += [f"trial engine ({mode}): {problem}" for problem in problems[:5]]
 

