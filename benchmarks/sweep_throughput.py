@@ -171,10 +171,13 @@ def main() -> int:
         print(f"answer-metric trials on the engine vs full scoring trials: "
               f"{figures['answer_vs_full']['engine']:.1f}x the engine's, "
               f"{figures['answer_vs_full']['per_trial']:.1f}x the per-trial path's throughput")
+    rtol = BATCHED_RTOL.get(loaded.dtype)
+    tolerance = "exact" if rtol is None else f"to relative {rtol:.2g}, decoded fields not compared"
     figures["identical"] = not problems
+    figures["tolerance"] = tolerance
     figures["largest_answer_difference"] = largest
-    print("per-sample results identical: " + ("yes" if not problems else f"NO ({len(problems)} differences)")
-          + f" (answer NLL/KL: largest difference {largest:.2g})")
+    print(f"per-sample results identical ({tolerance}): " + ("yes" if not problems else f"NO ({len(problems)} "
+          "differences)") + f" (answer NLL/KL: largest difference {largest:.2g})")
     for problem in problems[:20]:
         print("  " + problem)
     if args.output is not None:

@@ -202,9 +202,7 @@ class BaseMergerPress(ScorerPress):
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
         if selection.uniform_budget is not None:
             module.kept_positions = selection.kept_positions()
-        # NOTE: a uniform budget says from its size alone whether anything is evicted, with no GPU synchronisation
-        if (selection.uniform_budget == keys.shape[2] if selection.uniform_budget is not None
-                else bool(selection.kept_mask.all())):  # nothing evicted at this layer (e.g. its ratio is 0)
+        if selection.keeps_every_position():
             return keys, values
         if selection.uniform_budget == 0:
             # NOTE: a ratio of 1 keeps no token (kvpress empties the layer): there is nothing to merge into.

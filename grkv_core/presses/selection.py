@@ -107,6 +107,15 @@ class TokenSelection:
             self.__dict__["_kept_positions"] = cached  # NOTE: a cache, not state: frozen fields stay untouched
         return cached
 
+    def keeps_every_position(self) -> bool:
+        """Whether nothing is evicted (e.g. a layer whose ratio is 0).
+
+        NOTE: a uniform budget says so from its size alone, with no GPU synchronisation.
+        """
+        if self.uniform_budget is not None:
+            return self.uniform_budget == self.kept_mask.shape[-1]
+        return bool(self.kept_mask.all())
+
     def of_head(self, batch_index: int, head_index: int) -> TokenSelection:
         """The choice for one (batch, head), as a (1, 1, n) selection with a uniform budget (its kept count)."""
         kept_mask = self.kept_mask[batch_index : batch_index + 1, head_index : head_index + 1]
