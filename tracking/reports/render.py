@@ -83,8 +83,9 @@ def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[
     """The paper's ablation table layout: factor on its group's first row, † default, best Avg. (the mean of
     ``score``) and best of each answer metric in ``metrics`` emphasised, each in its own direction.
 
-    Rows whose other hyperparameters were not held at the defaults get ‡ after their setting. Every
-    cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
+    Rows whose other hyperparameters were not held at the defaults get ‡ after their setting; a row paired with the
+    paper default per sample (``vs_default``, ``AblationTable``) shows the difference of ``score`` with its 95% CI
+    and p. Every cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
     """
     measured = {"Avg.": ("avg", score), **{metric: (metric, metric) for metric in metrics}}
     rows = []
@@ -95,14 +96,24 @@ def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[
             setting = row["setting"] + ("†" if row["default"] else "") + ("‡" if row["held"] == "varied" else "")
             better = MISSING if pd.isna(row["better"]) else f"{int(row['better'])}/{len(tasks)}"
             cells = {"Factor": factor if position == 0 else "", "Setting": setting, "n": str(row["n"]),
-                     **{task: format_value(row[task], "{:.2f}") for task in tasks}, "Better": better}
+                     **{task: format_value(row[task], "{:.2f}") for task in tasks}, "Better": better,
+                     "Δ vs † [95% CI]": _paired_difference(row, "{:+.2f}" if score == "mean_score" else "{:+.3f}"),
+                     "p": format_value(row.get("vs_default_p"), "{:.2g}")}
             values = {}
             for name, (column, metric) in measured.items():
                 text = escape(format_value(row[column], "{:.2f}" if metric == "mean_score" else "{:.4g}"))
                 values[name] = emphasis(text) if row[column] == best[column] else text
             rows.append({**{name: escape(text) for name, text in cells.items()}, **values})
-    columns = ["Factor", "Setting", "n", *tasks, *measured, "Better"]
+    columns = ["Factor", "Setting", "n", *tasks, *measured, "Better", "Δ vs † [95% CI]", "p"]
     return pd.DataFrame(rows, columns=columns)
+
+
+def _paired_difference(row: pd.Series, spec: str) -> str:
+    """``+0.012 [-0.003, +0.027] (60)``: a row's paired difference from the paper default, its CI and samples."""
+    if pd.isna(row.get("vs_default")):
+        return MISSING
+    low, high = spec.format(row["vs_default_low"]), spec.format(row["vs_default_high"])
+    return f"{spec.format(row['vs_default'])} [{low}, {high}] ({int(row['paired_samples'])})"
 
 
 @dataclass

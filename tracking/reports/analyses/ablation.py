@@ -11,8 +11,9 @@ import pandas as pd
 from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
 from tracking.names import PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
-from tracking.reports.analyses.metrics import score_columns
+from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
+from tracking.reports.stats import compare_configs
 
 COMPONENT_NAMES = {"kv": "GRKV", "k": "GRK", "v": "GRV"}
 
@@ -87,8 +88,12 @@ class AblationTable:
     default's setting), ``held`` ("at defaults" when every other hyperparameter equals the paper
     default's, "varied" when no such trials exist and the row averages over the others), ``n``
     (trials averaged), ``trials``, one column per task, ``avg`` (the mean of ``score``), one column per answer
-    metric the trials logged besides it (``metrics``) and ``better`` (tasks where the row beats the eviction-only
-    base press; NaN without one).
+    metric the trials logged besides it (``metrics``), ``better`` (tasks where the row beats the eviction-only
+    base press; NaN without one) and, for a row of one trial held at the defaults other than the paper default's,
+    its ``score`` paired per sample against the paper default's on the samples both scored (from the runs'
+    ``predictions.json``): ``vs_default`` (the mean difference, row minus default), ``vs_default_low`` and
+    ``vs_default_high`` (its 95% bootstrap CI), ``vs_default_p`` (sign-flip p) and ``paired_samples``; NaN
+    elsewhere.
     """
 
     table: pd.DataFrame
@@ -125,6 +130,7 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
     base_scores = base[task_columns].mean() if len(base) else None
     if base_scores is None:
         notes.append("no eviction-only trial at the paper default's budget: the Better column is empty")
+    per_sample = _per_sample(runs, score)
     rows = []
     for factor in factors:
         factor = factor.restricted_to(tunable)
@@ -139,6 +145,8 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
             notes.append(f"{factor.title}: no trials vary it alone; rows average over the other hyperparameters")
         for label, is_default, group in settings:
             task_means = group[task_columns].mean()
+            paired = (_paired_with_default(per_sample, group, reference, score)
+                      if held_label == "at defaults" and not is_default else {})
             rows.append({
                 "factor": factor.title, "setting": label, "default": is_default, "held": held_label,
                 "n": len(group), "trials": ", ".join(str(n) for n in group["trial_number"]),
@@ -146,9 +154,38 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
                 "avg": group[score].mean(),
                 **{metric: group[metric].mean() for metric in metrics},
                 "better": int((task_means > base_scores).sum()) if base_scores is not None else np.nan,
+                **{column: paired.get(column, np.nan) for column in PAIRED_COLUMNS},
             })
     return AblationTable(pd.DataFrame(rows), int(reference["trial_number"]),
                          int(base.iloc[0]["trial_number"]) if len(base) else None, notes, score, metrics)
+
+
+PAIRED_COLUMNS = ("vs_default", "vs_default_low", "vs_default_high", "vs_default_p", "paired_samples")
+
+
+def _per_sample(runs: SweepRuns, score: str) -> pd.DataFrame:
+    """``config`` (the trial number as text), ``seed``, ``sample`` and ``score`` of every full-stage run's samples."""
+    samples = sample_table(runs.trial_predictions)
+    numbers = runs.trials.set_index("run_id")["trial_number"]
+    samples = samples[samples["run_id"].isin(numbers.index)]
+    return samples.assign(config=samples["run_id"].map(numbers).astype(int).astype(str),
+                          seed=runs.data_seed)[["config", "seed", "sample", score]].dropna(subset=[score])
+
+
+def _paired_with_default(per_sample: pd.DataFrame, group: pd.DataFrame, reference: pd.Series, score: str) -> dict:
+    """A one-trial row against the paper default, paired per sample (``PAIRED_COLUMNS``); {} where either has no
+    per-sample scores."""
+    if len(group) != 1:
+        return {}
+    treatment, control = str(int(group.iloc[0]["trial_number"])), str(int(reference["trial_number"]))
+    try:
+        comparison = compare_configs(per_sample, treatment, control, unit="sample", metric=score,
+                                     higher_is_better=higher_is_better(score))
+    except (KeyError, ValueError):  # NOTE: a trial without predictions, or none shared: the row stays unpaired
+        return {}
+    return {"vs_default": comparison.gain, "vs_default_low": comparison.ci.low,
+            "vs_default_high": comparison.ci.high, "vs_default_p": comparison.p_value,
+            "paired_samples": len(comparison.units)}
 
 
 def _settings(trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series,
