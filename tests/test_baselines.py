@@ -184,6 +184,16 @@ def test_nothing_evicted_leaves_the_cache_unchanged(press_class):
     torch.testing.assert_close(merged_values, keys + 1)
 
 
+def test_merge_inputs_list_kept_and_evicted_positions_in_increasing_order():
+    """Each head's kept and evicted positions, both increasing, as the nonzero() of the mask and of its complement."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 3, 11, generator=generator)
+    mask = torch.zeros(2, 3, 11, dtype=torch.bool).scatter_(-1, scores.topk(4, dim=-1).indices, True)
+    inputs = MergeInputs.from_kept_mask(torch.zeros(2, 3, 11, 2), torch.zeros(2, 3, 11, 2), mask)
+    assert inputs.kept.tolist() == mask.nonzero()[:, 2].view(2, 3, 4).tolist()
+    assert inputs.evicted.tolist() == (~mask).nonzero()[:, 2].view(2, 3, 7).tolist()
+
+
 def test_ragged_selections_are_refused_by_merge_inputs():
     keys = torch.zeros(1, 2, 4, 2)
     mask = torch.tensor([[[True, False, True, False], [True, False, False, False]]])

@@ -79,11 +79,10 @@ class MergeInputs:
                              "(per-head) selections one (batch, head) at a time")
         if n_kept == 0:
             raise ValueError("the base press kept no token: there is no carrier to merge into")
-        batch, heads, length = kept_mask.shape
-        # NOTE: nonzero() lists indices in row-major order, so positions come out increasing per head.
-        kept = kept_mask.nonzero()[:, 2].view(batch, heads, n_kept)
-        evicted = (~kept_mask).nonzero()[:, 2].view(batch, heads, length - n_kept)
-        return cls(keys, values, kept, evicted, token_attention)
+        # NOTE: one stable sort puts each head's kept positions first and its evicted ones after, both increasing
+        # (as two nonzero() calls would list them, with one GPU synchronisation fewer).
+        order = (~kept_mask).to(torch.uint8).argsort(dim=-1, stable=True)
+        return cls(keys, values, order[..., :n_kept], order[..., n_kept:], token_attention)
 
     def rows(self, tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Float32 rows of a (B, H_kv, n, d) ``tensor`` at (B, H_kv, p) ``positions`` -> (B, H_kv, p, d)."""
