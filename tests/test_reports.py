@@ -408,16 +408,21 @@ def test_ablation_rows_are_paired_with_the_paper_default_per_sample(store):
                       stage_costs(KV_AT_10_PERCENT, 1.0) | {"mean_score": 50.0, **{f"score.{t}": 50.0 for t in TASKS}},
                       number=number, baseline=baseline, correct=right.get(number, set()))
     tracker.close("FINISHED")
-    table = ablation_table(load_sweep(MlflowClient(store), "paired-ablation-sweep")).table.set_index("setting")
+    result = ablation_table(load_sweep(MlflowClient(store), "paired-ablation-sweep"))
+    assert result.paired_metric == "mean_score", "no answer metric logged: the score is paired"
+    table = result.table.set_index("setting")
     # float64 reference: per sample, 100 × (right under trial 2) − 100 × (right under the paper default)
     differences = np.array([100.0 * ((i in right[2]) - (i in right[0])) for i in range(len(TEST_SAMPLES))])
     row = table.loc["λv=0.05"]
-    assert row["paired_samples"] == len(TEST_SAMPLES) == 12
+    assert row["vs_default_samples"] == len(TEST_SAMPLES) == 12
     assert row["vs_default"] == pytest.approx(differences.mean()) == pytest.approx(50.0)
     assert 0 < row["vs_default_low"] < row["vs_default"] < row["vs_default_high"] <= 100.0
     # 6 of 12 samples differ, all in the row's favour: the exact two-sided sign-flip p is 2 / 2^6
     assert row["vs_default_p"] == pytest.approx(2 / 2**6)
     assert table.loc["λv=0.01", "default"] and pd.isna(table.loc["λv=0.01", "vs_default"])
+    # Against eviction only (trial 1, nothing right): every row's samples, the default's too
+    assert table.loc["λv=0.01", "vs_base"] == pytest.approx(100 * 6 / 12)
+    assert table.loc["λv=0.05", "vs_base"] == pytest.approx(100.0) and table.loc["λv=0.05", "vs_base_samples"] == 12
     assert pd.isna(table.loc["λv=0.2", "vs_default"]), "a trial without predictions stays unpaired"
 
 
@@ -594,8 +599,8 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
     assert page.count("data:image/png;base64,") == len(pngs)
     assert "<b>21.00</b>" in page  # the best Avg. of a group, emphasised as in the paper
     ablation = (tmp_path / "ablation.md").read_text()
-    assert "| Update steps (S) | S=1† | 1 | 12.00 | 19.00 | 31.00 | 20.67 | 2/3 | – | – |" in ablation
-    assert "|  | S=2 | 1 | 13.00 | 21.00 | 29.00 | **21.00** | 2/3 | – | – |" in ablation  # no predictions: unpaired
+    assert "| Update steps (S) | S=1† | 1 | 12.00 | 19.00 | 31.00 | 20.67 | 2/3 | – | – | – | – |" in ablation
+    assert "|  | S=2 | 1 | 13.00 | 21.00 | 29.00 | **21.00** | 2/3 | – | – | – | – |" in ablation  # no predictions: unpaired
     logged = {a.path for a in client.list_artifacts(ablation_sweep.parent_run_id, "report")}
     assert {f"report/{name}" for name in names} == logged
     assert "best trial 6" in report.summary
@@ -876,7 +881,8 @@ def test_the_ablation_display_emphasises_each_metrics_best_in_its_own_direction(
     from tracking.reports.render import ablation_display
 
     row = dict(factor="Update steps (S)", held="at defaults", n=1, better=1)
-    paired = dict(vs_default=-0.1, vs_default_low=-0.15, vs_default_high=-0.0625, vs_default_p=0.0123, paired_samples=60)
+    paired = dict(vs_default=-0.1, vs_default_low=-0.15, vs_default_high=-0.0625, vs_default_p=0.0123,
+                  vs_default_samples=60)
     table = pd.DataFrame([
         {**row, "setting": "S=1", "default": True, "trials": "0", "niah_a": 10.0, "avg": 2.5, "answer_top1": 0.4},
         {**row, **paired, "setting": "S=2", "default": False, "trials": "1", "niah_a": 20.0, "avg": 2.4,
@@ -884,8 +890,8 @@ def test_the_ablation_display_emphasises_each_metrics_best_in_its_own_direction(
     ])
     shown = ablation_display(table, ["niah_a"], lambda text: f"*{text}*", score="answer_nll", metrics=("answer_top1",))
     assert list(shown.columns) == ["Factor", "Setting", "n", "niah_a", "Avg.", "answer_top1", "Better",
-                                   "Δ vs † [95% CI]", "p"]
-    assert list(shown["Δ vs † [95% CI]"]) == ["–", "-0.100 [-0.150, -0.062] (60)"]
+                                   "Δ Avg. vs † [95% CI]", "p", "Δ Avg. vs base [95% CI]", "p vs base"]
+    assert list(shown["Δ Avg. vs † [95% CI]"]) == ["–", "-0.100 [-0.150, -0.062] (60)"]
     assert list(shown["p"]) == ["–", "0.012"]
     assert list(shown["Avg."]) == ["2.5", "*2.4*"], "a lower answer NLL is better"
     assert list(shown["answer_top1"]) == ["*0.4*", "0.3"], "a higher top-1 agreement is better"

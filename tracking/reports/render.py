@@ -79,15 +79,20 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[str], str],
                      escape: Callable[[str], str] = str, score: str = "mean_score",
-                     metrics: tuple[str, ...] = ()) -> pd.DataFrame:
+                     metrics: tuple[str, ...] = (), paired_metric: str | None = None) -> pd.DataFrame:
     """The paper's ablation table layout: factor on its group's first row, † default, best Avg. (the mean of
     ``score``) and best of each answer metric in ``metrics`` emphasised, each in its own direction.
 
     Rows whose other hyperparameters were not held at the defaults get ‡ after their setting; a row paired with the
-    paper default per sample (``vs_default``, ``AblationTable``) shows the difference of ``score`` with its 95% CI
-    and p. Every cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
+    paper default per sample (``vs_default``, ``AblationTable``) shows its difference in ``paired_metric`` (default:
+    ``score``) with its 95% CI and p. Every cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
     """
     measured = {"Avg.": ("avg", score), **{metric: (metric, metric) for metric in metrics}}
+    paired_metric = paired_metric or score
+    paired_name = 'Avg.' if paired_metric == score else paired_metric
+    paired_spec = "{:+.2f}" if paired_metric == "mean_score" else "{:+.3f}"
+    paired = {f"Δ {paired_name} vs † [95% CI]": "vs_default", "p": "vs_default_p",
+              f"Δ {paired_name} vs base [95% CI]": "vs_base", "p vs base": "vs_base_p"}
     rows = []
     for factor, group in table.groupby("factor", sort=False):
         best = {column: (group[column].max() if higher_is_better(metric) else group[column].min())
@@ -97,23 +102,24 @@ def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[
             better = MISSING if pd.isna(row["better"]) else f"{int(row['better'])}/{len(tasks)}"
             cells = {"Factor": factor if position == 0 else "", "Setting": setting, "n": str(row["n"]),
                      **{task: format_value(row[task], "{:.2f}") for task in tasks}, "Better": better,
-                     "Δ vs † [95% CI]": _paired_difference(row, "{:+.2f}" if score == "mean_score" else "{:+.3f}"),
-                     "p": format_value(row.get("vs_default_p"), "{:.2g}")}
+                     **{header: (format_value(row.get(column), "{:.2g}") if column.endswith("_p")
+                                 else _paired_difference(row, column, paired_spec))
+                        for header, column in paired.items()}}
             values = {}
             for name, (column, metric) in measured.items():
                 text = escape(format_value(row[column], "{:.2f}" if metric == "mean_score" else "{:.4g}"))
                 values[name] = emphasis(text) if row[column] == best[column] else text
             rows.append({**{name: escape(text) for name, text in cells.items()}, **values})
-    columns = ["Factor", "Setting", "n", *tasks, *measured, "Better", "Δ vs † [95% CI]", "p"]
+    columns = ["Factor", "Setting", "n", *tasks, *measured, "Better", *paired]
     return pd.DataFrame(rows, columns=columns)
 
 
-def _paired_difference(row: pd.Series, spec: str) -> str:
-    """``+0.012 [-0.003, +0.027] (60)``: a row's paired difference from the paper default, its CI and samples."""
-    if pd.isna(row.get("vs_default")):
+def _paired_difference(row: pd.Series, name: str, spec: str) -> str:
+    """``+0.012 [-0.003, +0.027] (60)``: a row's paired difference ``name`` (``AblationTable``), its CI and samples."""
+    if pd.isna(row.get(name)):
         return MISSING
-    low, high = spec.format(row["vs_default_low"]), spec.format(row["vs_default_high"])
-    return f"{spec.format(row['vs_default'])} [{low}, {high}] ({int(row['paired_samples'])})"
+    low, high = spec.format(row[f"{name}_low"]), spec.format(row[f"{name}_high"])
+    return f"{spec.format(row[name])} [{low}, {high}] ({int(row[f'{name}_samples'])})"
 
 
 @dataclass

@@ -90,10 +90,12 @@ class AblationTable:
     (trials averaged), ``trials``, one column per task, ``avg`` (the mean of ``score``), one column per answer
     metric the trials logged besides it (``metrics``), ``better`` (tasks where the row beats the eviction-only
     base press; NaN without one) and, for a row of one trial held at the defaults other than the paper default's,
-    its ``score`` paired per sample against the paper default's on the samples both scored (from the runs'
+    its ``paired_metric`` (the answer NLL where the trials logged it: the score ties on most samples; else
+    ``score``) paired per sample against the paper default's on the samples both scored (from the runs'
     ``predictions.json``): ``vs_default`` (the mean difference, row minus default), ``vs_default_low`` and
-    ``vs_default_high`` (its 95% bootstrap CI), ``vs_default_p`` (sign-flip p) and ``paired_samples``; NaN
-    elsewhere.
+    ``vs_default_high`` (its 95% bootstrap CI), ``vs_default_p`` (sign-flip p) and ``vs_default_samples``; and
+    every one-trial row at the defaults (the default's included) the same against the eviction-only base press
+    (``vs_base``, ``vs_base_low``, …); NaN elsewhere.
     """
 
     table: pd.DataFrame
@@ -102,6 +104,7 @@ class AblationTable:
     notes: list[str] = field(default_factory=list)
     score: str = "mean_score"
     metrics: list[str] = field(default_factory=list)
+    paired_metric: str = "mean_score"
 
 
 def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATION_FACTORS,
@@ -130,7 +133,8 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
     base_scores = base[task_columns].mean() if len(base) else None
     if base_scores is None:
         notes.append("no eviction-only trial at the paper default's budget: the Better column is empty")
-    per_sample = _per_sample(runs, score)
+    paired_metric = PAIRED_METRIC if PAIRED_METRIC in metrics else score
+    per_sample = _per_sample(runs, paired_metric)
     rows = []
     for factor in factors:
         factor = factor.restricted_to(tunable)
@@ -145,8 +149,11 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
             notes.append(f"{factor.title}: no trials vary it alone; rows average over the other hyperparameters")
         for label, is_default, group in settings:
             task_means = group[task_columns].mean()
-            paired = (_paired_with_default(per_sample, group, reference, score)
-                      if held_label == "at defaults" and not is_default else {})
+            paired = {}
+            if held_label == "at defaults" and not is_default:
+                paired |= _paired(per_sample, group, reference["trial_number"], paired_metric, "vs_default")
+            if held_label == "at defaults" and len(base):
+                paired |= _paired(per_sample, group, base.iloc[0]["trial_number"], paired_metric, "vs_base")
             rows.append({
                 "factor": factor.title, "setting": label, "default": is_default, "held": held_label,
                 "n": len(group), "trials": ", ".join(str(n) for n in group["trial_number"]),
@@ -157,35 +164,38 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
                 **{column: paired.get(column, np.nan) for column in PAIRED_COLUMNS},
             })
     return AblationTable(pd.DataFrame(rows), int(reference["trial_number"]),
-                         int(base.iloc[0]["trial_number"]) if len(base) else None, notes, score, metrics)
+                         int(base.iloc[0]["trial_number"]) if len(base) else None, notes, score, metrics,
+                         paired_metric)
 
 
-PAIRED_COLUMNS = ("vs_default", "vs_default_low", "vs_default_high", "vs_default_p", "paired_samples")
+PAIRED_METRIC = "answer_nll"
+PAIRED_COLUMNS = tuple(f"{control}{suffix}" for control in ("vs_default", "vs_base")
+                       for suffix in ("", "_low", "_high", "_p", "_samples"))
 
 
-def _per_sample(runs: SweepRuns, score: str) -> pd.DataFrame:
-    """``config`` (the trial number as text), ``seed``, ``sample`` and ``score`` of every full-stage run's samples."""
+def _per_sample(runs: SweepRuns, metric: str) -> pd.DataFrame:
+    """``config`` (the trial number as text), ``seed``, ``sample`` and ``metric`` of every full-stage run's samples."""
     samples = sample_table(runs.trial_predictions)
     numbers = runs.trials.set_index("run_id")["trial_number"]
     samples = samples[samples["run_id"].isin(numbers.index)]
     return samples.assign(config=samples["run_id"].map(numbers).astype(int).astype(str),
-                          seed=runs.data_seed)[["config", "seed", "sample", score]].dropna(subset=[score])
+                          seed=runs.data_seed)[["config", "seed", "sample", metric]].dropna(subset=[metric])
 
 
-def _paired_with_default(per_sample: pd.DataFrame, group: pd.DataFrame, reference: pd.Series, score: str) -> dict:
-    """A one-trial row against the paper default, paired per sample (``PAIRED_COLUMNS``); {} where either has no
+def _paired(per_sample: pd.DataFrame, group: pd.DataFrame, control_trial, metric: str, name: str) -> dict:
+    """A one-trial row against ``control_trial``, paired per sample: ``name`` (the mean difference, row minus
+    control), ``name_low``/``name_high`` (95% bootstrap CI), ``name_p`` and ``name_samples``; {} where either has no
     per-sample scores."""
     if len(group) != 1:
         return {}
-    treatment, control = str(int(group.iloc[0]["trial_number"])), str(int(reference["trial_number"]))
+    treatment, control = str(int(group.iloc[0]["trial_number"])), str(int(control_trial))
     try:
-        comparison = compare_configs(per_sample, treatment, control, unit="sample", metric=score,
-                                     higher_is_better=higher_is_better(score))
+        comparison = compare_configs(per_sample, treatment, control, unit="sample", metric=metric,
+                                     higher_is_better=higher_is_better(metric))
     except (KeyError, ValueError):  # NOTE: a trial without predictions, or none shared: the row stays unpaired
         return {}
-    return {"vs_default": comparison.gain, "vs_default_low": comparison.ci.low,
-            "vs_default_high": comparison.ci.high, "vs_default_p": comparison.p_value,
-            "paired_samples": len(comparison.units)}
+    return {name: comparison.gain, f"{name}_low": comparison.ci.low, f"{name}_high": comparison.ci.high,
+            f"{name}_p": comparison.p_value, f"{name}_samples": len(comparison.units)}
 
 
 def _settings(trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series,

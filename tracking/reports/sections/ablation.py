@@ -17,9 +17,10 @@ def ablation_section(runs: SweepRuns, result: AblationTable, writer: TableWriter
                             f"beating it): trial {result.base_trial if result.base_trial is not None else '–'}.")
     footer = ("† paper default. ‡ other hyperparameters not held at the paper default (mean over the trials). "
               "Bold: the best Avg. (the report's score) and the best answer metric in the group. Better: tasks on which the setting beats the eviction-only base press. "
-              "Δ vs †: the row's Avg. minus the paper default's, paired per sample, with its 95% bootstrap CI and "
-              "(samples); p: sign-flip test; – where the row is the default's, averages trials, or has no samples.")
-    shown = dict(score=result.score, metrics=tuple(result.metrics))
+              f"Δ vs † (vs base): the row's {result.paired_metric} minus the paper default's (the eviction-only base "
+              "press's), paired per sample, with its 95% bootstrap CI and (samples); p: sign-flip test; – where the "
+              "row is the default's, averages trials, or has no samples.")
+    shown = dict(score=result.score, metrics=tuple(result.metrics), paired_metric=result.paired_metric)
     writer.table("ablation", result.table,
                  ablation_display(result.table, runs.task_names, lambda s: f"**{s}**", **shown), footer)
     markup = ablation_display(result.table, runs.task_names, lambda s: f"<b>{s}</b>", html.escape,
