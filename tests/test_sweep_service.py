@@ -357,6 +357,21 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
         assert [table.loc[(factor, setting), "held"] for setting in settings] == ["at defaults"] * 2
     assert not any("no trials vary it alone" in note for note in result.notes)
     assert table["avg"].notna().all() and {"answer_kl", "answer_top1"} <= set(result.metrics)
+    # Each row against the paper default, paired per sample; float64 reference from the runs' predictions.
+    per_sample = (sweep.trial_predictions.astype({"answer_nll": "float64"})
+                  .groupby(["run_id", "task", "sample_id"])["answer_nll"].mean())
+    run_of = dict(zip(sweep.trials["trial_number"], sweep.trials["run_id"]))
+    row = table.loc[("Update steps (S)", "S=2")]
+    (trial,) = [int(n) for n in row["trials"].split(", ")]
+    differences = per_sample.loc[run_of[trial]] - per_sample.loc[run_of[result.reference_trial]]
+    assert row["vs_default_samples"] == len(differences) > 1
+    assert row["vs_default"] == pytest.approx(differences.mean(), rel=1e-9, abs=1e-12)
+    assert row["vs_default_low"] <= row["vs_default"] <= row["vs_default_high"]
+    # The report's default score is the needle's, which ties: the rows are still paired on the answer NLL.
+    by_score = ablation_table(sweep)
+    assert by_score.paired_metric == "answer_nll"
+    assert by_score.table.set_index(["factor", "setting"]).loc[("Update steps (S)", "S=2"), "vs_default"] == \
+        row["vs_default"]
 
 
 def slow_config(tmp_path, trials, stages=False, **changes):
