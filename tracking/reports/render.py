@@ -83,13 +83,14 @@ def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[
     """The paper's ablation table layout: factor on its group's first row, † default, best Avg. (the mean of
     ``score``) and best of each answer metric in ``metrics`` emphasised, each in its own direction.
 
-    Rows whose other hyperparameters were not held at the defaults get ‡ after their setting; a row paired with the
-    paper default per sample (``vs_default``, ``AblationTable``) shows its difference in ``paired_metric`` (default:
-    ``score``) with its 95% CI and p. Every cell goes through ``escape`` (e.g. ``html.escape``) before the best values get ``emphasis``.
+    Rows whose other hyperparameters were not held at the defaults get ‡ after their setting; a row paired per
+    sample with the paper default or the base press (``vs_default``, ``vs_base``: ``AblationTable``) shows its
+    difference in ``paired_metric`` (default: ``score``) with its 95% CI and p. Every cell goes through ``escape``
+    (e.g. ``html.escape``) before the best values get ``emphasis``.
     """
     measured = {"Avg.": ("avg", score), **{metric: (metric, metric) for metric in metrics}}
     paired_metric = paired_metric or score
-    paired_name = 'Avg.' if paired_metric == score else paired_metric
+    paired_name = "Avg." if paired_metric == score else paired_metric
     paired_spec = "{:+.2f}" if paired_metric == "mean_score" else "{:+.3f}"
     paired = {f"Δ {paired_name} vs † [95% CI]": "vs_default", "p": "vs_default_p",
               f"Δ {paired_name} vs base [95% CI]": "vs_base", "p vs base": "vs_base_p"}

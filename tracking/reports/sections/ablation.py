@@ -16,7 +16,8 @@ def ablation_section(runs: SweepRuns, result: AblationTable, writer: TableWriter
     section.lines.insert(0, f"Paper default: trial {result.reference_trial}; base press (Better counts tasks "
                             f"beating it): trial {result.base_trial if result.base_trial is not None else '–'}.")
     footer = ("† paper default. ‡ other hyperparameters not held at the paper default (mean over the trials). "
-              "Bold: the best Avg. (the report's score) and the best answer metric in the group. Better: tasks on which the setting beats the eviction-only base press. "
+              "Bold: the best Avg. (the report's score) and the best answer metric in the group. Better: tasks on "
+              "which the setting beats the eviction-only base press. "
               f"Δ vs † (vs base): the row's {result.paired_metric} minus the paper default's (the eviction-only base "
               "press's), paired per sample, with its 95% bootstrap CI and (samples); p: sign-flip test; – where the "
               "row is the default's, averages trials, or has no samples.")
