@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
-from tracking.names import PAPER_DEFAULT
+from tracking.names import FULL_STAGE, PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
-from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
+from tracking.reports.analyses.metrics import higher_is_better, score_columns
+from tracking.reports.analyses.significance import tidy_sample_scores
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import compare_configs
 
@@ -174,12 +175,11 @@ PAIRED_COLUMNS = tuple(f"{control}{suffix}" for control in ("vs_default", "vs_ba
 
 
 def _per_sample(runs: SweepRuns, metric: str) -> pd.DataFrame:
-    """``config`` (the trial number as text), ``seed``, ``sample`` and ``metric`` of every full-stage run's samples."""
-    samples = sample_table(runs.trial_predictions)
+    """:func:`tidy_sample_scores` of the full stage with each trial's number (as text) as its ``config``."""
+    samples = tidy_sample_scores(runs, metric, FULL_STAGE)
     numbers = runs.trials.set_index("run_id")["trial_number"]
     samples = samples[samples["run_id"].isin(numbers.index)]
-    return samples.assign(config=samples["run_id"].map(numbers).astype(int).astype(str),
-                          seed=runs.data_seed)[["config", "seed", "sample", metric]].dropna(subset=[metric])
+    return samples.assign(config=samples["run_id"].map(numbers).astype(int).astype(str)).dropna(subset=[metric])
 
 
 def _paired(per_sample: pd.DataFrame, group: pd.DataFrame, control_trial, metric: str, name: str) -> dict:

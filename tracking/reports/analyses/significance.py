@@ -28,10 +28,11 @@ def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
     return long.rename(columns={"configuration": "config"})[["config", "seed", "task", "score", "trial_number"]]
 
 
-def tidy_sample_scores(runs: SweepRuns, metric: str = "mean_score") -> pd.DataFrame:
-    """Per-sample ``metric`` of the test-stage runs as a tidy table ``run_id, seed, sample, <metric>``
+def tidy_sample_scores(runs: SweepRuns, metric: str = "mean_score", stage: str = TEST_STAGE) -> pd.DataFrame:
+    """Per-sample ``metric`` of the ``stage``'s runs (test or full) as a tidy table ``run_id, seed, sample, <metric>``
     (:func:`sample_table`: ``mean_score`` is the mean of the sample's questions in points, 0-100)."""
-    return sample_table(runs.test_predictions).assign(seed=runs.data_seed)[["run_id", "seed", "sample", metric]]
+    predictions = runs.test_predictions if stage == TEST_STAGE else runs.trial_predictions
+    return sample_table(predictions).assign(seed=runs.data_seed)[["run_id", "seed", "sample", metric]]
 
 
 @dataclass
