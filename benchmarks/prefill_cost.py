@@ -17,11 +17,18 @@ heap between prefills as in ``solver_cost.py`` (``keep`` by default: freed memor
 mid-prefill, which otherwise adds 3-6 ms stalls at random places). The
 prefill is everything GRKV adds to (scoring, selection, surrogate queries, the merge, the cache swap), so
 this is the cost a user sees, unlike ``solver_cost.py``, which times the merge against one layer.
+
+``--breakdown`` splits each GRKV press's hook time, in the same prefills, into its solves (``LayerGroups.solve``, or
+the per-layer solve with ``layers_per_solve=1``), its per-layer set-up (``layer_context``: the surrogate queries and
+target; ``merge_selected`` less any solve in it: the fixed rows and the regression's inputs) and the rest (the base
+press's scoring and selection, which the base press's own hook also pays, and the hook's glue).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import time
 
@@ -32,6 +39,8 @@ from grkv_core.cli import parse_merge_variant
 from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.generation import prefill
 from grkv_core.models import load_model
+from grkv_core.presses.grkv import GRKVPress
+from grkv_core.presses.layer_groups import LayerGroups
 from grkv_core.registry import build_press
 from solver_cost import HEAP_SETTINGS, heap_preparation
 
@@ -61,6 +70,42 @@ def timed_hook(hook, total: list[float], on_cuda: bool):
     return timed
 
 
+class MergeParts:
+    """Wall time of GRKV's parts inside its hooks, per press (``--breakdown``): ``solve`` and ``set-up``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Time ``GRKVPress``'s set-up and solves, and ``LayerGroups.solve``, while the context is open."""
+        originals = {(GRKVPress, name): getattr(GRKVPress, name)
+                     for name in ("layer_context", "merge_selected", "_capped_solve")}
+        originals[(LayerGroups, "solve")] = LayerGroups.solve
+        # NOTE: a group's solve belongs to the press whose ``_capped`` finishes it.
+        owner = {LayerGroups: lambda groups: groups.finish.__self__, GRKVPress: lambda press: press}
+        part = {"layer_context": "set-up", "merge_selected": "set-up", "_capped_solve": "solve", "solve": "solve"}
+        for (cls, name), method in originals.items():
+            setattr(cls, name, self._timed(method, part[name], owner[cls]))
+        try:
+            yield self
+        finally:
+            for (cls, name), method in originals.items():
+                setattr(cls, name, method)
+
+    def _timed(self, method, part: str, owner):
+        def timed(instance, *args, **kwargs):
+            counter = self.seconds[id(owner(instance))]
+            solves_before, start = counter["solve"], time.perf_counter()
+            try:
+                return method(instance, *args, **kwargs)
+            finally:
+                # NOTE: a solve inside the set-up (``merge_selected`` without layer groups) counts as a solve only.
+                counter[part] += time.perf_counter() - start - (counter["solve"] - solves_before if part == "set-up"
+                                                                else 0.0)
+        return timed
+
+
 def add_prefill_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
     """The options every prefill benchmark here shares: the model, the base press and its budget, the essay prompt's
     length, how many prefills are timed per press and the CPU heap's handling."""
@@ -80,6 +125,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
                         help="another merger configuration to time (grkv compare's --merge-variant syntax), "
                              "e.g. cg8=grkv:cg_max_iter=8")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split each GRKV press's hook time into its solves, set-up and the rest")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
 
@@ -101,20 +148,23 @@ def main() -> None:
     for name, press in presses.items():
         press.forward_hook = timed_hook(press.forward_hook, hook_seconds[name], on_cuda)
     times: dict[str, list[float]] = {name: [] for name in presses}
-    for round_index in range(args.rounds + 1):
-        for name, press in presses.items():
-            if before_each is not None:
-                before_each()
-            if on_cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            prefill(loaded.model, ids, press)
-            if on_cuda:
-                torch.cuda.synchronize()
-            if round_index > 0:  # round 0 warms up every press's shapes
-                times[name].append(time.perf_counter() - start)
-            else:
-                hook_seconds[name][0] = 0.0
+    parts = MergeParts()
+    with parts.installed() if args.breakdown else contextlib.nullcontext():
+        for round_index in range(args.rounds + 1):
+            for name, press in presses.items():
+                if before_each is not None:
+                    before_each()
+                if on_cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                prefill(loaded.model, ids, press)
+                if on_cuda:
+                    torch.cuda.synchronize()
+                if round_index > 0:  # round 0 warms up every press's shapes
+                    times[name].append(time.perf_counter() - start)
+                else:
+                    hook_seconds[name][0] = 0.0
+                    parts.seconds.pop(id(press), None)
 
     print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
           f"rounds={args.rounds} threads={torch.get_num_threads()} device={loaded.model.device} "
@@ -127,6 +177,17 @@ def main() -> None:
         added = (hook_seconds[name][0] - hook_seconds[args.press][0]) / args.rounds / base_prefill
         print(f"{name:44s} {statistics.median(samples):9.3f} {statistics.median(ratios):+9.1%} {added:+15.2%}   "
               f"{per_round}")
+    if args.breakdown:
+        print("\nGRKV's hook time over the base press's prefill, by part (mean over the rounds; GPU: not synchronised)")
+        print(f"{'press':44s} {'solves':>8s} {'set-up':>8s} {'rest':>8s}   (rest: hook - solves - set-up - base hook)")
+        base_hook = hook_seconds[args.press][0]
+        for name, press in presses.items():
+            if id(press) not in parts.seconds:
+                continue
+            solve, setup = parts.seconds[id(press)]["solve"], parts.seconds[id(press)]["set-up"]
+            rest = hook_seconds[name][0] - solve - setup - base_hook
+            shares = (value / args.rounds / base_prefill for value in (solve, setup, rest))
+            print(f"{name:44s} " + " ".join(f"{share:+8.2%}" for share in shares))
 
 
 if __name__ == "__main__":
