@@ -896,3 +896,41 @@ def test_the_ablation_display_emphasises_each_metrics_best_in_its_own_direction(
     assert list(shown["Avg."]) == ["2.5", "*2.4*"], "a lower answer NLL is better"
     assert list(shown["answer_top1"]) == ["*0.4*", "0.3"], "a higher top-1 agreement is better"
     assert list(shown["Setting"]) == ["S=1†", "S=2"]
+
+
+def test_without_a_test_stage_the_tuning_samples_are_paired_per_sample(store, ablation_sweep):
+    """No test stage: the paper default and the best trial against eviction only on the tuning samples, per sample
+    from the runs' predictions (float64 reference below); runs without predictions fall back to the score per task."""
+    config = sweep_config("tuning-answers", STAGED_SPACE)
+    config["objectives"] = [{"metric": "answer_nll", "direction": "minimize"}]
+    tracker = SweepTracker.open(store, EXPERIMENT, "tuning-answer-sweep", config)
+    excess = {0: [0.03, 0.01, 0.04, 0.02], 1: [0.0] * 4, 2: [-0.02, 0.01, -0.03, -0.01]}  # NLL over 1 + index
+    for number, nll in excess.items():
+        log_outcome(tracker, config, ANSWER_FULL[number][0], [
+            sample_result(task, sample_id, decoded=True, answer_nll=1.0 + index + nll[index], window_loss=0.1,
+                          depth=0.3, in_window=False)
+            for index, (task, sample_id) in enumerate(TUNING_SAMPLES)], stage=FULL_STAGE, number=number,
+            baseline=ANSWER_FULL[number][1])
+    tracker.close("FINISHED")
+    result = significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), "answer_nll", n_resamples=2000)
+    assert result.stage == FULL_STAGE and not result.notes
+    by_treatment = {c.treatment: c for c in result.comparisons}
+    assert set(by_treatment) == {"paper default (trial 0)", "best of 2 (trial 2)"}
+    for name, number in (("paper default (trial 0)", 0), ("best of 2 (trial 2)", 2)):
+        comparison = by_treatment[name]
+        reference = np.array([(1.0 + i + excess[number][i]) - (1.0 + i) for i in range(4)], dtype=np.float64)
+        assert (comparison.control, comparison.unit) == ("eviction_only (trial 1)", "sample")
+        assert comparison.units == tuple(f"niah_a/tune-{i}" for i in range(4))
+        assert comparison.differences == pytest.approx(tuple(reference))
+        assert comparison.gain == pytest.approx(reference.mean())
+    # Every sample higher under the default: the exact two-sided sign-flip p over 4 samples is 2 / 2^4.
+    default = by_treatment["paper default (trial 0)"]
+    assert default.p_value == pytest.approx(2 / 2**4) and (default.better_units, default.verdict) == (0, "worse")
+    # The score per sample ties (every question right in every run).
+    assert significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), n_resamples=2000).tied
+    # A sweep whose runs logged no predictions pairs the score per task, and has no answer metric to pair.
+    old = load_sweep(MlflowClient(store), "ablation-sweep")
+    per_task = significance(old, n_resamples=2000)
+    assert {c.unit for c in per_task.comparisons} == {"task"} and len(per_task.comparisons[0].units) == len(TASKS)
+    assert significance(old, "answer_nll", n_resamples=2000).notes == [
+        "no test stage, and the trials logged no per-sample answer_nll to pair"]

@@ -46,9 +46,9 @@ class Significance:
     stage : str
         ``test``: every confirmed merging configuration against eviction only at its budget, the paper default at
         its budget and eviction only at every larger tested budget (which spends the memory the merge saves),
-        paired per held-out test sample. ``full`` (no test stage): the paper
-        default and the best trial at the base press's budget, paired per task on the tuning samples that also
-        selected the best trial.
+        paired per held-out test sample. ``full`` (no test stage): the paper default and the best trial at the base
+        press's budget, on the tuning samples that also selected the best trial, paired per sample where the trials
+        logged predictions, else per task.
     comparisons : list[PairedComparison]
     held_out : pandas.DataFrame
         Test stage only: per test run that confirms a full-stage trial, ``configuration``, ``method``,
@@ -86,9 +86,9 @@ def significance(runs: SweepRuns, metric: str = "mean_score", n_resamples: int =
     """Paired bootstrap CI and sign-flip test of merging against the base press on ``metric`` (the score or an
     answer metric), on held-out samples when the sweep has a test stage.
 
-    Without a test stage only the score is paired (per task: the answer metrics have no per-task values). With
-    one data seed the standard deviations are NaN; pass several sweeps' :func:`tidy_task_scores` to
-    :func:`compare_configs` for the paper's multi-seed version.
+    Without a test stage the tuning samples are paired: per sample where the trials logged per-sample predictions,
+    else the score per task. With one data seed the standard deviations are NaN; pass several sweeps'
+    :func:`tidy_task_scores` to :func:`compare_configs` for the paper's multi-seed version.
     """
     if runs.has_test_stage:
         return _test_significance(runs, metric, n_resamples, seed)
@@ -153,29 +153,35 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
 
 
 def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int) -> Significance:
-    """Without a test stage: the paper default and the best trial at the base's budget, paired per task."""
+    """Without a test stage: the paper default and the best trial at the base's budget against eviction only, on the
+    tuning samples, paired per sample where the trials' predictions hold ``metric``, else (the score of runs whose
+    predictions were not logged) per task."""
     def result(comparisons: list[PairedComparison], notes: list[str]) -> Significance:
         return Significance(metric, FULL_STAGE, comparisons, pd.DataFrame(), 0, notes)
 
-    if metric != "mean_score":
-        return result([], [f"no test stage: {metric} has no per-task values to pair (only the score does)"])
     base = runs.baseline_trial(EVICTION_ONLY)
     if base is None:
         return result([], ["no eviction_only trial: nothing to test merging against"])
-    if not runs.task_names:
-        return result([], ["no per-task scores (score.<task> metrics) to pair"])
+    number_of_run = runs.trials.set_index("run_id")["trial_number"]
+    samples = tidy_sample_scores(runs, metric, FULL_STAGE).dropna(subset=[metric])
+    samples = samples.assign(trial_number=samples["run_id"].map(number_of_run))
+    if base["trial_number"] in set(samples["trial_number"]):
+        tidy, unit, column = samples, "sample", metric
+    elif metric == "mean_score" and runs.task_names:
+        tidy, unit, column = tidy_task_scores(runs), "task", "score"
+    else:
+        return result([], [f"no test stage, and the trials logged no per-sample {metric} to pair"])
     treatments = representative_trials(runs, metric, base["compression_ratio"])
     if not treatments:
         return result([], [f"no merging trial at the eviction_only trial's budget ({base['budget']:.0%})"])
-    tidy = tidy_task_scores(runs)
     control_name = f"{EVICTION_ONLY} (trial {int(base['trial_number'])})"
-    control = tidy[tidy["trial_number"] == base["trial_number"]].assign(config=control_name)
-    comparisons = []
-    for label, trial in treatments:
-        treatment_name = f"{label} (trial {int(trial['trial_number'])})"
-        treatment = tidy[tidy["trial_number"] == trial["trial_number"]].assign(config=treatment_name)
-        comparisons.append(compare_configs(pd.concat([treatment, control]), treatment_name, control_name,
-                                           n_resamples=n_resamples, seed=seed))
+    names = {trial["trial_number"]: f"{label} (trial {int(trial['trial_number'])})" for label, trial in treatments}
+    names[base["trial_number"]] = control_name
+    tidy = tidy[tidy["trial_number"].isin(names)]
+    tidy = tidy.assign(config=tidy["trial_number"].map(names))
+    comparisons = [compare_configs(tidy, names[trial["trial_number"]], control_name, unit=unit, metric=column,
+                                   higher_is_better=higher_is_better(metric), n_resamples=n_resamples, seed=seed)
+                   for _, trial in treatments]
     return result(comparisons, [])
 
 

@@ -33,9 +33,11 @@ def significance_section(runs: SweepRuns, writer: TableWriter, options: ReportOp
             *_held_out_lines(score, options.score),
             *(_held_out_lines(tuned_on, tuned_on.metric, winners_only=True) if tuned_on is not None else [])])
     else:
-        section = Section("Paired significance over tasks", lines=[
-            f"Task-level paired differences on the tuning samples: percentile bootstrap with {resamples} resamples "
-            f"and an exact two-sided sign-flip test over all 2^T sign assignments (seed {runs.data_seed} only; give "
+        unit = next((result.comparisons[0].unit for result in results if result.comparisons), "task")
+        section = Section("Paired significance on the tuning samples", lines=[
+            f"Paired differences per {unit} on the tuning samples: percentile bootstrap with {resamples} resamples "
+            f"and a two-sided sign-flip test (exact over all 2^n sign assignments up to {MAX_EXACT_SIGN_FLIP_UNITS} "
+            f"{unit}s, else {resamples} random ones; seed {runs.data_seed} only; give "
             "tracking.reports.compare_configs a tidy table from several sweeps for the multi-seed version).",
             "No test stage: the best trial was selected and evaluated on the same samples (selection bias), so its "
             "gain and p-value are optimistic; only the paper default, fixed before the sweep, is tested without it."])
