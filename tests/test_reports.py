@@ -928,6 +928,13 @@ def test_without_a_test_stage_the_tuning_samples_are_paired_per_sample(store, ab
     assert default.p_value == pytest.approx(2 / 2**4) and (default.better_units, default.verdict) == (0, "worse")
     # The score per sample ties (every question right in every run).
     assert significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), n_resamples=2000).tied
+    # A best trial that logged no predictions cannot be paired: a note says so, the paper default is still paired.
+    log_stage_run(tracker, config, FULL_STAGE, ANSWER_FULL[3][0], stage_costs(KV_AT_10_PERCENT, 1.0) | {
+        "answer_nll": 0.1}, number=3)
+    result = significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), "answer_nll", n_resamples=2000)
+    assert [c.treatment for c in result.comparisons] == ["paper default (trial 0)"]
+    assert result.notes == ["best of 3 (trial 3) vs eviction_only (trial 1): no scores for configuration(s) "
+                            "['best of 3 (trial 3)']"]
     # A sweep whose runs logged no predictions pairs the score per task, and has no answer metric to pair.
     old = load_sweep(MlflowClient(store), "ablation-sweep")
     per_task = significance(old, n_resamples=2000)

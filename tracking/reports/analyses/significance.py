@@ -140,7 +140,7 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
             try:
                 comparisons.append(_test_comparison(tidy, treatment, control, metric, n_resamples, seed))
             except (KeyError, ValueError) as error:
-                notes.append(f"{_test_name(treatment)} vs {_test_name(control)}: {error}")
+                notes.append(f"{_test_name(treatment)} vs {_test_name(control)}: {error.args[0]}")
     held_out = pd.DataFrame({"configuration": test["configuration"], "method": test["method"],
                              "budget": test["budget"], "merge": test["merge"],
                              f"tuning_{metric}": tuning_scores(runs, metric),
@@ -179,10 +179,15 @@ def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: i
     names[base["trial_number"]] = control_name
     tidy = tidy[tidy["trial_number"].isin(names)]
     tidy = tidy.assign(config=tidy["trial_number"].map(names))
-    comparisons = [compare_configs(tidy, names[trial["trial_number"]], control_name, unit=unit, metric=column,
-                                   higher_is_better=higher_is_better(metric), n_resamples=n_resamples, seed=seed)
-                   for _, trial in treatments]
-    return result(comparisons, [])
+    comparisons, notes = [], []
+    for _, trial in treatments:
+        try:
+            comparisons.append(compare_configs(tidy, names[trial["trial_number"]], control_name, unit=unit,
+                                               metric=column, higher_is_better=higher_is_better(metric),
+                                               n_resamples=n_resamples, seed=seed))
+        except (KeyError, ValueError) as error:
+            notes.append(f"{names[trial['trial_number']]} vs {control_name}: {error.args[0]}")
+    return result(comparisons, notes)
 
 
 @dataclass
