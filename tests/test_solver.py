@@ -88,6 +88,30 @@ def test_weighted_rows_match_the_float64_reference(causal, components, safeguard
         assert relative_update_error(fast_v, ref_v, gather(as64["values"], as64["kept"])) < 1e-4
 
 
+@pytest.mark.parametrize("ridge", [1e-2, 0.0], ids=["ridge", "no-ridge"])
+@pytest.mark.parametrize("ridge_scale", ["absolute", "relative"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [dict(n_queries=6, budget=20), dict(n_queries=40, budget=12)],
+                         ids=["fewer-queries", "more-queries"])
+def test_both_routes_of_each_step_match_the_float64_reference(shape, causal, ridge_scale, ridge):
+    """M = 6 query rows against F ≥ 6 free rows and 2d = 16: the dual value step and the key step through the query
+    Gram matrix; M = 40 against F ≤ 12 and 16: the primal value step and the key step through two products. Without
+    a ridge (the minimum-norm refit, which interpolates when M < F) only the value step runs: a key step linearised
+    at interpolating values is too ill-conditioned to compare with a float64 run."""
+    for trial in range(2):
+        problem = random_problem(seed=9000 + 100 * trial + 10 * causal + shape["n_queries"], causal=causal, **shape)
+        weights = torch.rand(2, 2, shape["n_queries"], generator=torch.Generator().manual_seed(trial)) * 3
+        options = dict(lambda_k=0.05, lambda_v=ridge, steps=2 if ridge else 1, components="kv" if ridge else "v",
+                       ridge_scale=ridge_scale, row_weights=weights, query_positions=problem["query_positions"],
+                       safeguard=True)
+        tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
+        fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
+        as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+        ref_k, ref_v = grkv_merge_reference(**as64, **options)
+        assert relative_update_error(fast_k, ref_k, gather(as64["keys"], as64["kept"])) < 1e-4
+        assert relative_update_error(fast_v, ref_v, gather(as64["values"], as64["kept"])) < 1e-4
+
+
 def test_unit_row_weights_are_the_unweighted_merge_and_weights_change_it():
     problem = random_problem(seed=77, causal=True)
     unweighted = grkv_merge(**problem, steps=2)

@@ -75,14 +75,16 @@ class _AttentionJacobian:
 
     Shapes (P = B·H, as in ``MergeProblem``): ``queries_scaled`` (P, M, d), ``attention_free``
     (P, M, F), ``values_centring`` (P, F, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
-    (P, M, M), ``row_scale`` (P, M, 1) or None.
+    (P, M, M) or None (see ``normal``), ``query_norms`` (P, M, 1) the squared norms ‖s·q_i‖², ``row_scale``
+    (P, M, 1) or None.
     """
 
     queries_scaled: torch.Tensor
     attention_free: torch.Tensor
     values_centring: torch.Tensor
     output: torch.Tensor
-    query_gram: torch.Tensor
+    query_gram: torch.Tensor | None
+    query_norms: torch.Tensor
     row_scale: torch.Tensor | None
 
     @classmethod
@@ -90,13 +92,21 @@ class _AttentionJacobian:
         """Linearise at the attention weights ``attention`` (P, M, c) with ``values`` (P, c, d)."""
         free_values = problem.free_rows(values)
         queries_scaled = problem.queries_scaled
+        rows, head_dim = queries_scaled.shape[-2:]
+        query_gram = None
+        if rows < 2 * head_dim:
+            query_gram = torch.bmm(queries_scaled, queries_scaled.transpose(-1, -2))
+            query_norms = query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+        else:
+            query_norms = queries_scaled.square().sum(dim=-1, keepdim=True)
         return cls(
             queries_scaled=queries_scaled,
             attention_free=problem.free_columns(attention),
             values_centring=torch.cat([free_values, free_values.new_full(free_values.shape[:-1] + (1,), -1.0)],
                                       dim=-1),
             output=torch.bmm(attention, values),
-            query_gram=torch.bmm(queries_scaled, queries_scaled.transpose(-1, -2)),
+            query_gram=query_gram,
+            query_norms=query_norms,
             row_scale=problem.row_scale,
         )
 
@@ -112,11 +122,16 @@ class _AttentionJacobian:
     def normal(self, cotangent: torch.Tensor, ridge: float | torch.Tensor = 0.0) -> torch.Tensor:
         """(J Jᵀ + ridge·I) applied to a (P, M, d) cotangent; ``ridge`` a number or (P, 1, 1) per head.
 
-        Jᵀ then J would form s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W: the M×M query Gram matrix replaces
-        two M×F×d products by one M×M×F product.
+        Jᵀ then J forms s·Q ΔKᵀ with ΔK = s·Wᵀ Q, i.e. (sQ)(sQ)ᵀ W. NOTE: with fewer than 2d query rows (the paper's
+        m = 32 on SmolLM2: M = 96 < 128) the M×M query Gram matrix replaces those two M×F×d products by one cheaper
+        M×M×F product; with more (stratified m = 128: M = 384) the two products are the cheaper route. Both apply
+        the same operator, up to float rounding.
         """
-        logit_change = torch.bmm(self.query_gram, self._vjp_weights(cotangent))
-        output_change = self._scaled(self._output_change(logit_change.mul_(self.attention_free)))
+        if self.query_gram is None:
+            output_change = self.jvp(self.vjp(cotangent))
+        else:
+            logit_change = torch.bmm(self.query_gram, self._vjp_weights(cotangent))
+            output_change = self._scaled(self._output_change(logit_change.mul_(self.attention_free)))
         if isinstance(ridge, torch.Tensor):
             return output_change.addcmul_(cotangent, ridge)
         return output_change.add_(cotangent, alpha=ridge) if ridge else output_change
@@ -131,7 +146,7 @@ class _AttentionJacobian:
         moments = torch.bmm(squared, self.values_centring)  # [Σ A² v | −Σ A²]
         spread = (torch.bmm(squared, self.values_centring[..., :-1].square()) - 2 * self.output * moments[..., :-1]
                   - self.output.square() * moments[..., -1:])
-        diagonal = self.query_gram.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * spread.clamp_min(0.0)
+        diagonal = self.query_norms * spread.clamp_min(0.0)
         return diagonal if self.row_scale is None else diagonal * self.row_scale.square()
 
     def _vjp_weights(self, cotangent: torch.Tensor) -> torch.Tensor:

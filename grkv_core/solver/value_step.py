@@ -8,15 +8,28 @@ from grkv_core.solver.problem import MergeProblem
 
 
 def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, ridge_scale: str) -> torch.Tensor:
-    """Exact ridge refit of the free values given the (P, M, c) attention at the current keys (dual, M×M)."""
+    """Exact ridge refit of the free values given the (P, M, c) attention at the current keys.
+
+    With A the (P, M, F) attention on the free rows and R the residual, the update is Aᵀ(A Aᵀ + λI)⁻¹ R (dual, an
+    M×M system) = (AᵀA + λI)⁻¹ Aᵀ R (primal, F×F; likewise for the pseudo-inverses at λ = 0). NOTE: the smaller
+    system is solved: the dual while M ≤ F (the paper's m = 32 on SmolLM2), the primal for more query rows than free
+    rows (stratified m = 128); both give the same refit up to float rounding. The relative ridge scale is the dual
+    system's mean diagonal, ‖A‖²_F / M, on either route.
+    """
     residual = problem.weighted(torch.baddbmm(problem.target, attention, problem.values0, alpha=-1.0))
     attention_free = problem.weighted(problem.free_columns(attention))
-    gram = torch.bmm(attention_free, attention_free.mT)
+    rows, free = attention_free.shape[-2:]
+    dual = rows <= free
+    gram = torch.bmm(attention_free, attention_free.mT) if dual else torch.bmm(attention_free.mT, attention_free)
     ridge = lambda_v
     if ridge_scale == "relative":
-        ridge = lambda_v * gram.diagonal(dim1=-2, dim2=-1).mean(dim=-1)[..., None, None]
-    dual = _ridge_solve(gram, residual, ridge)
-    return problem.add_to_free_rows(problem.values0, torch.bmm(attention_free.mT, dual))
+        diagonal = gram.diagonal(dim1=-2, dim2=-1)
+        ridge = lambda_v * (diagonal.mean(dim=-1) if dual else diagonal.sum(dim=-1) / rows)[..., None, None]
+    if dual:
+        update = torch.bmm(attention_free.mT, _ridge_solve(gram, residual, ridge))
+    else:
+        update = _ridge_solve(gram, torch.bmm(attention_free.mT, residual), ridge)
+    return problem.add_to_free_rows(problem.values0, update)
 
 
 def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
