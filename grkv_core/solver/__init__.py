@@ -7,9 +7,9 @@ with ridge penalties pulling both back towards the plain evicted cache:
     min_{K, V}  || softmax(s Q K_fullᵀ) V_full - softmax(s Q Kᵀ) V ||_F²
                 + λ_k ||K - K⁰||_F² + λ_v ||V - V⁰||_F²
 
-It alternates an exact value step (ridge regression in dual/Woodbury form, an M×M system per head) and a
-linearised key step (dual ridge problem solved by conjugate gradients with analytic, matrix-free
-Jacobian products). Everything is batched over batch and KV heads, and each head is solved on its own, so the
+It alternates an exact value step (ridge regression in dual/Woodbury form, an M×M system per head, or in primal
+form, F×F, when the M query rows outnumber the F free rows) and a linearised key step (dual ridge problem solved by
+conjugate gradients with analytic, matrix-free Jacobian products). Everything is batched over batch and KV heads, and each head is solved on its own, so the
 regressions of several layers of one shape (``KeptRegression``) stack into one call (``solve_regression``), which
 keeps more cores busy and dispatches fewer operations than one call per layer (``GRKVPress.layers_per_solve``).
 
