@@ -9,9 +9,10 @@ with ridge penalties pulling both back towards the plain evicted cache:
 
 It alternates an exact value step (ridge regression in dual/Woodbury form, an M×M system per head, or in primal
 form, F×F, when the M query rows outnumber the F free rows) and a linearised key step (dual ridge problem solved by
-conjugate gradients with analytic, matrix-free Jacobian products). Everything is batched over batch and KV heads, and each head is solved on its own, so the
-regressions of several layers of one shape (``KeptRegression``) stack into one call (``solve_regression``), which
-keeps more cores busy and dispatches fewer operations than one call per layer (``GRKVPress.layers_per_solve``).
+conjugate gradients with analytic, matrix-free Jacobian products). Everything is batched over batch and KV heads,
+and each head is solved on its own, so the regressions of several layers of one shape (``KeptRegression``) stack
+into one call (``solve_regression``), which keeps more cores busy and dispatches fewer operations than one call per
+layer (``GRKVPress.layers_per_solve``).
 
 Deviations from the paper, all options (``safeguard=False, ridge_scale="absolute"`` with the key step solved to
 convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
