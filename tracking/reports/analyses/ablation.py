@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
-from tracking.names import FULL_STAGE, PAPER_DEFAULT
+from tracking.names import PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
 from tracking.reports.analyses.metrics import higher_is_better, score_columns
-from tracking.reports.analyses.significance import tidy_sample_scores
+from tracking.reports.analyses.significance import trial_sample_scores
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import compare_configs
 
@@ -175,11 +175,9 @@ PAIRED_COLUMNS = tuple(f"{control}{suffix}" for control in ("vs_default", "vs_ba
 
 
 def _per_sample(runs: SweepRuns, metric: str) -> pd.DataFrame:
-    """:func:`tidy_sample_scores` of the full stage with each trial's number (as text) as its ``config``."""
-    samples = tidy_sample_scores(runs, metric, FULL_STAGE)
-    numbers = runs.trials.set_index("run_id")["trial_number"]
-    samples = samples[samples["run_id"].isin(numbers.index)]
-    return samples.assign(config=samples["run_id"].map(numbers).astype(int).astype(str)).dropna(subset=[metric])
+    """:func:`trial_sample_scores` with each trial's number (as text) as its ``config``."""
+    samples = trial_sample_scores(runs, metric)
+    return samples.assign(config=samples["trial_number"].astype(int).astype(str))
 
 
 def _paired(per_sample: pd.DataFrame, group: pd.DataFrame, control_trial, metric: str, name: str) -> dict:

@@ -35,6 +35,14 @@ def tidy_sample_scores(runs: SweepRuns, metric: str = "mean_score", stage: str =
     return sample_table(predictions).assign(seed=runs.data_seed)[["run_id", "seed", "sample", metric]]
 
 
+def trial_sample_scores(runs: SweepRuns, metric: str) -> pd.DataFrame:
+    """:func:`tidy_sample_scores` of the full-stage trials that hold ``metric``, with each run's ``trial_number``."""
+    samples = tidy_sample_scores(runs, metric, FULL_STAGE).dropna(subset=[metric])
+    numbers = runs.trials.set_index("run_id")["trial_number"]
+    samples = samples[samples["run_id"].isin(numbers.index)]
+    return samples.assign(trial_number=samples["run_id"].map(numbers))
+
+
 @dataclass
 class Significance:
     """Paired tests of merging against the eviction-only base press (and the paper default).
@@ -162,9 +170,7 @@ def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: i
     base = runs.baseline_trial(EVICTION_ONLY)
     if base is None:
         return result([], ["no eviction_only trial: nothing to test merging against"])
-    number_of_run = runs.trials.set_index("run_id")["trial_number"]
-    samples = tidy_sample_scores(runs, metric, FULL_STAGE).dropna(subset=[metric])
-    samples = samples.assign(trial_number=samples["run_id"].map(number_of_run))
+    samples = trial_sample_scores(runs, metric)
     if base["trial_number"] in set(samples["trial_number"]):
         tidy, unit, column = samples, "sample", metric
     elif metric == "mean_score" and runs.task_names:
