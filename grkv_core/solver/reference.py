@@ -78,10 +78,8 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             x_free = root * x[:, free]
             residual = root * (target - x @ values0)
             ridge = lambda_v * ((x_free**2).sum() / n_queries if ridge_scale == "relative" else 1.0)
-            gram = x_free @ x_free.T + ridge * torch.eye(n_queries, dtype=x.dtype)
-            z = torch.linalg.lstsq(gram, residual).solution if ridge == 0 else torch.linalg.solve(gram, residual)
             v_new = values0.clone()
-            v_new[free] = values0[free] + x_free.T @ z
+            v_new[free] = values0[free] + _ridge_refit(x_free, residual, ridge)
         else:
             v_new = v_t
         if components in ("kv", "k"):
@@ -95,10 +93,8 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             offset = (k_t[free] - keys0[free]).reshape(-1)
             rhs = error + jacobian @ offset
             ridge = lambda_k * ((jacobian**2).sum() / jacobian.shape[0] if ridge_scale == "relative" else 1.0)
-            system = jacobian @ jacobian.T + ridge * torch.eye(jacobian.shape[0], dtype=jacobian.dtype)
-            alpha = torch.linalg.lstsq(system, rhs[:, None]).solution[:, 0] if ridge == 0 else torch.linalg.solve(system, rhs)
             k_new = keys0.clone()
-            k_new[free] = keys0[free] + (jacobian.T @ alpha).reshape(-1, head_dim)
+            k_new[free] = keys0[free] + _ridge_refit(jacobian, rhs[:, None], ridge).reshape(-1, head_dim)
             if safeguard:
                 def window_error(k):
                     return (root * (target - attend(k, v_new, kept_visible))).square().sum()
@@ -113,3 +109,16 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
         if max((k_t - k_old).abs().max(), (v_t - v_old).abs().max()) <= EARLY_STOP_TOL:
             break
     return k_t, v_t
+
+
+def _ridge_refit(design: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
+    """designᵀ(design designᵀ + ridge·I)⁻¹ rhs for a (rows, columns) ``design`` and (rows, k) ``rhs``.
+
+    NOTE: at ridge = 0 the minimum-norm least-squares solution is taken from the design matrix itself (SVD driver):
+    through the Gram matrix, whose condition number is the square of the design's, a pivoted QR misjudges the rank
+    and drops genuine directions once there are more rows than columns.
+    """
+    if ridge == 0:
+        return torch.linalg.lstsq(design, rhs, driver="gelsd").solution
+    gram = design @ design.T + ridge * torch.eye(design.shape[0], dtype=design.dtype)
+    return design.T @ torch.linalg.solve(gram, rhs)
