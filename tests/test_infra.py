@@ -110,6 +110,7 @@ def test_the_job_package_leaves_out_the_committed_results():
     assert not any(left_out(path) for path in ("sweep.py", "grkv_core/solver/merge.py", "benchmarks/prefill_cost.py",
                                                "sweeps/configs/ablation.yaml"))
 
+
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(INFRA)))
 def test_every_yaml_parses(path):
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]

@@ -111,7 +111,7 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
     return k_t, v_t
 
 
-def _ridge_refit(design: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
+def _ridge_refit(design: torch.Tensor, rhs: torch.Tensor, ridge: float | torch.Tensor) -> torch.Tensor:
     """designᵀ(design designᵀ + ridge·I)⁻¹ rhs for a (rows, columns) ``design`` and (rows, k) ``rhs``.
 
     NOTE: at ridge = 0 the minimum-norm least-squares solution is taken from the design matrix itself (SVD driver):
