@@ -14,7 +14,9 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
    + GRKV (defaults) with ``layers_per_solve`` 1, 6 and every layer. Medians over rounds after a warm-up (CUDA
    events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to first token
    but one decoding step), the merge's ms per layer (GRKV's compression hooks minus SnapKV's) and its share of a
-   layer's prefill, peak memory, decode ms per token.
+   layer's prefill, the operations and host reads (synchronisations) GRKV adds per layer (``prefill_ops``'s counts,
+   in the untimed warm-up) and the merge's µs per added operation (launch-bound when that is a few µs), peak memory,
+   decode ms per token.
 3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
    prefill against the engine's one prefill per sample) in full and answer-metric modes, with its agreement check
    (exact in float32; in bfloat16 the batched forwards round differently, so float metrics to ``BATCHED_RTOL``).
@@ -36,7 +38,7 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +59,7 @@ from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.reference import grkv_merge_reference
 from prefill_cost import timed_hook
+from prefill_ops import CountedOperations
 from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B): what the paper times on an A100.
@@ -179,7 +182,7 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
                 press.forward_hook = timed_hook(timed[name], hooks[name], device.type == "cuda")
             prefill_ms = {name: [] for name in presses}
             decode_ms = {name: [] for name in presses}
-            peaks = {}
+            peaks, counted = {}, {}
             try:
                 for round_index in range(rounds + 1):
                     for name, press in presses.items():
@@ -187,9 +190,12 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
                             torch.cuda.empty_cache()
                             torch.cuda.reset_peak_memory_stats(device)
                         into = prefill_ms[name] if round_index else []
-                        with stopwatch.timed(into):
+                        # NOTE: the untimed warm-up round counts the operations (and host reads) each press dispatches.
+                        counting = CountedOperations() if round_index == 0 else nullcontext()
+                        with stopwatch.timed(into), counting as counts:
                             cache = prefill(model, ids, press)
                         if round_index == 0:
+                            counted[name] = counts
                             hooks[name][0] = 0.0
                             continue
                         if device.type == "cuda":
@@ -210,11 +216,16 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
             for name in presses:
                 median = statistics.median(prefill_ms[name])
                 merge_ms = 1000 * (hooks[name][0] - hooks["snapkv"][0]) / rounds / layers  # timed_hook sums seconds
+                added_operations = (counted[name].total - counted["snapkv"].total) / layers
+                added_host_reads = (sum(counted[name].host_reads.values())
+                                    - sum(counted["snapkv"].host_reads.values())) / layers
                 report.add("prefill", {
                     "context": length, "batch": batch, "attention": loaded.attn_implementation, "press": name,
                     "prefill ms": median, "TTFT ratio": median / base, "merge ms/layer": merge_ms,
-                    "merge / layer prefill": merge_ms / (base / layers), "peak GiB": peaks.get(name, "n/a (CPU)"),
-                    "decode ms/token": statistics.median(decode_ms[name])})
+                    "merge / layer prefill": merge_ms / (base / layers), "added ops/layer": added_operations,
+                    "added host reads/layer": added_host_reads,
+                    "merge µs/added op": 1000 * merge_ms / added_operations if added_operations else "",
+                    "peak GiB": peaks.get(name, "n/a (CPU)"), "decode ms/token": statistics.median(decode_ms[name])})
 
 
 def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:

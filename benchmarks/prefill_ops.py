@@ -5,7 +5,8 @@ own CPU time, against the base press alone (the same essay prompt as ``prefill_c
     PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py --option layers_per_solve=0
 
 Counts come from a ``TorchDispatchMode`` over one prefill (each operation attributed to the nearest grkv_core or
-kvpress function on the stack); times from ``torch.profiler`` over ``--rounds`` prefills (self CPU time per
+kvpress function on the stack), with the host reads among them (``bool(t)``, ``t.item()``, ``torch.equal``: on a GPU,
+synchronisations); times from ``torch.profiler`` over ``--rounds`` prefills (self CPU time per
 operation, per prefill), with the CPU heap kept (``--heap``, as ``prefill_cost.py``). The model's own operations
 are the same under both presses, so their time differences are noise; the operations GRKV adds are the rows whose
 call counts differ.
@@ -44,16 +45,25 @@ LINEAR_ALGEBRA = ("bmm", "baddbmm", "mm", "addmm", "linalg_vecdot", "linalg_chol
                   "linalg_eigh")
 # Where the merge's own operations come from (the model's run under grkv_core.generation, the scoring under kvpress).
 MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
+# The operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``, ``torch.equal``, ...):
+# on a GPU each waits for every kernel queued before it.
+HOST_READS = ("is_nonzero", "item", "_local_scalar_dense", "equal", "allclose", "tolist", "nonzero", "masked_select")
 
 
 class CountedOperations(TorchDispatchMode):
-    """Counts every dispatched operation by the nearest grkv_core or kvpress function that called it, and keeps
-    the merge's ``LINEAR_ALGEBRA`` calls (``MERGE_CODE``) (operation, arguments' shapes) for ``replayed_ms``."""
+    """Counts every dispatched operation by the nearest grkv_core or kvpress function that called it, and the host
+    reads (``HOST_READS``) among them, and keeps the merge's ``LINEAR_ALGEBRA`` calls (``MERGE_CODE``) (operation,
+    arguments' shapes) for ``replayed_ms``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_caller: collections.Counter = collections.Counter()
+        self.host_reads: collections.Counter = collections.Counter()
         self.linear_algebra: collections.Counter = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_caller.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
@@ -61,6 +71,8 @@ class CountedOperations(TorchDispatchMode):
             frame = frame.f_back
         caller = "model" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}"
         self.by_caller[caller] += 1
+        if func.overloadpacket.__name__ in HOST_READS:
+            self.host_reads[caller] += 1
         if frame is not None and any(part in frame.f_code.co_filename for part in MERGE_CODE) \
                 and func.overloadpacket.__name__ in LINEAR_ALGEBRA:
             shapes = tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args)
@@ -116,12 +128,13 @@ def main() -> None:
     _, merge, options = parse_merge_variant(f"grkv=grkv:{args.option}" if args.option else "grkv=grkv")
     presses = {"base": build_press(args.press, args.compression_ratio),
                "grkv": build_press(args.press, args.compression_ratio, merge=merge, **options)}
-    counts, times, linear_algebra, prefill_s = {}, {}, {}, {}
+    counts, host_reads, times, linear_algebra, prefill_s = {}, {}, {}, {}, {}
     for name, press in presses.items():
         prefill(loaded.model, ids, press)  # warm-up
         with CountedOperations() as counted:
             prefill(loaded.model, ids, press)
-        counts[name], linear_algebra[name] = counted.by_caller, counted.linear_algebra
+        counts[name], host_reads[name] = counted.by_caller, counted.host_reads
+        linear_algebra[name] = counted.linear_algebra
         prefill_s[name] = statistics.median(_timed_prefill(loaded.model, ids, press, before_each)
                                             for _ in range(args.rounds))
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
@@ -132,10 +145,16 @@ def main() -> None:
     print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
           f"grkv options={options or 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}")
     print(f"dispatched operations per prefill: base {sum(counts['base'].values())}, "
-          f"+grkv {sum(counts['grkv'].values())}")
+          f"+grkv {sum(counts['grkv'].values())}; host reads (GPU synchronisations) base "
+          f"{sum(host_reads['base'].values())}, +grkv {sum(host_reads['grkv'].values())}")
     print("\nadded operations by caller (grkv - base)")
     added = counts["grkv"].copy()
     added.subtract(counts["base"])
+    for caller, count in added.most_common(args.top):
+        print(f"{count:8d}  {caller}")
+    print("\nadded host reads by caller (grkv - base)")
+    added = host_reads["grkv"].copy()
+    added.subtract(host_reads["base"])
     for caller, count in added.most_common(args.top):
         print(f"{count:8d}  {caller}")
     print("\noperations whose calls GRKV adds: +calls and +self CPU ms per prefill")

@@ -32,6 +32,13 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     assert {(row["context"], row["batch"]) for row in sections["prefill"]} == {(256, 1), (256, 2)}
     assert all(row["prefill ms"] > 0 and row["decode ms/token"] > 0 for row in sections["prefill"])
     assert all(row["TTFT ratio"] == 1 for row in sections["prefill"] if row["press"] == "snapkv")
+    # GRKV dispatches operations of its own on every layer, and fewer per layer when layers share a solve.
+    added = {(row["context"], row["batch"], row["press"]): row["added ops/layer"] for row in sections["prefill"]}
+    for context, batch in {(256, 1), (256, 2)}:
+        alone, grouped = (added[context, batch, f"snapkv+grkv layers_per_solve={n}"] for n in (1, 4))
+        assert added[context, batch, "snapkv"] == 0 and alone > grouped > 0
+    assert all(row["added host reads/layer"] > 0 and row["merge µs/added op"] != ""
+               for row in sections["prefill"] if row["press"] != "snapkv")
     assert [row["mode"] for row in sections["trial engine"]] == ["full", "answer"]
     assert all(row["agree"] and row["tolerance"] == "exact" for row in sections["trial engine"])
     (oom,) = sections["out of memory"]
