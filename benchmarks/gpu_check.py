@@ -15,8 +15,8 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
    events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to first token
    but one decoding step), the merge's ms per layer (GRKV's compression hooks minus SnapKV's) and its share of a
    layer's prefill, the operations and host reads (synchronisations) GRKV adds per layer (``prefill_ops``'s counts,
-   in the untimed warm-up) and the merge's µs per added operation (launch-bound when that is a few µs), peak memory,
-   decode ms per token.
+   in the untimed warm-up) and the merge's µs per added operation (bound by dispatch, not arithmetic, where that
+   stays put across contexts and batches), peak memory, decode ms per token.
 3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
    prefill against the engine's one prefill per sample) in full and answer-metric modes, with its agreement check
    (exact in float32; in bfloat16 the batched forwards round differently, so float metrics to ``BATCHED_RTOL``).
