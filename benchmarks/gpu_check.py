@@ -216,9 +216,8 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
             for name in presses:
                 median = statistics.median(prefill_ms[name])
                 merge_ms = 1000 * (hooks[name][0] - hooks["snapkv"][0]) / rounds / layers  # timed_hook sums seconds
-                added_operations = (counted[name].total - counted["snapkv"].total) / layers
-                added_host_reads = (sum(counted[name].host_reads.values())
-                                    - sum(counted["snapkv"].host_reads.values())) / layers
+                added_operations = (counted[name].by_caller.total() - counted["snapkv"].by_caller.total()) / layers
+                added_host_reads = (counted[name].host_reads.total() - counted["snapkv"].host_reads.total()) / layers
                 report.add("prefill", {
                     "context": length, "batch": batch, "attention": loaded.attn_implementation, "press": name,
                     "prefill ms": median, "TTFT ratio": median / base, "merge ms/layer": merge_ms,

@@ -61,10 +61,6 @@ class CountedOperations(TorchDispatchMode):
         self.host_reads: collections.Counter = collections.Counter()
         self.linear_algebra: collections.Counter = collections.Counter()
 
-    @property
-    def total(self) -> int:
-        return sum(self.by_caller.values())
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
         while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
@@ -144,9 +140,8 @@ def main() -> None:
                        for event in profiled.key_averages()}
     print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
           f"grkv options={options or 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}")
-    print(f"dispatched operations per prefill: base {sum(counts['base'].values())}, "
-          f"+grkv {sum(counts['grkv'].values())}; host reads (GPU synchronisations) base "
-          f"{sum(host_reads['base'].values())}, +grkv {sum(host_reads['grkv'].values())}")
+    print(f"dispatched operations per prefill: base {counts['base'].total()}, +grkv {counts['grkv'].total()}; "
+          f"host reads (GPU synchronisations) base {host_reads['base'].total()}, +grkv {host_reads['grkv'].total()}")
     print("\nadded operations by caller (grkv - base)")
     added = counts["grkv"].copy()
     added.subtract(counts["base"])
