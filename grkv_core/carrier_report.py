@@ -39,7 +39,7 @@ class _CarrierRecorder(BasePress):
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
         if selection.uniform_budget is None:
             raise ValueError("carrier analysis needs a uniform budget (not AdaKV-style per-head budgets)")
-        inputs = MergeInputs.from_kept_mask(keys, values, selection.kept_mask)
+        inputs = MergeInputs.from_kept_mask(keys, values, selection.mask())
         rule = D2OPress(press=self.press, threshold=-1.0, candidate_range=self.candidate_range)
         assignment, _ = rule.most_similar_carrier(inputs)
         self.records.append((module.layer_idx, assignment.cpu(), inputs.kept.cpu(), keys.float().cpu()))

@@ -4,7 +4,7 @@ import torch
 
 from grkv_core.config import SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups
-from grkv_core.solver.merge import solve_regression
+from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.regression import KeptRegression
 
 OPTIONS = SolverOptions(steps=2, lambda_k=1e-3)
@@ -30,7 +30,7 @@ def counted(finish_calls: list):
 
 def test_a_group_is_solved_when_full_or_at_the_last_hooked_layer_each_layer_as_if_alone():
     calls = []
-    groups = LayerGroups(size=2, last_layer=2, finish=counted(calls))
+    groups = LayerGroups(size=2, last_layer=2, finish=counted(calls), issues=SolveIssues())
     regressions = [layer_regression(seed) for seed in range(3)]
     alone = [solve_regression(regression, OPTIONS) for regression in regressions]
     starts = [(regression.kept_keys.clone(), regression.kept_values.clone()) for regression in regressions]
@@ -48,7 +48,7 @@ def test_a_group_is_solved_when_full_or_at_the_last_hooked_layer_each_layer_as_i
 
 def test_a_layer_of_another_shape_or_other_options_closes_the_group_first():
     calls = []
-    groups = LayerGroups(size=6, last_layer=5, finish=counted(calls))
+    groups = LayerGroups(size=6, last_layer=5, finish=counted(calls), issues=SolveIssues())
     groups.defer(layer_regression(0), OPTIONS)
     groups.defer(layer_regression(1, budget=10), OPTIONS)  # per-layer budgets: another shape
     assert calls == [2]
@@ -59,7 +59,8 @@ def test_a_layer_of_another_shape_or_other_options_closes_the_group_first():
 
 
 def test_finish_decides_what_is_written_into_the_cache():
-    groups = LayerGroups(size=1, last_layer=0, finish=lambda regression, keys, values: (keys * 0, values * 0))
+    groups = LayerGroups(size=1, last_layer=0, finish=lambda regression, keys, values: (keys * 0, values * 0),
+                         issues=SolveIssues())
     regression = layer_regression(3)
     groups.defer(regression, OPTIONS)
     groups.compressed(0)

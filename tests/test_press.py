@@ -432,8 +432,8 @@ def counting_solves(monkeypatch) -> list[int]:
     batches = []
     solve = press_module.solve_regression
     for module in (press_module, groups_module):
-        monkeypatch.setattr(module, "solve_regression", lambda regression, options: (
-            batches.append(regression.batch), solve(regression, options))[1])
+        monkeypatch.setattr(module, "solve_regression", lambda regression, options, issues=None: (
+            batches.append(regression.batch), solve(regression, options, issues))[1])
     return batches
 
 

@@ -262,19 +262,24 @@ def test_only_regressions_of_one_shape_positions_and_scale_stack():
             KeptRegression.stack([base, other])
 
 
-def test_ridge_solve_takes_each_systems_own_route():
-    # System 0 is positive definite with its ridge (Cholesky); system 1 is singular with ridge 0 (pseudo-inverse);
-    # each must get its own float64 answer, whatever route the other takes.
+def test_ridge_solve_routes_follow_the_ridge_never_the_data():
+    # A ridge of 0 (a number) takes the pseudo-inverse for every system, singular or not; a per-system ridge solves
+    # each system with its own ridge, and one that is 0 (its Gram matrix is zero, ridge_scale="relative") gives z = 0,
+    # the pseudo-inverse's answer there.
     generator = torch.Generator().manual_seed(3)
     factors = torch.randn(2, 6, 3, generator=generator)
     gram = factors @ factors.mT  # rank 3 of 6
     rhs = torch.randn(2, 6, 4, generator=generator)
-    solution = _ridge_solve(gram, rhs, torch.tensor([0.5, 0.0]).view(2, 1, 1))
     gram64, rhs64 = gram.double(), rhs.double()
-    expected = [torch.linalg.solve(gram64[0] + 0.5 * torch.eye(6, dtype=torch.float64), rhs64[0]),
-                torch.linalg.pinv(gram64[1], hermitian=True, rtol=1e-5) @ rhs64[1]]
+    minimum_norm = _ridge_solve(gram, rhs, 0.0)
     for system in range(2):
-        torch.testing.assert_close(solution[system].double(), expected[system], rtol=1e-4, atol=1e-4)
+        expected = torch.linalg.pinv(gram64[system], hermitian=True, rtol=1e-5) @ rhs64[system]
+        torch.testing.assert_close(minimum_norm[system].double(), expected, rtol=1e-4, atol=1e-4)
+    gram[1] = 0.0
+    per_system = _ridge_solve(gram, rhs, torch.tensor([0.5, 0.0]).view(2, 1, 1))
+    expected = torch.linalg.solve(gram64[0] + 0.5 * torch.eye(6, dtype=torch.float64), rhs64[0])
+    torch.testing.assert_close(per_system[0].double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(per_system[1], torch.zeros_like(rhs[1]))
 
 
 def test_conjugate_gradients_stop_a_head_without_curvature_and_finish_the_others():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -13,14 +15,14 @@ from torch import nn
 from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
-from grkv_core.presses.selection import TokenSelection, forced_score_positions
+from grkv_core.presses.selection import TokenSelection, forced_score_ranges
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
 from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
 from grkv_core.presses.window_capture import (WindowCapture, WindowRegression, output_projection_weights,
                                               stack_by_kv_head)
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
-from grkv_core.solver.merge import solve_regression
+from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.problem import gather_rows
 from grkv_core.solver.regression import KeptRegression
 
@@ -98,11 +100,17 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         later serves inputs that earlier compressed layers have changed.
     """
 
+    # NOTE: the regression reads the full cache only through its target, the window's attention outputs over it, which
+    # a NaN or +inf anywhere in the cache makes non-finite; the solver then hands the head back unmerged, counted on
+    # the device, where a check of the whole cache here would read it on the host at every layer.
+    unmerges_non_finite_caches: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        # NOTE: both exist only within this press's own context manager (see ``__call__``).
+        # NOTE: these exist only within this press's own context manager (see ``__call__``).
         self._capture: WindowCapture | None = None
         self._groups: LayerGroups | None = None
+        self._issues: SolveIssues | None = None
         # NOTE: set by ``post_init_from_model``, which kvpress (and its wrappers) call before any layer is hooked.
         self._merged_layers: frozenset[int] | None = None
 
@@ -123,10 +131,21 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             with capture.hooked(merged_attentions) if self.query_policy == "window" else contextlib.nullcontext():
                 with super().__call__(model):
                     self._capture = capture
-                    self._groups = LayerGroups.for_press(self, decoder, self.layers_per_solve, self._capped)
+                    self._issues = SolveIssues()
+                    self._groups = LayerGroups.for_press(self, decoder, self.layers_per_solve, self._capped,
+                                                         self._issues)
                     yield
+            self._warn_issues()
         finally:
-            self._capture = self._groups = None
+            self._capture = self._groups = self._issues = None
+
+    def _warn_issues(self) -> None:
+        """Warn once about what this context's solves found (``SolveIssues``: its one read of the device)."""
+        heads, nothing_free = self._issues.warn(stacklevel=4)
+        if heads and nothing_free == heads:
+            warnings.warn(f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
+                          f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
+                          "raise the budget or lower window_size or beta", UserWarning, stacklevel=4)
 
     def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
                       kwargs: dict) -> WindowRegression | None:
@@ -164,19 +183,24 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
 
         NOTE: the top-beta ranking runs on the base press's genuine scores only: positions it scores
-        artificially (its own observation window or sinks, ``forced_score_positions``) are not candidates, else a
+        artificially (its own observation window or sinks, ``forced_score_ranges``) are not candidates, else a
         base window wider than GRKV's would take every top-beta slot.
+
+        NOTE: the ranges are host integers and the count of top-beta rows stays on the device: nothing here reads a
+        tensor on the host.
         """
         length = selection.scores.shape[-1]
-        protected = kept < self.n_sink
+        protected_ranges = [range(0, self.n_sink)]
         if self.fix_window:
-            protected |= kept >= length - self.window_size
-        candidates = ~protected & ~forced_score_positions(self.press, length, kept.device)[kept]
-        kept_scores = selection.scores.gather(-1, kept).masked_fill(~candidates, float("-inf"))
-        order = kept_scores.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(kept.shape[-1], device=kept.device).expand_as(order))
-        n_top = (candidates.sum(dim=-1, keepdim=True) * self.beta).floor().long()
-        return protected | (candidates & (rank < n_top))
+            protected_ranges.append(range(length - self.window_size, length))
+        protected = in_ranges(kept, protected_ranges, length)
+        if self.beta == 0:
+            return protected
+        not_candidate = in_ranges(kept, protected_ranges + forced_score_ranges(self.press, length), length)
+        kept_scores = selection.scores.gather(-1, kept).masked_fill_(not_candidate, float("-inf"))
+        rank = kept_scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        n_top = ((kept.shape[-1] - not_candidate.sum(dim=-1, keepdim=True)) * self.beta).floor_()
+        return protected | (rank < n_top)
 
     def merge_selected(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: WindowRegression
@@ -192,11 +216,6 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             return gather_rows(keys, kept), gather_rows(values, kept)
         surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         fixed = self._fixed(selection, kept)
-        if bool(fixed.all()):
-            # NOTE: one message per setting (not per layer or head), so Python's warning filter shows it once.
-            warnings.warn(f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
-                          f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
-                          "raise the budget or lower window_size or beta", UserWarning, stacklevel=2)
         if self.accept != "always" and full_outputs is None:
             # NOTE: one full-cache pass serves every merge and every candidate's loss below.
             full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
@@ -205,7 +224,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         # need no check, which would cost operations (and GPU synchronisations) at every layer.
         regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
                                        query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs,
-                                       row_weights=context.row_weights, check_positions=False)
+                                       row_weights=context.row_weights, check_values=False)
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
             self._groups.defer(regression, options)
@@ -244,7 +263,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                 cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
 
     def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._capped(regression, *solve_regression(regression, options))
+        return self._capped(regression, *solve_regression(regression, options, self._issues))
 
 
 def merged_layer_indices(model: nn.Module, merged_layers: str) -> frozenset[int]:
@@ -254,3 +273,24 @@ def merged_layer_indices(model: nn.Module, merged_layers: str) -> frozenset[int]
                   if index not in sliding_layer_indices(model)]
     half = len(compressed) // 2
     return frozenset({"all": compressed, "early": compressed[:half], "late": compressed[half:]}[merged_layers])
+
+
+def in_ranges(positions: torch.Tensor, ranges: list[range], length: int) -> torch.Tensor:
+    """(...) bool: which of the integer ``positions`` (each in [0, ``length``)) lie in any of ``ranges``.
+
+    NOTE: the ranges are merged on the host first, and a range that reaches either end of [0, ``length``) costs one
+    comparison: a handful of operations per layer, whatever the ranges.
+    """
+    merged: list[list[int]] = []
+    for span in sorted((max(span.start, 0), min(span.stop, length)) for span in ranges):
+        if span[0] >= span[1]:
+            continue
+        if merged and span[0] <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span[1])
+        else:
+            merged.append(list(span))
+    if merged == [[0, length]]:
+        return torch.ones_like(positions, dtype=torch.bool)
+    tests = [positions >= start if stop == length else positions < stop if start == 0
+             else (positions >= start) & (positions < stop) for start, stop in merged]
+    return functools.reduce(torch.logical_or, tests) if tests else torch.zeros_like(positions, dtype=torch.bool)

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grkv_core.config import SolverOptions
-from grkv_core.solver.merge import solve_regression
+from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.regression import KeptRegression
 
 # (regression, merged keys, merged values) -> the (keys, values) written into the cache (e.g. trust-region caps).
@@ -38,22 +38,25 @@ class LayerGroups:
         The last layer kvpress hooked: its compression solves whatever waits.
     finish : callable
         Applied to each layer's merge before it is written into the cache.
+    issues : SolveIssues
+        Where the solves count what went wrong in some heads.
     """
 
-    def __init__(self, size: int, last_layer: int, finish: Finish) -> None:
+    def __init__(self, size: int, last_layer: int, finish: Finish, issues: SolveIssues) -> None:
         self.size = size
         self.last_layer = last_layer
         self.finish = finish
+        self.issues = issues
         self._pending: list[tuple[KeptRegression, SolverOptions]] = []
 
     @classmethod
-    def for_press(cls, press: nn.Module, language_model: nn.Module, size: int,
-                  finish: Finish) -> LayerGroups | None:
+    def for_press(cls, press: nn.Module, language_model: nn.Module, size: int, finish: Finish,
+                  issues: SolveIssues) -> LayerGroups | None:
         """Groups for ``press`` on ``language_model``, or None where every layer is merged at once (``size`` 1, or
         the press is not hooked on the layers itself: a wrapper runs it)."""
         hooked = [layer.self_attn.layer_idx for layer in language_model.layers
                   if press.forward_hook in layer.self_attn._forward_hooks.values()]
-        return cls(size, max(hooked), finish) if size != 1 and hooked else None
+        return cls(size, max(hooked), finish, issues) if size != 1 and hooked else None
 
     def defer(self, regression: KeptRegression, options: SolverOptions) -> None:
         """Let a layer's merge wait; its kept rows (``regression.kept_keys``/``kept_values``, the very tensors the
@@ -71,7 +74,7 @@ class LayerGroups:
         """Solve the pending layers in one call and write each result into the cache rows it handed out."""
         pending, self._pending = self._pending, []
         regressions = [regression for regression, _ in pending]
-        merged_keys, merged_values = solve_regression(KeptRegression.stack(regressions), pending[0][1])
+        merged_keys, merged_values = solve_regression(KeptRegression.stack(regressions), pending[0][1], self.issues)
         sizes = [regression.batch for regression in regressions]
         for regression, keys, values in zip(regressions, merged_keys.split(sizes), merged_values.split(sizes)):
             keys, values = self.finish(regression, keys, values)

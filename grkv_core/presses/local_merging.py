@@ -252,5 +252,5 @@ class LocalMergePress(BaseMergerPress):
     def merge_selected(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.merge(MergeInputs.from_kept_mask(keys, values, selection.kept_mask, context))
+        return self.merge(MergeInputs.from_kept_mask(keys, values, selection.mask(), context))
 

@@ -24,12 +24,11 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from kvpress import BasePress, ScorerPress
 from kvpress import MergingPress as KVPressMergingPress
-from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from grkv_core import config
@@ -77,6 +76,9 @@ class BaseMergerPress(ScorerPress):
     """
 
     press: BasePress = None
+    # Whether ``compress`` gives every (batch, head) whose full cache holds a NaN or inf its kept rows unmerged (a
+    # merge that reads the whole cache would spread the bad entry); a merger whose own merge guards it says False.
+    unmerges_non_finite_caches: ClassVar[bool] = True
     # NOTE: ScorerPress's field, redeclared keyword-only so that ``press`` stays the first positional argument; the
     # property assigned after the class replaces it as an attribute (kvpress's PerLayerCompressionPress looks for
     # the parameter, then sets the attribute layer by layer).
@@ -188,7 +190,10 @@ class BaseMergerPress(ScorerPress):
         (B, H_kv, n, d) with the kept rows merged (evicted rows stay in place, masked by kvpress's attention patch).
         """
         self.check_options()
-        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+        # NOTE: told from the shapes, not from ``cache_position``'s values (kvpress's ``is_prefilling``, a GPU
+        # synchronisation): a prefill from an empty cache caches exactly its tokens, and a decoding step (or a later
+        # prefill chunk) adds its tokens to those already cached.
+        if keys.shape[2] > hidden_states.shape[1]:
             raise ValueError(_wrapper_refusal(self, "would compress the cache while decoding, and a merger merges "
                                                     "the prefill"))
         if self.compression_ratio == 0:
@@ -212,7 +217,8 @@ class BaseMergerPress(ScorerPress):
             merged_keys, merged_values = self.merge_selected(keys, values, selection, context)
         else:
             merged_keys, merged_values = self._merge_per_head(keys, values, selection, context)
-        self._unmerge_non_finite_heads(keys, values, selection, merged_keys, merged_values)
+        if self.unmerges_non_finite_caches:
+            self._unmerge_non_finite_heads(keys, values, selection, merged_keys, merged_values)
         return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
 
     def _unmerge_non_finite_heads(self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,

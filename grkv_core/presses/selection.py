@@ -81,30 +81,54 @@ class TokenSelection:
     ----------
     scores : torch.Tensor
         (B, H_kv, n) the base press's importance scores (higher = more important).
-    kept_mask : torch.Tensor
-        (B, H_kv, n) bool, True where the base press keeps the token.
+    kept_mask : torch.Tensor or None
+        (B, H_kv, n) bool, True where the base press keeps the token; None when the choice is given by ``kept``
+        (``mask()`` builds it then).
     uniform_budget : int or None
         The number of kept tokens per head when every head keeps the same number (the cache can then be
         physically compacted); None for per-head budgets, which kvpress realises by masking.
+    kept : torch.Tensor or None
+        (B, H_kv, c) long kept positions in increasing order, for a uniform budget (from ``kept_mask`` when None).
     """
 
     scores: torch.Tensor
-    kept_mask: torch.Tensor
+    kept_mask: torch.Tensor | None
     uniform_budget: int | None
+    kept: torch.Tensor | None = None
+
+    @classmethod
+    def of_top(cls, scores: torch.Tensor, budget: int) -> TokenSelection:
+        """The ``budget`` top-scored positions of each (batch, head) of (B, H_kv, n) ``scores``, as kvpress's
+        ``ScorerPress`` keeps them; ties go to the earlier position, as in ``topk``."""
+        return cls(scores=scores, kept_mask=None, uniform_budget=budget,
+                   kept=scores.topk(budget, dim=-1).indices.sort(dim=-1).values)
 
     def kept_positions(self) -> torch.Tensor:
         """(B, H_kv, c) kept positions in increasing order; only defined for a uniform budget.
 
-        NOTE: computed once per selection, by a stable sort that puts the kept positions first in their order
-        (the same positions as ``kept_mask.nonzero()``, which would wait for the GPU at every call and layer).
+        NOTE: from a mask, computed once per selection, by a stable sort that puts the kept positions first in their
+        order (the same positions as ``kept_mask.nonzero()``, which would wait for the GPU at every call and layer).
         """
         if self.uniform_budget is None:
             raise ValueError("per-head budgets have no rectangular (B, H_kv, c) kept-position tensor")
+        if self.kept is not None:
+            return self.kept
         cached = self.__dict__.get("_kept_positions")
         if cached is None:
             evicted_first_key = (~self.kept_mask).to(torch.uint8)
             cached = evicted_first_key.argsort(dim=-1, stable=True)[..., : self.uniform_budget]
             self.__dict__["_kept_positions"] = cached  # NOTE: a cache, not state: frozen fields stay untouched
+        return cached
+
+    def mask(self) -> torch.Tensor:
+        """(B, H_kv, n) bool, True where the base press keeps the token (``kept_mask``, or built from ``kept``)."""
+        if self.kept_mask is not None:
+            return self.kept_mask
+        cached = self.__dict__.get("_kept_mask")
+        if cached is None:
+            cached = torch.zeros(self.scores.shape, dtype=torch.bool, device=self.scores.device)
+            cached.scatter_(-1, self.kept, True)
+            self.__dict__["_kept_mask"] = cached  # NOTE: a cache, as above
         return cached
 
     def keeps_every_position(self) -> bool:
@@ -113,7 +137,7 @@ class TokenSelection:
         NOTE: a uniform budget says so from its size alone, with no GPU synchronisation.
         """
         if self.uniform_budget is not None:
-            return self.uniform_budget == self.kept_mask.shape[-1]
+            return self.uniform_budget == self.scores.shape[-1]
         return bool(self.kept_mask.all())
 
     def of_head(self, batch_index: int, head_index: int) -> TokenSelection:
@@ -126,26 +150,30 @@ class TokenSelection:
         )
 
 
-def forced_score_positions(press: BasePress, length: int, device: torch.device | None = None) -> torch.Tensor:
-    """(length,) bool: the positions of an ``length``-token prompt that the base press scores artificially high.
+def forced_score_ranges(press: BasePress, length: int) -> list[range]:
+    """The ranges of positions of an ``length``-token prompt that the base press scores artificially high.
 
     SnapKV-style presses (SnapKV, PyramidKV, and the presses wrapping them) keep their observation window by
     scoring it max + 1; ExpectedAttention does the same for its first ``n_sink`` positions. Those scores say
     "always keep", not "important", so rankings by importance must leave these positions out. ``ChunkPress``
     runs its inner press on each chunk alone, so each chunk has its own forced positions.
+
+    NOTE: ranges of host integers: a test against them costs a comparison per range, and no mask to index on the
+    device.
     """
-    forced = torch.zeros(length, dtype=torch.bool, device=device)
+    forced = []
     if isinstance(press, ChunkPress):
         for start in range(0, length, press.chunk_length):
             end = min(start + press.chunk_length, length)
-            forced[start:end] = forced_score_positions(press.press, end - start, device)
+            forced += [range(start + inner.start, start + inner.stop)
+                       for inner in forced_score_ranges(press.press, end - start)]
         return forced
     if isinstance(press, SnapKVPress):
-        forced[max(length - press.window_size, 0):] = True
+        forced.append(range(max(length - press.window_size, 0), length))
     if isinstance(press, ExpectedAttentionPress):
-        forced[:press.n_sink] = True
+        forced.append(range(0, min(press.n_sink, length)))
     inner = getattr(press, "press", None)
-    return forced | forced_score_positions(inner, length, device) if inner is not None else forced
+    return forced + forced_score_ranges(inner, length) if inner is not None else forced
 
 
 def unsupported_base_press_reason(kind: type) -> str | None:
@@ -229,9 +257,7 @@ def select_tokens(
     else:
         budget = compute_n_kept(length, press.compression_ratio)
     budget = min(budget, length)  # NOTE: 0 at a ratio of 1, as kvpress (``compute_n_kept``)
-    kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
-    kept_mask.scatter_(-1, scores.topk(budget, dim=-1).indices, True)
-    return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=budget)
+    return TokenSelection.of_top(scores.float(), budget)
 
 
 def _select_per_chunk(

@@ -4,7 +4,6 @@ gradients with analytic, matrix-free Jacobian products."""
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +25,16 @@ def key_step(
 
     Solves (J Jᵀ + λ_k I) α = vec(E) + J vec(K - K⁰) per head by conjugate gradients, where J is the
     Jacobian of f(K) = softmax(s Q Kᵀ) V restricted to the free rows, applied without ever forming it.
-    Returns the new keys and ‖E‖² per head (P,), the window loss before the step.
+    Returns the new keys, ‖E‖² per head (P,), the window loss before the step, and (P,) bool flags of the heads whose
+    CG made no progress (their linearised system has no usable curvature: they keep ``problem.keys0``' rows plus
+    nothing, i.e. the value step's keys when it is the first round).
     """
-    if problem.free_width == 0:
-        return problem.keys0, problem.window_error(attention, values)
     jacobian = _AttentionJacobian.at(problem, attention, values)
     rhs = problem.weighted(problem.target - jacobian.output)
     error = _head_dot(rhs, rhs).flatten()
     # NOTE: the first round linearises at K⁰ itself, where the J·vec(K − K⁰) term is exactly zero.
     if keys is not problem.keys0:
-        rhs += jacobian.jvp(problem.free_rows(keys - problem.keys0))
+        rhs += jacobian.jvp(keys - problem.keys0)
     normal_diagonal = jacobian.normal_diagonal()
     ridge = lambda_k
     if ridge_scale == "relative":
@@ -49,14 +48,7 @@ def key_step(
     inverse_diagonal = torch.where(significant, 1.0 / diagonal.clamp_min(torch.finfo(diagonal.dtype).tiny), 0.0)
     operator = functools.partial(jacobian.normal, ridge=ridge)
     dual, stalled = _conjugate_gradients(operator, rhs, cg_max_iter, cg_rtol, inverse_diagonal, head_scale)
-    if bool(stalled.any()):
-        warnings.warn(
-            f"grkv_merge: the key step made no progress on {int(stalled.sum())} of {stalled.numel()} (batch, head) "
-            "pairs (their linearised system has no usable curvature); those heads keep the value step's keys.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return problem.add_to_free_rows(problem.keys0, jacobian.vjp(dual)), error
+    return problem.keys0 + jacobian.vjp(dual), error, stalled
 
 
 @dataclass
@@ -66,15 +58,15 @@ class _AttentionJacobian:
     With A the attention weights and F = A V: J[ΔK] = W V − rowsum(W) ⊙ F for W = A ⊙ (s Q ΔKᵀ), and
     Jᵀ[U] = s Wᵀ Q for W = A ⊙ (U Vᵀ − rowsum(U ⊙ F)).
 
-    NOTE: only the F free rows enter (``attention_free`` holds A's free columns, zero on padding), so every
-    product runs over F ≤ c columns; both row sums ride along in the matrix products through a column of
-    minus ones appended to V (``values_centring`` = [V | −1] on the free rows).
+    NOTE: only the free rows enter: ``attention_free`` holds A with the fixed rows' columns zeroed, so every product
+    gives them zero weight; both row sums ride along in the matrix products through a column of minus ones appended
+    to V (``values_centring`` = [V | −1]).
 
     With row weights (``MergeProblem.row_scale``, √w per query row, or None) J is the weighted Jacobian
     diag(√w) J: its output rows are scaled on the way out (``jvp``) and its cotangent rows on the way in (``vjp``).
 
     Shapes (P = B·H, as in ``MergeProblem``): ``queries_scaled`` (P, M, d), ``attention_free``
-    (P, M, F), ``values_centring`` (P, F, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
+    (P, M, c), ``values_centring`` (P, c, d + 1), ``output`` (P, M, d) over all kept rows, ``query_gram``
     (P, M, M) or None (see ``normal``), ``query_norms`` (P, M, 1) the squared norms ‖s·q_i‖², ``row_scale``
     (P, M, 1) or None.
     """
@@ -90,7 +82,6 @@ class _AttentionJacobian:
     @classmethod
     def at(cls, problem: MergeProblem, attention: torch.Tensor, values: torch.Tensor) -> _AttentionJacobian:
         """Linearise at the attention weights ``attention`` (P, M, c) with ``values`` (P, c, d)."""
-        free_values = problem.free_rows(values)
         queries_scaled = problem.queries_scaled
         rows, head_dim = queries_scaled.shape[-2:]
         query_gram = None
@@ -102,8 +93,7 @@ class _AttentionJacobian:
         return cls(
             queries_scaled=queries_scaled,
             attention_free=problem.free_columns(attention),
-            values_centring=torch.cat([free_values, free_values.new_full(free_values.shape[:-1] + (1,), -1.0)],
-                                      dim=-1),
+            values_centring=torch.cat([values, values.new_full(values.shape[:-1] + (1,), -1.0)], dim=-1),
             output=torch.bmm(attention, values),
             query_gram=query_gram,
             query_norms=query_norms,
@@ -111,12 +101,12 @@ class _AttentionJacobian:
         )
 
     def jvp(self, delta_keys: torch.Tensor) -> torch.Tensor:
-        """(P, F, d) perturbation of the free keys -> (P, M, d) output perturbation."""
+        """(P, c, d) perturbation of the keys (the fixed rows' ignored) -> (P, M, d) output perturbation."""
         logit_change = torch.bmm(self.queries_scaled, delta_keys.transpose(-1, -2))
         return self._scaled(self._output_change(logit_change.mul_(self.attention_free)))
 
     def vjp(self, cotangent: torch.Tensor) -> torch.Tensor:
-        """(P, M, d) output cotangent -> (P, F, d) cotangent of the free keys (zero on padding)."""
+        """(P, M, d) output cotangent -> (P, c, d) cotangent of the keys (zero on the fixed rows)."""
         return torch.bmm(self._vjp_weights(cotangent).transpose(-1, -2), self.queries_scaled)
 
     def normal(self, cotangent: torch.Tensor, ridge: float | torch.Tensor = 0.0) -> torch.Tensor:
@@ -161,7 +151,7 @@ class _AttentionJacobian:
         return scale_rows(rows, self.row_scale)
 
     def _output_change(self, change: torch.Tensor) -> torch.Tensor:
-        """W V − rowsum(W) ⊙ F for (P, M, F) logit-weighted attention changes W on the free rows."""
+        """W V − rowsum(W) ⊙ F for (P, M, c) logit-weighted attention changes W (zero on the fixed rows)."""
         moments = torch.bmm(change, self.values_centring)  # [W V | −rowsum(W)]
         return torch.addcmul(moments[..., :-1], moments[..., -1:], self.output)
 
@@ -174,7 +164,8 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
     ``rhs`` and ``inverse_diagonal`` are (P, M, d), P = B·H; inner products run over the last two axes. A head
     stops (its step size is zeroed) once its preconditioned residual norm rᵀD⁻¹r falls below ``rtol``² times
     its initial value, or once its search direction loses curvature, which guards the singular systems that
-    ridge 0 produces. Curvature is judged against ``operator_scale`` (P, 1, 1), the operator's largest diagonal
+    ridge 0 produces. NOTE: every head runs all ``max_iter`` iterations, stopped heads with a zero step: a loop that
+    ended once every head stopped would read a flag on the host (a GPU synchronisation) at every iteration. Curvature is judged against ``operator_scale`` (P, 1, 1), the operator's largest diagonal
     entry per head (1 when omitted), so the guard does not depend on the units of the problem.
 
     Returns the (P, M, d) solution and a (P,) bool flag of the heads that had something to solve (a residual
@@ -196,8 +187,6 @@ def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol:
     solvable = running.clone()
     stepped = torch.zeros_like(running)
     for iteration in range(max_iter):
-        if not bool(running.any()):
-            break
         operator_direction = apply_operator(direction)
         curvature = _head_dot(direction, operator_direction)
         negligible = _head_dot(direction, direction).mul_(eps)

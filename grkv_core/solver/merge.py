@@ -8,8 +8,9 @@ import warnings
 import torch
 
 from grkv_core.config import SOLVER_OPTION_NAMES, SolverOptions
+from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.key_step import key_step
-from grkv_core.solver.problem import MergeProblem, SolverOrder, gather_rows
+from grkv_core.solver.problem import MergeProblem
 from grkv_core.solver.regression import KeptRegression
 from grkv_core.solver.safeguard import safeguarded
 from grkv_core.solver.value_step import value_step
@@ -96,39 +97,51 @@ def grkv_merge(
 
 @torch.no_grad()
 def solve_regression(
-    regression: KeptRegression, options: SolverOptions = SolverOptions()
+    regression: KeptRegression, options: SolverOptions = SolverOptions(), issues: SolveIssues | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grkv_merge`` on a cache already reduced to its ``KeptRegression``, e.g. several layers stacked.
 
     ``options`` as in ``grkv_merge``. Every (batch, head) is solved on its own: its result does not depend on what
-    else the batch holds, beyond float rounding.
+    else the batch holds, beyond float rounding. On a CUDA device the solve replays a CUDA graph captured once per
+    shape (``grkv_core.solver.capture``); elsewhere it runs eagerly. What went wrong in some heads (non-finite inputs
+    or results, a key step without progress) is added to ``issues``, to be warned about once
+    (``SolveIssues.warn``), or warned about now when it is None.
 
     Returns
     -------
     tuple[torch.Tensor, torch.Tensor]
         (B, H_kv, c, d) merged keys and values, in the order of ``regression.kept`` and the dtype of its rows.
     """
-    out_dtype = regression.kept_keys.dtype
-    batch, heads, _, head_dim = regression.kept_keys.shape
+    merged_keys, merged_values, counts = CAPTURED_SOLVES(merge_heads, regression, options)
+    own_issues = issues is None
+    issues = SolveIssues() if own_issues else issues
+    issues.add(counts, regression.kept.shape[0] * regression.kept.shape[1])
+    if own_issues:
+        issues.warn(stacklevel=3)
+    return merged_keys, merged_values
 
-    # NOTE: the solver works on (P = B·H)-flattened heads whose kept rows are in SolverOrder (free rows first);
-    # `kept`, `fixed` and the evicted rows below are in that order until the result is put back.
+
+def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole solve of ``solve_regression``: (B, H_kv, c, d) merged keys and values, and an (3,) int64 tensor of
+    the heads that kept the plain evicted cache because their inputs or results were not finite, the heads whose key
+    step made no progress, and the heads with no free row to refit.
+
+    NOTE: a function of the tensors alone whose every shape comes from the inputs' shapes and ``options``: it reads
+    no value on the host (no GPU synchronisation), so CUDA can capture it as one graph, and ``torch.compile`` compiles
+    it with ``fullgraph=True``. Early exits are per-head masks over a fixed count of iterations.
+    """
+    out_dtype = regression.kept_keys.dtype
+    batch, heads, budget, head_dim = regression.kept_keys.shape
+    # NOTE: the solver works on (P = B·H)-flattened heads.
     fixed = regression.fixed.flatten(0, 1)
-    solver_order = SolverOrder.of(fixed)
-    fixed = fixed.gather(-1, solver_order.order)
-    kept = regression.kept.flatten(0, 1).gather(-1, solver_order.order)
-    in_solver_order = solver_order.order.view(batch, heads, -1)
-    evicted_keys = gather_rows(regression.kept_keys, in_solver_order).flatten(0, 1)
-    evicted_values = gather_rows(regression.kept_values, in_solver_order).flatten(0, 1)
+    evicted_keys = regression.kept_keys.flatten(0, 1)
+    evicted_values = regression.kept_values.flatten(0, 1)
 
     logit_mask = sees_nothing = None
-    query_positions = regression.query_positions
-    if query_positions is not None:
-        hidden = kept[:, None, :] > query_positions[None, :, None]
-        logit_mask = torch.zeros(hidden.shape, device=kept.device).masked_fill_(hidden, float("-inf"))
-        sees_nothing = (kept.amin(dim=-1, keepdim=True) > query_positions[None, :]).unsqueeze(-1)
-        if not bool(sees_nothing.any()):
-            sees_nothing = None
+    if regression.query_positions is not None:
+        hidden = regression.kept.flatten(0, 1)[:, None, :] > regression.query_positions[None, :, None]
+        logit_mask = torch.where(hidden, float("-inf"), 0.0)
+        sees_nothing = hidden.all(dim=-1, keepdim=True)
 
     queries_scaled = regression.queries.float().flatten(0, 1) * regression.scale
     target = regression.target.flatten(0, 1)
@@ -138,22 +151,22 @@ def solve_regression(
     row_scale = None if regression.row_weights is None else regression.row_weights.flatten(0, 1).sqrt().unsqueeze(-1)
     regression_inputs = [queries_scaled, target, evicted_keys.float(), evicted_values.float()]
     finite_inputs = functools.reduce(torch.logical_and, map(_finite_per_head, regression_inputs))
-    if not bool(finite_inputs.all()):
-        head_ok = finite_inputs[:, None, None]
-        regression_inputs = [torch.where(head_ok, t, 0.0) for t in regression_inputs]
-    queries_scaled, target, keys0, values0 = regression_inputs
+    head_ok = finite_inputs[:, None, None]
+    queries_scaled, target, keys0, values0 = (torch.where(head_ok, t, 0.0) for t in regression_inputs)
+    free = ~fixed
     problem = MergeProblem(
         queries_scaled=queries_scaled,
         target=target,
         keys0=keys0,
         values0=values0,
-        free_valid=solver_order.free_valid,
+        free=free.unsqueeze(-2).float(),
         logit_mask=logit_mask,
         sees_nothing=sees_nothing,
         row_scale=row_scale,
     )
 
     new_keys, new_values = problem.keys0, problem.values0
+    stalled = torch.zeros(fixed.shape[0], dtype=torch.bool, device=fixed.device)
     moving = None  # (P, 1, 1) bool: the heads still alternating (None: all of them)
     steps, components = options.steps, options.components
     for round_index in range(steps):
@@ -165,43 +178,67 @@ def solve_regression(
         else:
             step_values = new_values
         if components in ("kv", "k"):
-            step_keys, value_step_error = key_step(problem, new_keys, attention, step_values, options.lambda_k,
-                                                    options.ridge_scale, options.cg_max_iter, options.cg_rtol)
+            step_keys, value_step_error, round_stalled = key_step(
+                problem, new_keys, attention, step_values, options.lambda_k, options.ridge_scale, options.cg_max_iter,
+                options.cg_rtol)
+            stalled |= round_stalled
             if options.safeguard:
                 step_keys = safeguarded(problem, new_keys, logits, step_keys, value_step_error, step_values)
         else:
             step_keys = new_keys
         # NOTE: a head stops alternating on its own, keeping the round in which nothing of it moved, so its
-        # result does not depend on the other heads of the batch (or on the other layers stacked with it).
+        # result does not depend on the other heads of the batch (or on the other layers stacked with it). Every
+        # round runs (a loop that ended once no head moved would read a flag on the host).
         if moving is not None:
             step_keys = torch.where(moving, step_keys, new_keys)
             step_values = torch.where(moving, step_values, new_values)
-        last_round = round_index + 1 == steps  # NOTE: it skips the movement check, which could only end the loop
-        if not last_round:
+        if round_index + 1 < steps:  # NOTE: the last round skips the movement check, which only a next round reads
             moved = _moved(step_keys, new_keys) | _moved(step_values, new_values)
             moving = moved if moving is None else moving & moved
         new_keys, new_values = step_keys, step_values
-        if last_round or not bool(moving.any()):
-            break
 
     keep_fixed = fixed.unsqueeze(-1)
     merged_keys = torch.where(keep_fixed, evicted_keys, new_keys.to(out_dtype))
     merged_values = torch.where(keep_fixed, evicted_values, new_values.to(out_dtype))
-
     head_ok = finite_inputs & _finite_per_head(merged_keys) & _finite_per_head(merged_values)
-    if not bool(head_ok.all()):
-        bad = int((~head_ok).sum())
-        warnings.warn(
-            f"grkv_merge: {bad} of {head_ok.numel()} (batch, head) pairs had non-finite inputs or results; "
-            "they keep the plain evicted cache.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        merged_keys = torch.where(head_ok[:, None, None], merged_keys, evicted_keys)
-        merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
-    restore = solver_order.restore.view(batch, heads, -1)
-    return (gather_rows(merged_keys.view(batch, heads, -1, head_dim), restore),
-            gather_rows(merged_values.view(batch, heads, -1, head_dim), restore))
+    merged_keys = torch.where(head_ok[:, None, None], merged_keys, evicted_keys)
+    merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
+    counts = torch.stack([(~head_ok).sum(), stalled.sum(), fixed.all(dim=-1).sum()])
+    return (merged_keys.view(batch, heads, budget, head_dim), merged_values.view(batch, heads, budget, head_dim),
+            counts)
+
+
+class SolveIssues:
+    """What solves found wrong in some heads, counted on the device and warned about once (``warn``).
+
+    NOTE: a warning decided on the device would need a host read (a GPU synchronisation) per solve; the counts add
+    up on the device instead, and ``GRKVPress`` reads them once, at the end of its context.
+    """
+
+    def __init__(self) -> None:
+        self._counts: torch.Tensor | None = None
+        self._heads = 0
+
+    def add(self, counts: torch.Tensor, heads: int) -> None:
+        """Add one solve's (3,) counts (``merge_heads``) over ``heads`` (batch, head) pairs."""
+        self._counts = counts if self._counts is None else self._counts + counts
+        self._heads += heads
+
+    def warn(self, stacklevel: int = 2) -> tuple[int, int]:
+        """Warn about the heads handed back unmerged and the key steps without progress (one host read), start
+        counting anew, and return (heads solved, heads with no free row)."""
+        if self._counts is None:
+            return 0, 0
+        (non_finite, stalled, nothing_free), heads = self._counts.tolist(), self._heads
+        self.__init__()
+        if non_finite:
+            warnings.warn(f"grkv_merge: {non_finite} of {heads} (batch, head) pairs had non-finite inputs or results; "
+                          "they keep the plain evicted cache.", RuntimeWarning, stacklevel=stacklevel)
+        if stalled:
+            warnings.warn(f"grkv_merge: the key step made no progress on {stalled} of {heads} (batch, head) pairs "
+                          "(their linearised system has no usable curvature); those heads keep the value step's keys.",
+                          RuntimeWarning, stacklevel=stacklevel)
+        return heads, nothing_free
 
 
 def _moved(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

@@ -8,47 +8,23 @@ import torch
 
 
 @dataclass(frozen=True)
-class SolverOrder:
-    """Each head's kept rows reordered so that its free (refitted) rows come first.
-
-    ``order`` (P, c) long: per head, the positions in the kept order of its free rows, then of its fixed ones
-    (a permutation); ``restore`` (P, c) its inverse; ``free_valid`` (P, 1, F), F the largest free count of any
-    head, float 0/1, marks the leading rows that are free in that head (the rest of the first F are fixed rows
-    of heads with fewer free rows).
-
-    NOTE: with the free rows leading, every step reads them as the slice ``[:F]`` (rows of a (P, c, d) tensor,
-    columns of a (P, M, c) one) times ``free_valid``: no gather or scatter inside the solver, one permutation
-    on the way in and its inverse on the way out.
-    """
-
-    order: torch.Tensor
-    restore: torch.Tensor
-    free_valid: torch.Tensor
-
-    @classmethod
-    def of(cls, fixed: torch.Tensor) -> SolverOrder:
-        """From (P, c) bool ``fixed``."""
-        order = torch.argsort(fixed.to(torch.uint8), dim=-1, stable=True)
-        restore = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                   .expand_as(order))
-        free_count = (~fixed).sum(dim=-1, keepdim=True)
-        valid = torch.arange(int(free_count.max()), device=fixed.device) < free_count
-        return cls(order=order, restore=restore, free_valid=valid.unsqueeze(-2).to(torch.float32))
-
-
-@dataclass(frozen=True)
 class MergeProblem:
     """Float32 tensors shared by the value and key steps of one call, batch and heads flattened (P = B·H).
 
     Shapes: ``queries_scaled`` (P, M, d) already multiplied by the softmax scale; ``target`` (P, M, d);
-    ``keys0``/``values0`` (P, c, d) in ``SolverOrder`` (the free rows of each head first); ``free_valid``
-    (P, 1, F), see ``SolverOrder``; ``logit_mask`` (P, M, c) float, 0 where a query may see a kept key and
+    ``keys0``/``values0`` (P, c, d) the kept rows; ``free`` (P, 1, c) float, 1 on the rows the merge refits and 0 on
+    the fixed ones; ``logit_mask`` (P, M, c) float, 0 where a query may see a kept key and
     −inf where not (None without causal positions); ``sees_nothing`` (P, M, 1) bool, rows that see no kept key
     at all (None when there is none); ``row_scale`` (P, M, 1) the square roots of the query rows' weights in the
     loss Σ_r w_r ‖y_r − a_r V‖² (None: every row weighs 1).
 
     NOTE: a weighted least-squares problem is the unweighted one on rows scaled by √w: the steps scale the
     residual rows (and the Jacobian's output rows) by ``row_scale`` and leave everything else as it is.
+
+    NOTE: the free rows are a mask over all c kept rows, not a gathered slice: their number varies per head with the
+    data, and a shape read from the data would wait for the device (a GPU synchronisation) and change the kernels'
+    shapes from one call to the next, which a captured CUDA graph cannot. A fixed row's column of attention is zeroed
+    (``free_columns``), so no step moves it.
 
     NOTE: every product is a ``bmm`` on 3-D tensors: 4-D ``matmul`` re-plans (expands and reshapes, copies
     a transposed operand) on every call, which costs as much as the arithmetic at these sizes.
@@ -58,14 +34,10 @@ class MergeProblem:
     target: torch.Tensor
     keys0: torch.Tensor
     values0: torch.Tensor
-    free_valid: torch.Tensor
+    free: torch.Tensor
     logit_mask: torch.Tensor | None
     sees_nothing: torch.Tensor | None
     row_scale: torch.Tensor | None = None
-
-    @property
-    def free_width(self) -> int:
-        return self.free_valid.shape[-1]
 
     def logits(self, keys: torch.Tensor) -> torch.Tensor:
         """(P, M, c) masked logits of the queries over ``keys`` (P, c, d); the mask rides in the product."""
@@ -85,16 +57,8 @@ class MergeProblem:
         return self.softmax(self.logits(keys))
 
     def free_columns(self, attention: torch.Tensor) -> torch.Tensor:
-        """(P, M, c) -> (P, M, F): the attention on the free rows, zero on padding."""
-        return attention[..., :self.free_width] * self.free_valid
-
-    def free_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """(P, c, X) -> (P, F, X): the leading rows (padding holds some fixed row)."""
-        return tensor[:, :self.free_width]
-
-    def add_to_free_rows(self, tensor: torch.Tensor, change: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (P, c, X) with ``change`` (P, F, X), zero on padding rows, added to its free rows."""
-        return torch.cat([tensor[:, :self.free_width] + change, tensor[:, self.free_width:]], dim=1)
+        """(P, M, c) attention with the fixed rows' columns zeroed."""
+        return attention * self.free
 
     def weighted(self, rows: torch.Tensor) -> torch.Tensor:
         """(P, M, X) rows scaled by ``row_scale`` (``scale_rows``)."""

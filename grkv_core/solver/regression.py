@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from grkv_core.solver.attention import full_cache_outputs
-from grkv_core.solver.problem import gather_rows
 
 
 @dataclass(frozen=True)
@@ -63,21 +62,21 @@ class KeptRegression:
         scale: float | None = None,
         full_outputs: torch.Tensor | None = None,
         row_weights: torch.Tensor | None = None,
-        check_positions: bool = True,
+        check_values: bool = True,
     ) -> KeptRegression:
         """Check the inputs of one cache and reduce it to its regression (arguments as ``grkv_merge`` takes them).
 
-        ``check_positions=False`` skips the checks that read the position tensors' values (``kept`` in range and
-        distinct, ``query_positions`` non-negative): for callers that build them (``GRKVPress``, from its base
-        press's selection), where those checks cost tensor operations and, on a GPU, synchronisations per layer.
+        ``check_values=False`` skips the checks that read tensors' values (``kept`` in range and distinct,
+        ``query_positions`` non-negative, ``row_weights`` finite and non-negative): for callers that build them
+        (``GRKVPress``, from its base press's selection and the model's weights), where those checks cost tensor
+        operations and, on a GPU, synchronisations per layer.
 
         Raises
         ------
         ValueError
             Naming the argument, for any malformed input.
         """
-        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights,
-                  check_positions)
+        _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights, check_values)
         scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
         if query_positions is not None:
             query_positions = query_positions.to(device=keys.device, dtype=torch.long)
@@ -86,8 +85,9 @@ class KeptRegression:
         else:
             target = full_outputs.float()
         kept = kept.long()
-        return cls(queries=queries, target=target, kept_keys=gather_rows(keys, kept),
-                   kept_values=gather_rows(values, kept), kept=kept, fixed=fixed, query_positions=query_positions,
+        rows = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        return cls(queries=queries, target=target, kept_keys=keys.gather(2, rows), kept_values=values.gather(2, rows),
+                   kept=kept, fixed=fixed, query_positions=query_positions,
                    scale=scale, row_weights=None if row_weights is None else row_weights.float())
 
     @property
@@ -97,13 +97,14 @@ class KeptRegression:
     def stacks_with(self, other: KeptRegression) -> bool:
         """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale, and
         row weights on both or neither."""
-        same_positions = (self.query_positions is None and other.query_positions is None) or (
-            self.query_positions is not None and other.query_positions is not None
-            and torch.equal(self.query_positions, other.query_positions))
-        return (self.queries.shape[1:] == other.queries.shape[1:] and self.kept.shape[1:] == other.kept.shape[1:]
-                and self.kept_keys.dtype == other.kept_keys.dtype and self.queries.device == other.queries.device
-                and self.scale == other.scale and same_positions
-                and (self.row_weights is None) == (other.row_weights is None))
+        same_shapes = (self.queries.shape[1:] == other.queries.shape[1:] and self.kept.shape[1:] == other.kept.shape[1:]
+                       and self.kept_keys.dtype == other.kept_keys.dtype and self.queries.device == other.queries.device
+                       and self.scale == other.scale and (self.row_weights is None) == (other.row_weights is None))
+        mine, theirs = self.query_positions, other.query_positions
+        # NOTE: the same tensor needs no comparison of values (``GRKVPress`` hands every layer of a prefill one
+        # positions tensor); comparing the values reads them on the host, a GPU synchronisation.
+        return same_shapes and (mine is theirs or (mine is not None and theirs is not None
+                                                   and mine.shape == theirs.shape and torch.equal(mine, theirs)))
 
     @classmethod
     def stack(cls, regressions: list[KeptRegression]) -> KeptRegression:
@@ -120,7 +121,7 @@ class KeptRegression:
 
 
 def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights,
-              check_positions: bool = True) -> None:
+              check_values: bool = True) -> None:
     """Raise a ValueError naming the argument for any malformed tensor (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -157,7 +158,7 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
             raise ValueError(f"query_positions must have shape (M={queries.shape[2]},), got {shape}")
         if query_positions.is_floating_point() or query_positions.dtype == torch.bool:
             raise ValueError(f"query_positions must be an integer tensor, got {query_positions.dtype}")
-    if check_positions:
+    if check_values:
         _validate_positions(kept, query_positions, batch, heads, length)
     if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
@@ -171,8 +172,8 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
         if not isinstance(row_weights, torch.Tensor) or row_weights.shape != queries.shape[:3]:
             shape = tuple(row_weights.shape) if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__
             raise ValueError(f"row_weights must have shape (B, H_kv, M) = {tuple(queries.shape[:3])}, got {shape}")
-        if not row_weights.is_floating_point() or not bool(torch.isfinite(row_weights).all()) \
-                or bool((row_weights < 0).any()):
+        if not row_weights.is_floating_point() or (check_values and (not bool(torch.isfinite(row_weights).all())
+                                                                     or bool((row_weights < 0).any()))):
             raise ValueError("row_weights must be finite, non-negative floating-point weights")
     tensors = [queries, keys, values, kept, fixed] + [t for t in (full_outputs, row_weights) if t is not None]
     devices = {t.device for t in tensors}

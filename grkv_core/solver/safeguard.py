@@ -17,8 +17,8 @@ def safeguarded(problem: MergeProblem, keys: torch.Tensor, logits: torch.Tensor,
     """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
 
     ``logits`` are ``problem.logits(keys)``, ``values`` the round's new values and ``bar`` (P,) the window loss
-    at (``keys``, ``values``), i.e. after the value step. Lengths 1, 1/2, ... 2^-MAX_HALVINGS are tried in turn;
-    a head that passes none keeps ``keys``.
+    at (``keys``, ``values``), i.e. after the value step. Of the lengths 1, 1/2, ... 2^-MAX_HALVINGS a head takes the
+    longest that passes; a head that passes none keeps ``keys``.
 
     NOTE: logits are linear in the keys, so the logits at keys + t·step are ``logits`` + t·Q stepᵀ: one product
     serves every length tried, and each try costs a softmax and one product with the values.
@@ -32,18 +32,11 @@ def safeguarded(problem: MergeProblem, keys: torch.Tensor, logits: torch.Tensor,
     def loss_at(length: float) -> torch.Tensor:
         return problem.window_error(problem.softmax(torch.add(logits, step_logits, alpha=length)), values)
 
-    passed_full = loss_at(1.0) <= bar
-    if bool(passed_full.all()):
-        return step_keys
-    accepted = passed_full.clone()
+    # NOTE: every length is tried on every head, shortest first, so that each head ends with the longest that passes:
+    # stopping once every head had passed would read a flag on the host (a GPU synchronisation) after each try.
     length = torch.zeros_like(bar)
-    trial = 1.0
-    for _ in range(MAX_HALVINGS):
-        trial /= 2
-        passes = ~accepted & (loss_at(trial) <= bar)
-        length = torch.where(passes, trial, length)
-        accepted |= passes
-        if bool(accepted.all()):
-            break
+    for halvings in range(MAX_HALVINGS, 0, -1):
+        trial = 2.0**-halvings
+        length = torch.where(loss_at(trial) <= bar, trial, length)
     shortened = torch.addcmul(keys, length[:, None, None], step)
-    return torch.where(passed_full[:, None, None], step_keys, shortened)
+    return torch.where((loss_at(1.0) <= bar)[:, None, None], step_keys, shortened)
