@@ -11,12 +11,14 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
    with a bfloat16 cache; the relative error of the update (‖fast − reference‖ / ‖reference − evicted‖).
 2. **prefill**: a Llama-3.1-8B-shaped model with random weights (cost does not depend on the weights' values) in
    bfloat16, sdpa (and flash-attention 2 if importable), at each context and batch: SnapKV 10% alone against SnapKV
-   + GRKV (defaults) with ``layers_per_solve`` 1, 6 and every layer. Medians over rounds after a warm-up (CUDA
-   events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to first token
-   but one decoding step), the merge's ms per layer (GRKV's compression hooks minus SnapKV's) and its share of a
-   layer's prefill, the operations and host reads (synchronisations) GRKV adds per layer (``prefill_ops``'s counts,
-   in the untimed warm-up) and the merge's µs per added operation (bound by dispatch, not arithmetic, where that
-   stays put across contexts and batches), peak memory, decode ms per token.
+   + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1 and 6, and with stratified queries
+   (m = 128). Medians over rounds after a warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone
+   (the TTFT ratio: prefill is the time to first token but one decoding step), the merge's ms per layer (GRKV's
+   compression hooks minus SnapKV's) and its share of a layer's prefill, the operations and host reads
+   (synchronisations) GRKV adds per layer (``prefill_ops``'s counts, in the untimed warm-up) and the merge's µs per
+   added operation, and, from ``torch.profiler`` over one more prefill, the kernels, kernel milliseconds and stream
+   synchronisations GRKV adds per layer (beside the wall time, where the merge's time goes: waiting on the host,
+   launching, or computing), peak memory, decode ms per token.
 3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
    prefill against the engine's one prefill per sample) in full and answer-metric modes, with its agreement check
    (exact in float32; in bfloat16 the batched forwards round differently, so float metrics to ``BATCHED_RTOL``).
@@ -47,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import transformers
+from torch.profiler import ProfilerActivity
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grkv_core.config import EvalConfig, PressConfig
@@ -70,6 +73,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             head_dim=16, vocab_size=300, max_position_embeddings=4096, rope_theta=10000.0)
 PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%
+STRATIFIED_M = 128  # the stratified policy's m in the prefill section (the research's best configuration's)
+# The CUDA runtime calls that make the host wait for the device (``torch.profiler``'s CPU events).
+SYNCHRONISING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 @dataclass
@@ -169,10 +175,13 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
     model, device = loaded.model, loaded.model.device
     stopwatch = Stopwatch(device)
     layers = loaded.num_layers
-    presses = {"snapkv": build_press("snapkv", COMPRESSION_RATIO)}
-    for per_solve in sorted({1, min(6, layers), layers}):
+    presses = {"snapkv": build_press("snapkv", COMPRESSION_RATIO),
+               "snapkv+grkv": build_press("snapkv", COMPRESSION_RATIO, merge="grkv")}
+    for per_solve in sorted({1, min(6, layers)}):
         presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press("snapkv", COMPRESSION_RATIO, merge="grkv",
                                                                            layers_per_solve=per_solve)
+    presses[f"snapkv+grkv stratified m={STRATIFIED_M}"] = build_press(
+        "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy="stratified", window_size=STRATIFIED_M)
     for length in contexts:
         for batch in batches:
             ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
@@ -182,8 +191,10 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
                 press.forward_hook = timed_hook(timed[name], hooks[name], device.type == "cuda")
             prefill_ms = {name: [] for name in presses}
             decode_ms = {name: [] for name in presses}
-            peaks, counted = {}, {}
+            peaks, counted, profiled = {}, {}, {}
             try:
+                for name, press in presses.items():  # NOTE: one more, untimed prefill each, under the profiler
+                    profiled[name] = profiled_prefill(model, ids, press, device)
                 for round_index in range(rounds + 1):
                     for name, press in presses.items():
                         if device.type == "cuda":
@@ -218,13 +229,34 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
                 merge_ms = 1000 * (hooks[name][0] - hooks["snapkv"][0]) / rounds / layers  # timed_hook sums seconds
                 added_operations = (counted[name].by_caller.total() - counted["snapkv"].by_caller.total()) / layers
                 added_host_reads = (counted[name].host_reads.total() - counted["snapkv"].host_reads.total()) / layers
+                kernels, kernel_ms, synchronisations = (
+                    (profiled[name][index] - profiled["snapkv"][index]) / layers if device.type == "cuda"
+                    else "n/a (CPU)" for index in range(3))
                 report.add("prefill", {
                     "context": length, "batch": batch, "attention": loaded.attn_implementation, "press": name,
                     "prefill ms": median, "TTFT ratio": median / base, "merge ms/layer": merge_ms,
                     "merge / layer prefill": merge_ms / (base / layers), "added ops/layer": added_operations,
-                    "added host reads/layer": added_host_reads,
+                    "added host reads/layer": added_host_reads, "added kernels/layer": kernels,
+                    "added kernel ms/layer": kernel_ms, "added stream syncs/layer": synchronisations,
                     "merge µs/added op": 1000 * merge_ms / added_operations if added_operations else "",
                     "peak GiB": peaks.get(name, "n/a (CPU)"), "decode ms/token": statistics.median(decode_ms[name])})
+
+
+def profiled_prefill(model, ids: torch.Tensor, press, device: torch.device) -> tuple[int, float, int]:
+    """(kernels launched, their ms on the device, host synchronisations) of one prefill under ``torch.profiler``
+    (zeros on the CPU, which launches no kernels); a warm-up prefill runs first, unprofiled (so a CUDA graph is
+    captured before, and replayed inside)."""
+    prefill(model, ids, press)
+    if device.type != "cuda":
+        return 0, 0.0, 0
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        prefill(model, ids, press)
+        torch.cuda.synchronize()
+    events = profiler.events()
+    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    synchronisations = sum(event.name in SYNCHRONISING_CALLS for event in events)
+    return len(kernels), sum(event.device_time_total for event in kernels) / 1000, synchronisations
 
 
 def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:

@@ -46,8 +46,8 @@ LINEAR_ALGEBRA = ("bmm", "baddbmm", "mm", "addmm", "linalg_vecdot", "linalg_chol
 # Where the merge's own operations come from (the model's run under grkv_core.generation, the scoring under kvpress).
 MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
 # The operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``, ``torch.equal``, ...):
-# on a GPU each waits for every kernel queued before it.
-HOST_READS = ("is_nonzero", "item", "_local_scalar_dense", "equal", "allclose", "tolist", "nonzero", "masked_select")
+# on a GPU each waits for every kernel queued before it. ``tolist`` dispatches none: ``CountedOperations`` counts it.
+HOST_READS = ("is_nonzero", "item", "_local_scalar_dense", "equal", "allclose", "nonzero", "masked_select")
 
 
 class CountedOperations(TorchDispatchMode):
@@ -61,19 +61,42 @@ class CountedOperations(TorchDispatchMode):
         self.host_reads: collections.Counter = collections.Counter()
         self.linear_algebra: collections.Counter = collections.Counter()
 
+    def __enter__(self):
+        # NOTE: ``tensor.tolist()`` reads the tensor on the host without dispatching an operation: counted here.
+        self._tolist = torch.Tensor.tolist
+        counted = self
+
+        def tolist(tensor):
+            counted.host_reads[_caller(sys._getframe(1))] += 1
+            return counted._tolist(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
-        while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
-            frame = frame.f_back
-        caller = "model" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}"
+        caller = _caller(frame)
         self.by_caller[caller] += 1
         if func.overloadpacket.__name__ in HOST_READS:
             self.host_reads[caller] += 1
+        while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
+            frame = frame.f_back
         if frame is not None and any(part in frame.f_code.co_filename for part in MERGE_CODE) \
                 and func.overloadpacket.__name__ in LINEAR_ALGEBRA:
             shapes = tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args)
             self.linear_algebra[(func, shapes, tuple(sorted((kwargs or {}).items())))] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _caller(frame) -> str:
+    """The nearest grkv_core or kvpress function on the stack from ``frame``, as "file.py:function" ("model": none)."""
+    while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
+        frame = frame.f_back
+    return "model" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}"
 
 
 def replayed_ms(calls: collections.Counter, repeats: int) -> tuple[float, float]:

@@ -177,10 +177,10 @@ class GRKVOptions:
         "shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool))
     ridge_scale: str = _option("absolute", OptionSpec(
         "'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES))
-    layers_per_solve: int = _option(6, OptionSpec(
+    layers_per_solve: int = _option(0, OptionSpec(
         "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the press "
-        "compresses, in one call (results equal up to float rounding; more layers dispatch fewer operations)", int,
-        low=0))
+        "compresses, in as few calls as a bounded working set allows (results equal up to float rounding; more "
+        "layers dispatch fewer operations)", int, low=0))
     target_from_forward: bool = _option(True, OptionSpec(
         "take the regression target from the prefill's own attention outputs instead of recomputing it", bool))
     head_weighting: str = _option("uniform", OptionSpec(

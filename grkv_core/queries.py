@@ -8,7 +8,6 @@ import torch
 from kvpress.utils import get_prerope_query_states
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
-from transformers.models.llama.modeling_llama import rotate_half
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from grkv_core.config import PAPER_WINDOW, QUERY_POLICIES
@@ -72,33 +71,65 @@ def surrogate_queries(
     if policy not in QUERY_POLICIES:
         raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {policy!r}")
     length = hidden_states.shape[1]
-    m = min(n_queries, length)
-    device = hidden_states.device
-    cos, sin = position_embeddings
-    if policy == "window":
-        # NOTE: slices (views), not index copies: the window is the prompt's last m tokens.
-        token_positions = torch.arange(length - m, length, device=device)
-        hidden = hidden_states[:, length - m:]
-        cos, sin = cos[:, length - m:], sin[:, length - m:]
-    else:
-        token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
-        hidden = hidden_states[:, token_positions]
-        cos, sin = cos[:, length - 1:].expand(-1, m, -1), sin[:, length - 1:].expand(-1, m, -1)
-    if window_projections is not None and policy == "window" and window_projections.shape[:2] == hidden.shape[:2]:
+    rows = _rope_rows(position_embeddings, policy, min(n_queries, length), length,
+                      module.config.num_attention_heads // module.config.num_key_value_heads)
+    if window_projections is not None and policy == "window" and \
+            window_projections.shape[:2] == (hidden_states.shape[0], rows.token_positions.numel()):
         queries = _prerope_from_projections(module, window_projections)
+    elif policy == "window":
+        # NOTE: a slice (a view), not an index copy: the window is the prompt's last m tokens.
+        queries = get_prerope_query_states(module, hidden_states[:, length - rows.token_positions.numel():])
     else:
-        queries = get_prerope_query_states(module, hidden)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    queries = queries * cos + rotate_half(queries) * sin
-    batch, query_heads, _, head_dim = queries.shape
-    kv_heads = module.config.num_key_value_heads
-    groups = query_heads // kv_heads
+        queries = get_prerope_query_states(module, hidden_states[:, rows.token_positions])
+    # NOTE: RoPE as q·cos + rotate_half(q)·sin, with rotate_half(q)·sin = roll(q)·sin' (sin' the sine with its first
+    # half negated): the same products, one operation instead of four.
+    queries = queries * rows.cos + queries.roll(queries.shape[-1] // 2, dims=-1) * rows.signed_sin
+    batch, query_heads, m, head_dim = queries.shape
     # NOTE: query head h·groups + g reads KV head h (transformers' repeat_kv layout), so a plain view
     # stacks each KV head's group contiguously.
-    stacked = queries.reshape(batch, kv_heads, groups * m, head_dim)
+    stacked = queries.reshape(batch, module.config.num_key_value_heads, -1, head_dim)
+    return SurrogateQueries(stacked, rows.positions, rows.token_positions,
+                            loss_weight=1.0 if policy == "window" else 6.0 / m)
+
+
+@dataclass(frozen=True)
+class _RopeRows:
+    """The rows of the RoPE tables and the positions that one prefill's surrogate queries share across layers."""
+
+    cos: torch.Tensor  # (B, 1, m, d)
+    signed_sin: torch.Tensor  # (B, 1, m, d), the first half negated
+    token_positions: torch.Tensor  # (m,)
+    positions: torch.Tensor | None  # (groups·m,) or None (non-causal)
+
+
+# NOTE: every layer of a prefill receives the same (cos, sin) tensors, so the rows built for the first layer serve the
+# rest: one entry, keyed by those tensors' identity (and the policy's shape), replaced at the next prefill. Every
+# layer then also shares one ``positions`` tensor, which lets ``KeptRegression.stacks_with`` see them equal without
+# reading them.
+_LAST_ROPE_ROWS: list = [None, None]
+
+
+def _rope_rows(position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int,
+               groups: int) -> _RopeRows:
+    cos, sin = position_embeddings
+    key = (policy, m, length, groups)
+    cached_key, cached = _LAST_ROPE_ROWS
+    if cached_key is not None and cached_key[0] is cos and cached_key[1] is sin and cached_key[2:] == key:
+        return cached
+    device = cos.device
     if policy == "window":
-        return SurrogateQueries(stacked, token_positions.repeat(groups), token_positions, loss_weight=1.0)
-    return SurrogateQueries(stacked, None, token_positions, loss_weight=6.0 / m)
+        token_positions = torch.arange(length - m, length, device=device)
+        cos_rows, sin_rows = cos[:, length - m:], sin[:, length - m:]
+        positions = token_positions.repeat(groups)
+    else:
+        token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
+        cos_rows, sin_rows = cos[:, length - 1:].expand(-1, m, -1), sin[:, length - 1:].expand(-1, m, -1)
+        positions = None
+    half = sin_rows.shape[-1] // 2
+    signed_sin = torch.cat([-sin_rows[..., :half], sin_rows[..., half:]], dim=-1)
+    rows = _RopeRows(cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions)
+    _LAST_ROPE_ROWS[:] = [(cos, sin, *key), rows]
+    return rows
 
 
 def _prerope_from_projections(module: nn.Module, projections: torch.Tensor) -> torch.Tensor:

@@ -568,3 +568,65 @@ def test_merge_builds_no_autograd_graph_from_inputs_that_require_grad():
     with torch.enable_grad():
         keys, values = grkv_merge(**tensors, query_positions=problem["query_positions"])
     assert keys.grad_fn is None and values.grad_fn is None and not keys.requires_grad
+
+
+@pytest.mark.parametrize("policy", ["window", "stratified"])
+def test_the_whole_solve_compiles_as_one_graph_and_matches_eager(policy):
+    # The window policy: causal, fewer query rows than kept rows (the dual value step, the query-Gram CG route); the
+    # stratified one: non-causal, weighted rows outnumbering the kept rows (the primal value step, the other route).
+    # fullgraph=True fails on any graph break, i.e. on any value read on the host.
+    from grkv_core.solver.merge import merge_heads
+
+    causal = policy == "window"
+    problem = random_problem(seed=77, n_queries=12 if causal else 40, head_dim=8, causal=causal)
+    weights = None if causal else torch.rand(2, 2, 40, generator=torch.Generator().manual_seed(1))
+    regression = KeptRegression.of(*(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
+                                   query_positions=problem["query_positions"], row_weights=weights)
+    options = SolverOptions()
+    torch._dynamo.reset()
+    compiled = torch.compile(merge_heads, fullgraph=True)(regression, options)
+    eager = merge_heads(regression, options)
+    evicted = gather(problem["keys"], problem["kept"])
+    assert not torch.equal(eager[0], evicted)
+    for fast, slow in zip(compiled[:2], eager[:2]):
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+    assert torch.equal(compiled[2], eager[2])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_budget_padded_for_a_cuda_graph_leaves_the_real_rows_merge_unchanged(causal):
+    # CUDA graphs pad the budget to a bucket (grkv_core.solver.capture): the padded rows are fixed and seen by no
+    # query, so the real rows' merge is the unpadded one up to float rounding.
+    from grkv_core.solver.capture import pad_budget
+    from grkv_core.solver.merge import merge_heads
+
+    problem = random_problem(seed=78, causal=causal)
+    regression = KeptRegression.of(*(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
+                                   query_positions=problem["query_positions"])
+    padded = pad_budget(regression, 20)
+    assert padded.kept.shape[-1] == regression.kept.shape[-1] + 20 and padded.query_positions is not None
+    alone, with_padding = merge_heads(regression, SolverOptions()), merge_heads(padded, SolverOptions())
+    budget = regression.kept.shape[-1]
+    for real, padded_rows in zip(alone[:2], with_padding[:2]):
+        torch.testing.assert_close(padded_rows[:, :, :budget], real, rtol=1e-4, atol=1e-5)
+        assert torch.equal(padded_rows[:, :, budget:], torch.zeros_like(padded_rows[:, :, budget:]))
+    assert torch.equal(with_padding[2], alone[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_captured_solve_replays_what_the_eager_solve_returns():
+    from grkv_core.solver.capture import CapturedSolves
+    from grkv_core.solver.merge import merge_heads
+
+    torch.backends.cuda.preferred_linalg_library("cusolver")
+    graphs = CapturedSolves(capacity=2)
+    for seed in (80, 81, 82):  # the second and third replay the graph the first captured (one budget bucket)
+        problem = random_problem(seed=seed, causal=True)
+        regression = KeptRegression.of(*(problem[name].cuda() for name in ("queries", "keys", "values", "kept",
+                                                                           "fixed")),
+                                       query_positions=problem["query_positions"].cuda())
+        replayed = graphs(merge_heads, regression, SolverOptions())
+        eager = merge_heads(regression, SolverOptions())
+        for fast, slow in zip(replayed, eager):
+            torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+    assert len(graphs._graphs) == 1

@@ -80,10 +80,12 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     layers_per_solve : int
         Within this press's own context manager, the merges of this many consecutive layers (of one shape) are
         solved together, in one batched call when the last of them is compressed; the earlier layers' caches are
-        merged in place then; 0: every layer the press compresses, in one call at the last of them. Results equal
-        merging each layer alone up to float rounding (on SmolLM2 bit for bit for 1, 6 and 0); on SmolLM2 on 2 CPU
-        cores 6 layers cut the merge's prefill overhead by about 30% against 1, and all 30 at once no further
-        (benchmarks/RESULTS.md §6). 1 merges each layer as it is compressed.
+        merged in place then; 0 (the default): every layer the press compresses, in one call at the last of them,
+        split only where one call's attention would exceed ``layer_groups.GROUP_ATTENTION_BYTES``. Results equal
+        merging each layer alone up to float rounding (on SmolLM2 bit for bit for 1, 6 and 0). On SmolLM2 on 2 CPU
+        cores 6 layers cut the merge's prefill overhead by about 30% against 1, and all 30 at once no further; on an
+        H200 all layers at once cost least at every context measured (benchmarks/RESULTS.md §6, §10). 1 merges each
+        layer as it is compressed.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing

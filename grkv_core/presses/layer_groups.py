@@ -23,6 +23,12 @@ from grkv_core.config import SolverOptions
 from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.regression import KeptRegression
 
+# The largest (heads, query rows, kept rows) float32 attention matrix of one group's solve; a group whose next layer
+# would exceed it is solved first. NOTE: the solve keeps several tensors of this size alive at once; with all layers
+# of a long prompt in one group (``layers_per_solve=0``) this bounds its memory: 4 of Llama-3.1-8B's 32 layers at
+# 128K tokens, 10% kept, m = 128 (4 query heads a KV head), and every layer below 32K tokens.
+GROUP_ATTENTION_BYTES = 2**30
+
 # (regression, merged keys, merged values) -> the (keys, values) written into the cache (e.g. trust-region caps).
 Finish = Callable[[KeptRegression, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -61,8 +67,10 @@ class LayerGroups:
     def defer(self, regression: KeptRegression, options: SolverOptions) -> None:
         """Let a layer's merge wait; its kept rows (``regression.kept_keys``/``kept_values``, the very tensors the
         cache stores) are overwritten when its group is solved."""
-        if self._pending and not (self._pending[0][1] == options and self._pending[0][0].stacks_with(regression)):
-            self.solve()  # NOTE: a group holds one shape (per-layer budgets change c): solve it first
+        if self._pending and not (self._pending[0][1] == options and self._pending[0][0].stacks_with(regression)
+                                  and _attention_bytes(self._pending) + _attention_bytes([(regression, options)])
+                                  <= GROUP_ATTENTION_BYTES):
+            self.solve()  # NOTE: a group holds one shape (per-layer budgets change c) and a bounded working set
         self._pending.append((regression, options))
 
     def compressed(self, layer_idx: int) -> None:
@@ -88,3 +96,9 @@ def keeps_returned_rows(cache, layer_idx: int) -> bool:
     them and an offloading one moves them."""
     return (isinstance(cache, DynamicCache) and not cache.offloading
             and type(cache.layers[layer_idx]) is DynamicLayer)
+
+
+def _attention_bytes(pending: list[tuple[KeptRegression, SolverOptions]]) -> int:
+    """The bytes of the float32 (heads, query rows, kept rows) attention of ``pending``'s regressions solved together."""
+    return sum(4 * regression.kept.shape[0] * regression.kept.shape[1] * regression.queries.shape[2]
+               * regression.kept.shape[2] for regression, _ in pending)

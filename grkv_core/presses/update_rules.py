@@ -34,21 +34,28 @@ def passes_validation(regression: KeptRegression, options: SolverOptions, solve:
     """(B, H_kv) bool (``accept="validation"``): the heads where a merge fitted on the ``window`` surrogate tokens of
     even index has a lower loss than the evicted cache on those of odd index (every query head's rows of them: the
     rows of a KV head repeat the window once per query head)."""
-    token = torch.arange(regression.queries.shape[2], device=keys.device) % window
-    fit, held_out = token % 2 == 0, token % 2 == 1
+    fit, held_out = 0, 1
 
-    def rows(tensor: torch.Tensor | None, chosen: torch.Tensor) -> torch.Tensor | None:
-        return None if tensor is None else tensor[..., chosen, :] if tensor.ndim == 4 else tensor[..., chosen]
+    def rows(tensor: torch.Tensor | None, parity: int) -> torch.Tensor | None:
+        """The query rows of ``tensor`` ((..., M, d), (..., M) or (M,)) whose token has index ``parity`` modulo 2.
+
+        NOTE: by a strided view of the (groups, window) row layout, not a boolean mask, whose selection's shape
+        would be read on the host (a GPU synchronisation)."""
+        if tensor is None:
+            return None
+        axis = tensor.ndim - 2 if tensor.ndim == 4 else tensor.ndim - 1
+        every_other = (slice(None),) * (axis + 1) + (slice(parity, None, 2),)
+        return tensor.unflatten(axis, (-1, window))[every_other].flatten(axis, axis + 1)
 
     positions = regression.query_positions
     fitted = KeptRegression.of(rows(regression.queries, fit), keys, values, regression.kept, regression.fixed,
-                               query_positions=None if positions is None else positions[fit],
-                               scale=regression.scale, full_outputs=rows(full_outputs, fit),
-                               row_weights=rows(regression.row_weights, fit))
+                               query_positions=rows(positions, fit), scale=regression.scale,
+                               full_outputs=rows(full_outputs, fit), row_weights=rows(regression.row_weights, fit),
+                               check_values=False)
     candidates = [(regression.kept_keys, regression.kept_values), solve(fitted, options)]
     evicted, merged = (
         discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
-                             query_positions=None if positions is None else positions[held_out],
+                             query_positions=rows(positions, held_out),
                              compressed_positions=regression.kept, scale=regression.scale,
                              full_outputs=rows(full_outputs, held_out))[0]
         for k, v in candidates)

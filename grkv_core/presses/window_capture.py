@@ -93,14 +93,16 @@ class WindowCapture:
             return
         self._awaiting_projections.discard(attention.layer_idx)
         if projections.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
-            self._projections[attention.layer_idx] = projections[:, -self.window_size:].detach().clone()
+            with torch.no_grad():
+                self._projections[attention.layer_idx] = projections[:, -self.window_size:].clone()
 
     def _keep_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
         outputs = args[0]  # (B, n, H_q·d)
         if outputs.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
-            # NOTE: a detached copy of the m rows, so that neither the layer's (B, n, H_q·d) output nor, in grad
-            # mode, its autograd graph is kept alive.
-            self._outputs[attention.layer_idx] = outputs[:, -self.window_size:].detach().clone()
+            # NOTE: a copy of the m rows made without autograd, so that neither the layer's (B, n, H_q·d) output nor,
+            # in grad mode, its autograd graph is kept alive.
+            with torch.no_grad():
+                self._outputs[attention.layer_idx] = outputs[:, -self.window_size:].clone()
 
 
 @dataclass(frozen=True)

@@ -33,15 +33,12 @@ def full_cache_outputs(
 def _causal_additive_mask(query_positions: torch.Tensor, length: int) -> torch.Tensor:
     """(M, length) float mask, 0 where key position p <= query_positions[i] and -inf elsewhere.
 
-    NOTE: every key up to the earliest query position is visible to all queries, so only the columns after
-    it are compared; and no row is all -inf (key 0 is visible to every query position >= 0), so the fused
-    attention kernel never meets an empty row. A float mask also spares SDPA its own bool-to-float pass.
+    NOTE: no row is all -inf (key 0 is visible to every query position >= 0), so the fused attention kernel never
+    meets an empty row. A float mask also spares SDPA its own bool-to-float pass. Built from the positions on the
+    device, never read on the host (a GPU synchronisation).
     """
-    mask = torch.zeros(query_positions.shape[0], length, device=query_positions.device)
-    first_hidden = min(int(query_positions.min()) + 1, length)
-    tail = torch.arange(first_hidden, length, device=query_positions.device)
-    mask[:, first_hidden:] = torch.where(tail[None, :] <= query_positions[:, None], 0.0, float("-inf"))
-    return mask
+    keys = torch.arange(length, device=query_positions.device)
+    return torch.where(keys[None, :] <= query_positions[:, None], 0.0, float("-inf"))
 
 
 def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:

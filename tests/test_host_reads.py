@@ -1,0 +1,55 @@
+"""GRKV reads the device on the host once per prefill (its warnings' counts), under every option a sweep searches: on a
+GPU each host read is a synchronisation, where the host waits for every kernel queued before it. Counted by
+``benchmarks/prefill_ops.py``'s ``CountedOperations``, the counter behind the figures in the results."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from grkv_core.generation import prefill
+from grkv_core.registry import build_press
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from prefill_ops import CountedOperations  # noqa: E402
+
+# One value of each searchable option that takes a path of its own through the press and the solver.
+SEARCHED = [
+    {},
+    {"query_policy": "stratified", "window_size": 16},
+    {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
+    {"accept": "objective"},
+    {"accept": "validation"},
+    {"ridge_scale": "relative"},
+    {"head_weighting": "o_proj"},
+    {"components": "k"},
+    {"components": "v"},
+    {"steps": 3},
+    {"safeguard": False, "cg_max_iter": 12},
+    {"layers_per_solve": 1},
+    {"merged_layers": "late", "fix_window": False, "beta": 0.0},
+    {"target_from_forward": False},
+]
+
+
+def host_reads(model, ids, press) -> int:
+    prefill(model, ids, press)  # NOTE: the first prefill builds what later ones reuse
+    with CountedOperations() as counted:
+        prefill(model, ids, press)
+    return counted.host_reads.total()
+
+
+@pytest.mark.parametrize("options", SEARCHED, ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items())
+                         or "defaults")
+@pytest.mark.parametrize("base", ["snapkv", "pyramidkv"])
+def test_grkv_adds_one_host_read_per_prefill(options, base):
+    model = tiny_model("tiny-llama").model
+    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(0))
+    evicted = host_reads(model, ids, build_press(base, 0.75))
+    merged = host_reads(model, ids, build_press(base, 0.75, merge="grkv", **options))
+    assert merged - evicted == 1
