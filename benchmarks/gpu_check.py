@@ -60,6 +60,7 @@ from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
+from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.reference import grkv_merge_reference
 from prefill_cost import timed_hook
 from prefill_ops import CountedOperations
@@ -72,6 +73,9 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=300, max_position_embeddings=4096, rope_theta=10000.0)
 PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
+# A graph replay against the eager solve (largest absolute difference): the same kernels on a padded budget, so float
+# rounding of sums over the padding's zeros, and a bfloat16 cache's last bit.
+REPLAY_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%
 STRATIFIED_M = 128  # the stratified policy's m in the prefill section (the research's best configuration's)
 # The CUDA runtime calls that make the host wait for the device (``torch.profiler``'s CPU events).
@@ -141,6 +145,11 @@ def parity(report: Report, device: torch.device, tiny: bool) -> None:
         fast = grkv_merge(queries.to(device), *(tensor.to(device) for tensor in cache), kept.to(device),
                           fixed.to(device), cg_max_iter=400, cg_rtol=1e-7, **{**options, "query_positions":
                                                                              positions.to(device)})
+        CAPTURED_SOLVES.enabled = False
+        eager = grkv_merge(queries.to(device), *(tensor.to(device) for tensor in cache), kept.to(device),
+                           fixed.to(device), cg_max_iter=400, cg_rtol=1e-7, **{**options, "query_positions":
+                                                                              positions.to(device)})
+        CAPTURED_SOLVES.enabled = True
         reference = grkv_merge_reference(queries.double(), *(tensor.double() for tensor in cache), kept, fixed,
                                          **options)
         errors = []
@@ -150,10 +159,15 @@ def parity(report: Report, device: torch.device, tiny: bool) -> None:
         name = str(dtype).removeprefix("torch.")
         error = max(errors)
         passed = error < PARITY_TOLERANCE[name]
+        # NOTE: on CUDA ``fast`` replayed a captured graph of the solve (``solver.capture``), ``eager`` did not.
+        replay_difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(fast, eager))
+        passed = passed and replay_difference <= REPLAY_TOLERANCE[name]
         report.add("parity", {"cache dtype": name, "key error": errors[0], "value error": errors[1],
-                              "tolerance": PARITY_TOLERANCE[name], "passed": passed})
+                              "tolerance": PARITY_TOLERANCE[name], "graph vs eager": replay_difference,
+                              "passed": passed})
         if not passed:
-            report.problems.append(f"parity in {name}: relative error {error:.3g}")
+            report.problems.append(f"parity in {name}: relative error {error:.3g}, graph vs eager "
+                                   f"{replay_difference:.3g}")
 
 
 def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedModel:
@@ -349,6 +363,9 @@ def main() -> int:
         parser.error("--device cuda: torch sees no CUDA device here (use --device cpu --tiny for the CPU path)")
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # NOTE: seen on an H200: a fresh process whose first CUDA call was a batched Cholesky hit a MAGMA assertion.
+        torch.backends.cuda.preferred_linalg_library("cusolver")
     contexts = args.contexts or ([256] if args.tiny else [4096, 16384, 32768])
     batches = args.batches or ([1, 2] if args.tiny else [1, 4])
     rounds = args.rounds or (1 if args.tiny else 5)

@@ -132,14 +132,19 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     """
     out_dtype = regression.kept_keys.dtype
     batch, heads, budget, head_dim = regression.kept_keys.shape
-    # NOTE: the solver works on (P = B·H)-flattened heads.
-    fixed = regression.fixed.flatten(0, 1)
-    evicted_keys = regression.kept_keys.flatten(0, 1)
-    evicted_values = regression.kept_values.flatten(0, 1)
+    # NOTE: the solver works on (P = B·H)-flattened heads whose kept rows are reordered free rows first (a stable
+    # sort), and put back in their order at the end: sums over the kept rows then run in the order they always have,
+    # the fixed rows' zero terms last, which keeps results bit for bit where the free rows were once gathered.
+    order = regression.fixed.flatten(0, 1).to(torch.uint8).argsort(dim=-1, stable=True)
+    fixed = regression.fixed.flatten(0, 1).gather(-1, order)
+    rows = order.unsqueeze(-1).expand(-1, -1, head_dim)
+    evicted_keys = regression.kept_keys.flatten(0, 1).gather(1, rows)
+    evicted_values = regression.kept_values.flatten(0, 1).gather(1, rows)
 
     logit_mask = sees_nothing = None
     if regression.query_positions is not None:
-        hidden = regression.kept.flatten(0, 1)[:, None, :] > regression.query_positions[None, :, None]
+        kept = regression.kept.flatten(0, 1).gather(-1, order)
+        hidden = kept[:, None, :] > regression.query_positions[None, :, None]
         logit_mask = torch.where(hidden, float("-inf"), 0.0)
         sees_nothing = hidden.all(dim=-1, keepdim=True)
 
@@ -204,8 +209,9 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     merged_keys = torch.where(head_ok[:, None, None], merged_keys, evicted_keys)
     merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
     counts = torch.stack([(~head_ok).sum(), stalled.sum(), fixed.all(dim=-1).sum()])
-    return (merged_keys.view(batch, heads, budget, head_dim), merged_values.view(batch, heads, budget, head_dim),
-            counts)
+    restore = order.argsort(dim=-1).unsqueeze(-1).expand(-1, -1, head_dim)
+    return (merged_keys.gather(1, restore).view(batch, heads, budget, head_dim),
+            merged_values.gather(1, restore).view(batch, heads, budget, head_dim), counts)
 
 
 class SolveIssues:
