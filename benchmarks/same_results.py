@@ -1,0 +1,45 @@
+"""Whether two result folders of ``grkv eval``/``grkv compare`` (``--output-dir``) hold the same results: per method and
+sample, identical predictions and every numeric field (timings and memory peaks aside) within a relative tolerance.
+
+    PYTHONPATH=. python benchmarks/same_results.py /tmp/before /tmp/after            # exit 1 if they differ
+
+For a change that must leave results unchanged: run the same command before and after it, then this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# Fields that measure the run, not the result.
+TIMINGS = ("ttft_s", "prefill_s", "decode_ms_per_token", "wall_s", "peak_memory_bytes", "compress_s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--rtol", type=float, default=1e-6)
+    args = parser.parse_args()
+    same = True
+    for path in sorted(args.before.glob("*.json")):
+        before = json.loads(path.read_text())["samples"]
+        after = json.loads((args.after / path.name).read_text())["samples"]
+        predictions = len(before) == len(after) and all(x["predictions"] == y["predictions"]
+                                                        for x, y in zip(before, after))
+        worst, fields = 0.0, 0
+        for x, y in zip(before, after):
+            for key, value in x.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in TIMINGS:
+                    fields += 1
+                    worst = max(worst, abs(value - y[key]) / max(abs(value), 1e-30))
+        ok = predictions and worst <= args.rtol
+        same &= ok
+        print(f"{path.stem}: {len(before)} samples, predictions {'identical' if predictions else 'DIFFER'}, "
+              f"{fields} numeric fields, largest relative difference {worst:.3g} ({'ok' if ok else 'DIFFERS'})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
