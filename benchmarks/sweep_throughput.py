@@ -48,7 +48,7 @@ DECODED_FIELDS = ("predictions", "scores", "score", "generated_tokens", "answer_
 HELDOUT_RTOL = 1e-5
 ANSWER_ATOL = 1e-5
 # In half precision the engine's batched forwards round differently from single-trial ones (GPU kernels are not
-# batch-invariant): float metrics then agree to the format's precision, not bit for bit (RESULTS §10)
+# batch-invariant): float metrics then agree to the format's precision, not bit for bit (docs/results/gpu.md)
 BATCHED_RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-10}
 # mode -> Evaluator.evaluate_trials arguments
 MODES = {"full": dict(decode=True), "screening": dict(decode=False),

@@ -302,7 +302,7 @@ def _add_library_commands(commands) -> None:
     leaderboard = add_command(commands, "leaderboard", "results in kvpress's evaluation layout (kvpress's own, "
                                                        "grkv eval --kvpress-dir, a sweep's kvpress/ folder) as one "
                                                        "table and a score-vs-compression figure",
-                              "grkv leaderboard ~/kvpress/evaluation/results ~/.grkv/sweeps/demo/kvpress "
+                              "grkv leaderboard ~/kvpress/evaluation/results ~/.grkv/demo/sweeps/demo/kvpress "
                               "--output-dir leaderboard/")
     leaderboard.add_argument("folders", nargs="+", metavar="FOLDER",
                              help="run folders, or folders holding them at any depth")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sweeps.entry_points import (
     COMMAND_MLFLOW_RETRIES,
+    GRKV_HOME,
     SERVICE_LOST,
     STOPPED,
     SUCCESS,
@@ -46,7 +47,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
 SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
 DEMO_CONFIG = REPO_ROOT / "sweeps" / "configs" / "demo.yaml"
-GRKV_HOME = Path("~/.grkv")
 DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
 POLL_S = 3.0
 

@@ -29,6 +29,7 @@ from grkv_core.config import (
     is_number,
     mergers_taking,
 )
+from sweeps.entry_points import GRKV_HOME
 from tracking.names import BASELINES, PAPER_DEFAULT
 
 
@@ -241,7 +242,7 @@ class StorageSection(_Strict):
     url: str | None = Field(default=None, description="RDB URL (postgresql://...) or None for a journal file")
     # NOTE: absolute by default: `ray job submit --working-dir` runs the driver in a fresh copy of the
     # tree, so a relative path would lose the state a resumed sweep needs.
-    state_dir: str = "~/.grkv/sweeps"
+    state_dir: str = str(GRKV_HOME / "sweeps")
 
 
 def _range_problem(param, spec: OptionSpec) -> str | None:

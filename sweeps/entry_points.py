@@ -9,8 +9,16 @@ environment it sets.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from grkv_core.cli import EXIT_USER_ERROR
+
+# Where a sweep keeps its state on this machine unless told otherwise: the local stack (``<home>/local``, also
+# infra/local/common.sh's default), ``grkv demo``'s (``<home>/demo``) and each sweep's journal, results and
+# checkpoints (``<home>/sweeps/<sweep-id>``, ``storage.state_dir``).
+# NOTE: a folder of the user's, never the checkout: git would see what a sweep writes there, and
+# ``ray job submit --working-dir .`` would upload it with every job.
+GRKV_HOME = Path("~/.grkv")
 
 # How many times MLflow's own client retries a request that found the server unreachable (its default retries for
 # minutes; both entry points fail fast instead).

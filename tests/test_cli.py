@@ -62,6 +62,25 @@ def test_shared_flags_are_spelled_the_same_in_every_command():
     assert set(subcommands(build_service_parser())) == set(COMMANDS)
 
 
+def test_a_sweep_keeps_its_state_in_the_users_folder_by_default(tmp_path, monkeypatch):
+    """Every default place of a sweep's state (the local stack's, which ``grkv sweep`` and infra/local share,
+    ``grkv demo``'s, ``sweep.py``'s ``storage.state_dir``) is under ``~/.grkv``, outside the checkout."""
+    from sweeps.config import StorageSection
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("GRKV_STATE_DIR", raising=False)
+    parser = build_service_parser()
+    defaults = {command: parser.parse_args([command, "--config", "x.yaml"]).state_dir.expanduser()
+                for command in ("sweep", "demo")}
+    shell = subprocess.run(["bash", "-c", f"source {REPO / 'infra/local/common.sh'} && echo \"$STATE_DIR\""],
+                           capture_output=True, text=True, timeout=60)
+    assert shell.returncode == 0, shell.stderr
+    assert defaults == {"sweep": home / ".grkv/local", "demo": home / ".grkv/demo"}
+    assert Path(shell.stdout.strip()) == defaults["sweep"]
+    assert Path(StorageSection().state_dir).expanduser() == home / ".grkv/sweeps"
+
+
 def test_the_library_command_line_stands_alone():
     """``grkv_core.cli`` has the library's commands and imports none of the service's packages."""
     code = ("import sys, grkv_core.cli as cli; parser = cli.build_parser(); "

@@ -66,7 +66,8 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
     from sweep_throughput import BATCHED_RTOL, mismatches
 
     rtol = BATCHED_RTOL[torch.bfloat16]
-    # The differences the H200 run showed between the engine's batched forwards and single-trial ones (RESULTS §10)
+    # The differences the H200 run showed between the engine's batched forwards and single-trial ones
+    # (docs/results/gpu.md)
     rounded = _result(answer_nll=12.7278, heldout_loss=0.19661, predictions=[""], scores=[0.0], score=0.0,
                       answer_top1=0.25)
     reference = _result(answer_nll=12.7047, heldout_loss=0.19652)

@@ -101,12 +101,13 @@ def test_expected_files_exist():
 
 def test_the_job_package_leaves_out_the_committed_results():
     """`ray job submit --working-dir .` packs the repository; Ray's own ignore-file matcher must leave out the
-    committed measurements (over Ray's 100 MiB upload limit) and keep the code a job runs."""
+    committed measurements and a sweep's state, and keep the code a job runs."""
     from ray._private.runtime_env.packaging import get_excludes_from_ignore_files
 
     excluded = get_excludes_from_ignore_files(ROOT, include_gitignore=True)
     left_out = lambda relative: any(match(ROOT / relative) for match in excluded)  # noqa: E731
-    assert left_out("benchmarks/results/hypotheses-sweep/mlflow.db") and left_out(".grkv-state/mlflow.db")
+    assert all(left_out(path) for path in ("benchmarks/results/regime-map/table.md", ".grkv-state/mlflow.db",
+                                           "mlflow.db", "demo/optuna.journal", "demo/driver.lease"))
     assert not any(left_out(path) for path in ("sweep.py", "grkv_core/solver/merge.py", "benchmarks/prefill_cost.py",
                                                "sweeps/configs/ablation.yaml"))
 

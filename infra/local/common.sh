@@ -4,7 +4,7 @@
 #
 # Environment overrides (all optional):
 #   GRKV_STATE_DIR            state dir: pid files, logs, MLflow DB + artifacts, Ray temp dir
-#                             (default: <repo>/.grkv-state)
+#                             (default: ~/.grkv/local, the folder `grkv sweep` uses: sweeps/entry_points.py)
 #   GRKV_RAY_PORT             Ray GCS port                      (default 6379)
 #   GRKV_RAY_DASHBOARD_PORT   Ray dashboard / Jobs API port     (default 8265)
 #   GRKV_RAY_CLIENT_PORT      Ray client server port            (default 10001)
@@ -27,7 +27,8 @@ REPO_ROOT=$(cd "$_common_dir/../.." && pwd)
 die() { echo "grkv-local: error: $*" >&2; exit 1; }
 info() { echo "grkv-local: $*"; }
 
-STATE_DIR=${GRKV_STATE_DIR:-$REPO_ROOT/.grkv-state}
+DEFAULT_STATE_DIR="$HOME/.grkv/local"
+STATE_DIR=${GRKV_STATE_DIR:-$DEFAULT_STATE_DIR}
 case "$STATE_DIR" in
   /*) ;;
   *) STATE_DIR="$PWD/$STATE_DIR" ;;

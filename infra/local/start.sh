@@ -107,7 +107,7 @@ EOF
 }
 
 stop_cmd="infra/local/stop.sh"
-if [[ "$STATE_DIR" != "$REPO_ROOT/.grkv-state" ]]; then stop_cmd="GRKV_STATE_DIR=$STATE_DIR $stop_cmd"; fi
+if [[ "$STATE_DIR" != "$DEFAULT_STATE_DIR" ]]; then stop_cmd="GRKV_STATE_DIR=$STATE_DIR $stop_cmd"; fi
 
 print_summary() {
   cat <<EOF
