@@ -84,7 +84,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         split only where one call's attention would exceed ``layer_groups.GROUP_ATTENTION_BYTES``. Results equal
         merging each layer alone up to float rounding (on SmolLM2 bit for bit for 1, 6 and 0). On SmolLM2 on 2 CPU
         cores 6 layers cut the merge's prefill overhead by about 30% against 1, and all 30 at once no further; on an
-        H200 all layers at once cost least at every context measured (benchmarks/RESULTS.md §6, §10). 1 merges each
+        H200 all layers at once cost least at every context measured (docs/results/prefill-cost.md, gpu.md). 1 merges each
         layer as it is compressed.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the

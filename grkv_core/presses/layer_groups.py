@@ -1,7 +1,7 @@
 """Layer groups: the merges of consecutive layers solved together, in one batched call (``layers_per_solve``).
 
 One batched solve of several layers keeps more cores busy and dispatches fewer operations than one per layer
-(benchmarks/RESULTS.md §6). A layer whose merge waits hands kvpress its kept rows unmerged; they are merged in
+(docs/results/prefill-cost.md). A layer whose merge waits hands kvpress its kept rows unmerged; they are merged in
 place when the last layer of its group is compressed.
 
 NOTE: this is safe because nothing reads a layer's cache between its own attention and the end of the prefill's

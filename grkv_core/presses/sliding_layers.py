@@ -3,7 +3,7 @@
 kvpress 0.5.5 skips the sliding-window layers of ``Gemma3ForConditionalGeneration`` alone and compresses those of
 every other model, ``Gemma3ForCausalLM`` included. A compressed sliding-window layer breaks decoding: its mask counts
 cache rows as positions, so the question attends to kept tokens far outside the window the layer was trained on
-(Gemma 3 270M finds no needle at any budget that way, with or without a merge; benchmarks/RESULTS.md §13). Here a
+(Gemma 3 270M finds no needle at any budget that way, with or without a merge; docs/results/gemma3.md). Here a
 layer is sliding when the model's configuration says so (``layer_types``, transformers' own record of it), and a press
 applied through ``compressing`` (every evaluation here) or any merger of this package leaves it whole, for every
 model: the budget (``compression_ratio``) is that of each global layer, and the sliding layers keep their full cache,

@@ -21,12 +21,12 @@ convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
   head, but where it moves logits far (sharp heads) the true loss can rise instead; the step direction is
   a descent direction, only its length is wrong. The safeguard evaluates the true window loss per head and
   halves the step until it is no worse than after the value step, else keeps the value step's keys
-  (benchmarks/RESULTS.md §6 has the measurement behind it).
+  (docs/results/safeguard.md has the measurement behind it).
 - ``ridge_scale="relative"``: λ multiplies a per-head scale of each system (the mean diagonal of X_G X_Gᵀ for
   the value step, of J Jᵀ for the key step), so one λ means the same across heads and models whose caches
   differ in scale.
 - ``cg_max_iter=4``: the key step's CG stops after 4 iterations; behind the safeguard that keeps about half of
-  16 iterations' gain over the value step alone, and, unlike 2, a held-out gain over it end to end (RESULTS §6).
+  16 iterations' gain over the value step alone, and, unlike 2, a held-out gain over it end to end (docs/results/safeguard.md).
 
 Modules
 -------
