@@ -84,8 +84,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         split only where one call's attention would exceed ``layer_groups.GROUP_ATTENTION_BYTES``. Results equal
         merging each layer alone up to float rounding (on SmolLM2 bit for bit for 1, 6 and 0). On SmolLM2 on 2 CPU
         cores 6 layers cut the merge's prefill overhead by about 30% against 1, and all 30 at once no further; on an
-        H200 all layers at once cost least at every context measured (docs/results/prefill-cost.md, gpu.md). 1 merges each
-        layer as it is compressed.
+        H200 all layers at once cost least at every context measured (docs/results/prefill-cost.md, gpu.md). 1 merges
+        each layer as it is compressed.
     target_from_forward : bool
         With the window policy, take the regression target (the full cache's attention outputs for the
         window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
@@ -202,7 +202,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         kept_scores = selection.scores.gather(-1, kept).masked_fill_(not_candidate, float("-inf"))
         rank = kept_scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         n_top = ((kept.shape[-1] - not_candidate.sum(dim=-1, keepdim=True)) * self.beta).floor_()
-        return protected | (rank < n_top)
+        return protected | (~not_candidate & (rank < n_top))
 
     def merge_selected(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: WindowRegression

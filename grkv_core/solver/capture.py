@@ -103,6 +103,10 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
     """Capture ``solve`` on copies of ``regression``'s tensors (the graph's inputs from then on), after two warm-up
     runs on a side stream (cuBLAS and cuSOLVER set up their workspaces outside the capture); None, with a warning,
     where the capture fails."""
+    # NOTE: cuSOLVER for the factorisations while capturing: MAGMA's batched routines have met an assertion in a fresh
+    # process on an H200, and a capture fails on any routine that synchronises.
+    linear_algebra = torch.backends.cuda.preferred_linalg_library()
+    torch.backends.cuda.preferred_linalg_library("cusolver")
     try:
         with torch.inference_mode(False), torch.no_grad():
             inputs = dataclasses.replace(regression, **{
@@ -122,6 +126,8 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
         warnings.warn(f"grkv_merge: the solve could not be captured as a CUDA graph ({error}); it runs eagerly for "
                       "this shape", RuntimeWarning, stacklevel=4)
         return None
+    finally:
+        torch.backends.cuda.preferred_linalg_library(linear_algebra)
 
 
 # The process's graphs: ``solve_regression`` runs every solve through it.
