@@ -352,7 +352,11 @@ def test_a_non_finite_cache_row_leaves_its_head_unmerged_and_merges_the_others(m
     evicted = next(position for position in range(CONTEXT) if position not in module.kept_positions[0, 1].tolist())
     keys = keys.clone()
     keys[0, 1, evicted, 0] = bad
-    with pytest.warns(RuntimeWarning, match=rf"^{type(press).__name__}: some \(batch, head\) caches hold a NaN"):
+    # NOTE: GRKV reads the full cache through its regression's target, which the bad entry reaches: its solver hands
+    # the head back unmerged, with its own warning (outside the press's context, at once).
+    warning = (r"^grkv_merge: 1 of 2 \(batch, head\) pairs had non-finite inputs" if merge == "grkv"
+               else rf"^{type(press).__name__}: some \(batch, head\) caches hold a NaN")
+    with pytest.warns(RuntimeWarning, match=warning):
         merged_keys, merged_values = press.compress(module, hidden_states, keys, values, attentions, kwargs)
     kept = module.kept_positions  # NOTE: the base press's choice for the bad head may change (SnapKV scores it NaN)
     assert torch.equal(merged_keys[0, 1], keys[0, 1, kept[0, 1]])
