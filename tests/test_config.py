@@ -216,3 +216,13 @@ def test_eviction_only_is_a_fixed_baseline_whatever_the_merge_choices():
         paper, eviction = (suggest_press(study.ask(), config) for _ in range(2))
         assert (paper.merge, eviction.merge) == ("grkv", "none")
         assert eviction == PressConfig(config.press.name, config.press.compression_ratio)
+
+
+def test_grkv_press_documents_each_option_once_with_its_specs_help():
+    from grkv_core.config import GRKV_OPTION_SPECS
+    from grkv_core.presses.grkv import GRKVPress
+
+    documentation = " ".join(GRKVPress.__doc__.split())
+    for name, spec in GRKV_OPTION_SPECS.items():
+        assert documentation.count(f" {name} : ") == 1, name
+        assert " ".join(spec.help.split()) in documentation, name

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
+from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions, options_docstring
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
@@ -40,66 +40,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     Parameters
     ----------
     press : BasePress
-        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
-        first seven. Its ``compression_ratio`` sets the budget.
-    lambda_k, lambda_v : float
-        Ridge coefficients (>= 0). Paper defaults: 1e-2 for Llama, 1e-1 for Mistral and Qwen.
-    beta : float
-        Fraction of the kept tokens (besides sinks and the window) with the highest base-press scores
-        that are held fixed.
-    window_size : int
-        m, the number of surrogate query tokens (the last m prompt tokens by default).
-    steps : int
-        S, the maximum number of alternating value/key steps.
-    n_sink : int
-        The first ``n_sink`` positions are held fixed when kept.
-    fix_window : bool
-        The last ``window_size`` positions are held fixed when kept (the paper); off, only sinks and the top-beta
-        are (the paper's ablation of its fixed set).
-    components : {"kv", "k", "v"}
-        GRKV, GRK (keys only) or GRV (values only).
-    query_policy : {"window", "stratified"}
-        See ``grkv_core.queries.surrogate_queries``; "stratified" mirrors the authors' released code.
-    max_rel_update_k, max_rel_update_v : float, optional
-        Trust-region caps (authors' code: 0.025 and 0.1): per head, ‖ΔK‖ ≤ cap·‖K⁰‖ and likewise for V.
-    accept : {"always", "objective", "validation"}
-        "objective" keeps, per head, whichever of {evicted cache, values-only merge, full merge} has the
-        lowest window discrepancy (authors' code). "validation" tests the merge on queries it was not fitted on:
-        a merge fitted on the window's even-numbered tokens must lower the loss of its odd-numbered tokens below
-        the evicted cache's, else the head keeps its evicted rows; the heads that pass get the merge fitted on
-        the whole window.
-    cg_max_iter, cg_rtol : int, float
-        Conjugate-gradient controls of the key step.
-    safeguard : bool
-        Halve the key step per head until the true window loss is no worse than after the value step (a
-        measured deviation from the paper, on by default; see ``grkv_merge``). The paper's Alg. 1 exactly is
-        ``safeguard=False`` with the key step solved to convergence (``cg_max_iter=200, cg_rtol=1e-7``).
-    ridge_scale : {"absolute", "relative"}
-        "relative" multiplies λ_k and λ_v by a per-head scale of their systems (see ``grkv_merge``).
-    layers_per_solve : int
-        Within this press's own context manager, the merges of this many consecutive layers (of one shape) are
-        solved together, in one batched call when the last of them is compressed; the earlier layers' caches are
-        merged in place then; 0 (the default): every layer the press compresses, in one call at the last of them,
-        split only where one call's attention would exceed ``layer_groups.GROUP_ATTENTION_BYTES``. Results equal
-        merging each layer alone up to float rounding (on SmolLM2 bit for bit for 1, 6 and 0). On SmolLM2 on 2 CPU
-        cores 6 layers cut the merge's prefill overhead by about 30% against 1, and all 30 at once no further; on an
-        H200 all layers at once cost least at every context measured (docs/results/prefill-cost.md, gpu.md). 1 merges
-        each layer as it is compressed.
-    target_from_forward : bool
-        With the window policy, take the regression target (the full cache's attention outputs for the
-        window queries) from the model's own prefill forward, the input of ``o_proj``, instead of computing
-        it again (in float32) over the whole cache. It saves one attention pass per layer; the target then
-        carries the model's dtype (bf16 rounding, ~0.4% per entry, on half-precision models).
-    head_weighting : {"uniform", "o_proj"}
-        "uniform" (the paper): every query head's error counts alike. "o_proj": each query head's rows of the loss
-        are weighted by ‖W_o^h‖²_F, the squared norm of its block of the output projection, over the layer's mean
-        (so λ keeps its scale): the error that reaches the residual stream, with the heads' cross terms left out.
-    merged_layers : {"all", "early", "late"}
-        Which of the layers the press compresses are merged: all of them (the paper), the first half of them in depth
-        order ("early") or the rest ("late"). The others keep the base press's rows as eviction leaves them: where a
-        merge's effect on the answer comes from, since every layer's merge is fitted on the full model's inputs but
-        later serves inputs that earlier compressed layers have changed.
+        The eviction press, one of ``grkv_core.presses.selection.SUPPORTED_BASE_PRESSES``. Its
+        ``compression_ratio`` sets the budget.
     """
 
     # NOTE: the regression reads the full cache only through its target, the window's attention outputs over it, which
@@ -266,6 +208,10 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
 
     def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
         return self._capped(regression, *solve_regression(regression, options, self._issues))
+
+
+# NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.config``), the one source of their help.
+GRKVPress.__doc__ = GRKVPress.__doc__.rstrip() + "\n" + options_docstring(GRKVOptions)
 
 
 def merged_layer_indices(model: nn.Module, merged_layers: str) -> frozenset[int]:
