@@ -67,9 +67,8 @@ class BaseMergerPress(ScorerPress):
     Parameters
     ----------
     press : BasePress
-        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
-        first seven. Its ``compression_ratio`` sets the budget.
+        The eviction press, one of ``grkv_core.presses.selection.SUPPORTED_BASE_PRESSES``. Its ``compression_ratio``
+        sets the budget.
     compression_ratio : float, optional
         The base press's ``compression_ratio``, read and written through (keyword only); given, it sets the base
         press's. A number in [0, 1]: 1 keeps no token of a layer, as in kvpress.
