@@ -27,14 +27,14 @@ DATASETS = ("ruler", "ruler-hub", "longbench")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
-# The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluate.summarize``).
+# The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluation.results.summarize``).
 COST_METRICS = ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes", "full_kv_bytes", "peak_memory_bytes",
                 "window_loss", "heldout_loss", "question_loss", "answer_nll", "answer_kl", "answer_top1", "wall_s",
                 "context_tokens")
 # The reconstruction discrepancies: on the surrogate window, on the first generated tokens' queries (needs
 # decoding), and on the question's own queries teacher-forced on its reference answer (needs no decoding).
 LOSS_METRICS = ("window_loss", "heldout_loss", "question_loss")
-# The answer-aligned metrics (``grkv_core.answer_metrics``), no generation needed: the question and its reference
+# The answer-aligned metrics (``grkv_core.evaluation.answer_metrics``), no generation needed: the question and its reference
 # answer teacher-forced on each cache against the full cache. The reference answer's mean token NLL (nats), the
 # mean KL(full || compressed) over its positions (nats), and the fraction of its positions whose top-1 token
 # agrees with the full cache's.

@@ -56,7 +56,7 @@ def a_value_other_than_the_default(merge: str, name: str):
 
 
 def test_the_config_modules_load_no_heavy_package():
-    code = ("import sys, grkv_core.config, sweeps.config; "
+    code = ("import sys, grkv_core.config, grkv_core.evaluation.kvpress_layout, sweeps.config; "
             "print(sorted(m for m in ('torch', 'kvpress', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             check=True)

@@ -15,8 +15,9 @@ from kvpress.utils import compute_n_kept
 
 from grkv_core.config import GRKV_DEFAULTS, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, run_evaluations
-from grkv_core.generation import render_sample, tokenize_sample
+from grkv_core.evaluation.evaluator import Evaluator
+from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
+from grkv_core.evaluation.generation import render_sample, tokenize_sample
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from conftest import tiny_model
 

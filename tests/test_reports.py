@@ -687,7 +687,7 @@ TRIAL_2_NLL_EXCESS = [0.01, 0.02, 0.03, 0.01, 0.02, 0.03, 0.01, 0.02]
 def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float, window_loss: float,
                   depth: float, in_window: bool):
     """A ``SampleResult`` of one question answered right (``decoded``) or of a screening run (nothing decoded)."""
-    from grkv_core.evaluate import SampleResult
+    from grkv_core.evaluation.results import SampleResult
 
     return SampleResult(
         sample_id=sample_id, task=task, predictions=["x"] if decoded else [], scores=[1.0] if decoded else [],
@@ -701,7 +701,7 @@ def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float
 def log_outcome(tracker: SweepTracker, config: dict, params: dict, results: list, *, stage: str,
                 number: int | None = None, test_of: str | None = None, baseline: str | None = None) -> str:
     """A finished run written by ``SweepTracker.finish_trial`` from per-sample results and their real summary."""
-    from grkv_core.evaluate import summarize
+    from grkv_core.evaluation.results import summarize
 
     press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     run_id = tracker.start_trial(number, params, baseline, stage=stage, test_of=test_of)

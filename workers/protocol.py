@@ -142,11 +142,11 @@ class TrialOutcome:
     resolved_press : dict
         ``grkv_core.registry.resolved`` of the press the worker built: every field, defaults included.
     summary : dict or None
-        ``grkv_core.evaluate.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
+        ``grkv_core.evaluation.results.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
     samples : list of dict
         One ``SampleResult`` as a dict per evaluated sample (predictions, scores, costs).
     kvpress_runs : list of dict
-        A test-stage evaluation's results in kvpress's evaluation layout (``grkv_core.kvpress_layout.KvpressRun``
+        A test-stage evaluation's results in kvpress's evaluation layout (``grkv_core.evaluation.kvpress_layout.KvpressRun``
         as dicts), which the driver writes to its state directory and MLflow; empty in the other stages.
     """
 
