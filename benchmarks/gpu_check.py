@@ -301,7 +301,7 @@ def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_
 
 def out_of_memory(report: Report, device: torch.device) -> None:
     """Section 4: a worker's batch fails its trials when the device is out of memory, and the worker lives on."""
-    from workers.protocol import TrialRequest
+    from service.protocol import TrialRequest
     from workers.trial_worker import TrialWorker
 
     config = EvalConfig(model="tiny-llama", tasks=("niah_single_1",), context_length=512, samples=1,

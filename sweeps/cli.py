@@ -31,7 +31,7 @@ set_service_environment(COMMAND_MLFLOW_RETRIES)
 
 from grkv_core.cli import add_command, build_parser, run  # noqa: E402
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
-from tracking.names import (  # noqa: E402
+from service.names import (  # noqa: E402
     FULL_STAGE,
     PRESS_ARTIFACT,
     ROLE_TAG,

@@ -29,7 +29,7 @@ from grkv_core.config import (
     is_number,
     mergers_taking,
 )
-from tracking.names import BASELINES, PAPER_DEFAULT
+from service.names import BASELINES, PAPER_DEFAULT
 
 
 def _defaults(config_class) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from ray.exceptions import (
     RayActorError,
 )
 
-from workers.protocol import TrialOutcome, TrialRequest
+from service.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, WorkerStartError, WorkerStorageError
 
 RemoteTrialWorker = ray.remote(TrialWorker)

@@ -29,7 +29,7 @@ from sweeps.entry_points import (
     SWEEP_NOT_FOUND,
     USER_ERROR,
 )
-from tracking.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
+from service.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("eval", "compare", "analyze", "leaderboard", "sweep", "report", "export", "demo")

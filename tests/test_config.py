@@ -29,7 +29,7 @@ from grkv_core.config import (
 )
 from grkv_core.registry import build
 from sweeps.config import ConfigError, SweepConfig, load_config
-from tracking.names import BASELINE_TAG
+from service.names import BASELINE_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ from grkv_core.registry import build, load_press_config, press_from_file, resolv
 from sweeps.cli import main
 from sweeps.config import SweepConfig
 from tracking.mlflow_tracker import SweepTracker
-from tracking.names import PRESS_ARTIFACT, TEST_STAGE
-from workers.protocol import TrialOutcome, WorkerIdentity
+from service.names import PRESS_ARTIFACT, TEST_STAGE
+from service.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-export-test"
 TASK = "niah_single_1"

@@ -356,7 +356,7 @@ def test_dockerignore():
     patterns = {line.strip() for line in rules.splitlines() if line.strip() and not line.startswith("#")}
     for must in (".git", ".venv", ".grkv-state"):
         assert must in patterns
-    for needed in ("pyproject.toml", "README.md", "grkv_core", "sweeps", "sweep.py", "workers", "tracking"):
+    for needed in ("pyproject.toml", "README.md", "grkv_core", "service", "sweeps", "sweep.py", "workers", "tracking"):
         assert needed not in patterns
 
 

@@ -21,7 +21,8 @@ from transformers import DynamicCache, pipeline
 
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.evaluation.generation import answer_question, append_question, cache_lengths, crop_cache, prefill, tokenize_sample
+from grkv_core.evaluation.generation import (answer_question, append_question, cache_lengths, crop_cache, prefill,
+                                             tokenize_sample)
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.sliding_layers import sliding_layer_indices

@@ -30,7 +30,7 @@ from sweeps.config import SweepConfig
 from sweeps.entry_points import SERVICE_LOST, SWEEP_NOT_FOUND
 from sweeps.space import suggest_press
 from tracking.mlflow_tracker import SweepTracker
-from tracking.names import (
+from service.names import (
     BASELINE_TAG,
     FULL_STAGE,
     PARENT_TAG,
@@ -61,7 +61,7 @@ from tracking.reports import (
     sign_flip_test,
     significance,
 )
-from workers.protocol import TrialOutcome, WorkerIdentity
+from service.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-reports-test"
 TASKS = ("niah_a", "niah_b", "niah_c")

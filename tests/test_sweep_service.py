@@ -32,7 +32,7 @@ from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
 from tracking.export import press_of_run
-from tracking.names import (
+from service.names import (
     BASELINE_TAG,
     DESIGN_ROW_ATTR,
     EVICTION_ONLY,

@@ -10,8 +10,8 @@ from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.kvpress_layout import read_runs
 from sweeps.state.state_dir import StateDir
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
-from workers.protocol import TrialOutcome, TrialRequest
+from service.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from service.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, split_samples
 
 CONFIG = EvalConfig(model="tiny-llama", dataset="ruler", tasks=("niah_single_1", "niah_single_2"), context_length=512,

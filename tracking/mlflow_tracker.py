@@ -24,7 +24,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, OPTION_SYMBOLS, PressConfig
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER
-from tracking.names import (
+from service.names import (
     BASELINE_TAG,
     BEST_TRIALS_TAG,
     FULL_STAGE,
@@ -40,7 +40,7 @@ from tracking.names import (
     WORKER_PID_TAG,
 )
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
-from workers.protocol import TrialOutcome, WorkerIdentity
+from service.protocol import TrialOutcome, WorkerIdentity
 
 log = logging.getLogger("grkv.tracking")
 

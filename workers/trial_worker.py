@@ -25,8 +25,8 @@ from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
 from grkv_core.files import storage_failure
 from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.registry import build, resolved
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
-from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
+from service.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from service.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
 

@@ -2,8 +2,8 @@
 
 Per question, the question and its reference answer are teacher-forced once on the full cache (the reference
 distribution, shared by every press of the sample) and once on each compressed cache (caches of equal per-layer
-lengths as one batch, like ``grkv_core.evaluation.batched_decoding``). Over the answer's positions (the logits that predict
-its tokens):
+lengths as one batch, like ``grkv_core.evaluation.batched_decoding``). Over the answer's positions (the logits that
+predict its tokens):
 
 - ``answer_nll``: the reference answer's mean token negative log-likelihood (nats);
 - ``answer_kl``: the mean KL(p_full || p_compressed) (nats), exactly 0 for the full cache;

@@ -2,8 +2,9 @@
 
 Caches of equal per-layer lengths (the same budget, and masked or not alike) are stacked along the batch axis
 and decoded together: the question is appended to every row at the same positions (continuing from the
-original context length), and each row stops on its own (its later tokens are computed and ignored). Each row's answer is what
-``grkv_core.evaluation.generation.answer_question`` gives for its cache alone (the tests check it token for token).
+original context length), and each row stops on its own (its later tokens are computed and ignored). Each row's
+answer is what ``grkv_core.evaluation.generation.answer_question`` gives for its cache alone (the tests check it
+token for token).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class Evaluator:
     heldout_tokens : int
         Number of first generated tokens whose queries form the held-out set (0 disables it).
     protocol : str
-        One of ``grkv_core.config.PROTOCOLS``: what the prefill holds (``grkv_core.evaluation.generation.render_sample``).
+        One of ``grkv_core.config.PROTOCOLS``: what the prefill holds
+        (``grkv_core.evaluation.generation.render_sample``).
     """
 
     def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8,
@@ -68,10 +69,11 @@ class Evaluator:
                         measure_answer: bool = True) -> list[SampleResult]:
         """Evaluate several press configurations on one sample; one result per configuration, in order.
 
-        One prefill serves every configuration (``grkv_core.evaluation.shared_prefill``) and caches of equal lengths answer
-        each question as one batch (``grkv_core.evaluation.batched_decoding``); the results are those of evaluating each
-        configuration alone (``evaluate_sample``), except the times, which describe the shared work: prefill_s is
-        the forward without any press's hooks plus this press's own, and TTFT and decoding are the batch's.
+        One prefill serves every configuration (``grkv_core.evaluation.shared_prefill``) and caches of equal lengths
+        answer each question as one batch (``grkv_core.evaluation.batched_decoding``); the results are those of
+        evaluating each configuration alone (``evaluate_sample``), except the times, which describe the shared work:
+        prefill_s is the forward without any press's hooks plus this press's own, and TTFT and decoding are the
+        batch's.
 
         Parameters
         ----------
@@ -181,7 +183,8 @@ class Evaluator:
         needs = required_attention(press_config.press)
         actual = self.loaded.model.config._attn_implementation
         if needs is not None and actual != needs:
-            raise ValueError(f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses {actual!r}")
+            raise ValueError(f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses "
+                             f"{actual!r}")
         if press_config.press in NOT_EAGER and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
 

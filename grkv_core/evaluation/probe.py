@@ -47,7 +47,8 @@ class ReconstructionProbe:
 
     @contextmanager
     def _hooks(self, hook):
-        handles = [attention.register_forward_hook(hook, with_kwargs=True) for attention in attention_modules(self.model)]
+        handles = [attention.register_forward_hook(hook, with_kwargs=True)
+                   for attention in attention_modules(self.model)]
         try:
             yield
         finally:

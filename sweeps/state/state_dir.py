@@ -10,8 +10,8 @@ from pathlib import Path
 
 from grkv_core.files import write_atomically
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
-from workers.protocol import TrialOutcome
+from service.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from service.protocol import TrialOutcome
 
 
 class StateDirError(RuntimeError):

@@ -1,0 +1,50 @@
+"""The packages depend on each other in one direction: the library below the service, the service's shared
+vocabulary (``service``) below its worker and MLflow sides, which never import each other, and ``sweeps`` on top.
+
+Imports are read from the source (``ast``), those inside functions included, so a lazy import counts too.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("grkv_core", "service", "workers", "tracking", "sweeps")
+# What each package must never import (directly or inside a function).
+FORBIDDEN = {
+    "grkv_core": {"service", "workers", "tracking", "sweeps"},
+    "service": {"workers", "tracking", "sweeps"},
+    "workers": {"tracking", "sweeps"},
+    "tracking": {"workers", "sweeps"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level names of every package ``path`` imports (absolute imports; the project uses no relative ones)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_imported_packages_reads_lazy_imports(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import os.path\nfrom json import dumps\n\ndef f():\n    from tracking.names import X\n")
+    assert imported_packages(module) == {"os", "json", "tracking"}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_nothing_above_it(package):
+    offending = {str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
+                 for path in sorted((REPO / package).rglob("*.py"))}
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_every_package_is_checked():
+    found = {path.parent.name for path in REPO.glob("*/__init__.py")}
+    assert found == set(PACKAGES), "a new top-level package needs its place in FORBIDDEN"
