@@ -1,8 +1,8 @@
 """What an evaluation records: one ``SampleResult`` per sample, their summary, the resumable result file and the
 comparison table.
 
-NOTE: the summary averages every metric ``grkv_core.config.METRICS`` marks as summarised, so a metric added there
-and to ``SampleResult`` reaches the result files, MLflow and the reports with no change here.
+NOTE: the summary averages every metric ``grkv_core.config.METRICS`` summarises by its ``SAMPLE_MEAN``, so a metric
+added there and to ``SampleResult`` reaches the result files, MLflow and the reports with no change here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from grkv_core.config import COST_METRICS, GRKV_DEFAULTS, EvalConfig
+from grkv_core.config import GRKV_DEFAULTS, SAMPLE_MEAN_METRICS, EvalConfig
 from grkv_core.files import write_atomically
 from grkv_core.registry import resolved
 
@@ -78,10 +78,10 @@ def depth_bin(depth: float) -> str:
 
 
 def summarize(results: list[SampleResult]) -> dict:
-    """Per-task mean scores (in %), their mean over tasks, the mean of every cost, loss and answer metric, and
-    what the score measures: the mean score of the samples whose answer lies outside the press's always-kept
-    window (``mean_score_outside_window``; those inside score at any budget) and the mean score per needle depth
-    (``depth_scores``: bin -> {"score", "samples"})."""
+    """Per-task mean scores (in %), their mean over tasks, under ``costs`` the mean of every ``SAMPLE_MEAN_METRICS``
+    (costs, losses and answer metrics), and what the score measures: the mean score of the samples whose answer lies
+    outside the press's always-kept window (``mean_score_outside_window``; those inside score at any budget) and the
+    mean score per needle depth (``depth_scores``: bin -> {"score", "samples"})."""
     if not results:
         return {"tasks": {}, "mean_score": None, "samples": 0}
     task_scores, mean_score = _task_mean(results)
@@ -90,7 +90,7 @@ def summarize(results: list[SampleResult]) -> dict:
         values = [getattr(r, name) for r in results if getattr(r, name) is not None]
         return statistics.fmean(values) if values else None
 
-    costs = {name: mean_of(name) for name in COST_METRICS}
+    costs = {name: mean_of(name) for name in SAMPLE_MEAN_METRICS}
     outside = [r for r in results if not r.answer_in_window]
     depths: dict[str, list[float]] = {}
     for result in results:
