@@ -62,8 +62,8 @@ def run_evaluation(
 
     ``setup`` (loaded from a config that differs at most in its press) saves reloading the model and samples.
     With ``kvpress_dir``, the results are also written there in kvpress's evaluation layout
-    (``grkv_core.kvpress_layout``). Returns the summary dict (per-task scores, their mean, mean costs) with the
-    config, versions and the kvpress folders written (``kvpress_folders``).
+    (``grkv_core.evaluation.kvpress_layout``). Returns the summary dict (per-task scores, their mean, mean costs)
+    with the config, versions and the kvpress folders written (``kvpress_folders``).
     """
     return run_evaluations([config], [output], setup=setup, progress=progress, kvpress_dir=kvpress_dir)[0]
 
