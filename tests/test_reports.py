@@ -535,7 +535,7 @@ def test_screening_counts_and_rank_correlation_of_promoted_configurations(store,
     # Trial 3's tag wins over screening trial 1, which proposed the same configuration first.
     assert list(table["trial_number"]) == [2, 3, 5] and list(table["screen_trial"]) == [0, 5, 2]
     assert table["screen_question_loss"].tolist() == [0.10, 0.25, 0.05]
-    question, window = result.promoted.correlations
+    window, question = result.promoted.correlations  # the logged screening metrics, in the metric table's order
     # The screening runs' own losses (not the full runs'): question loss 0.10 0.25 0.05 against scores 70 65 72
     # is perfectly rank-reversed; window loss 0.20 0.10 0.30 ranks them in the same order.
     assert (question.x, question.n, window.x) == ("screen_question_loss", 3, "screen_window_loss")
