@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.generation import answer_question, prefill, stop_token_ids, tokenize_sample
+from grkv_core.evaluation.generation import answer_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
 

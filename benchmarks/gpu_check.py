@@ -54,8 +54,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import Evaluator
-from grkv_core.generation import prefill, run_tokens
+from grkv_core.evaluation.evaluator import Evaluator
+from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
 from grkv_core.registry import build_press

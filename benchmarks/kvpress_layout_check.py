@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 import pandas as pd
 import yaml
 
-from grkv_core.kvpress_layout import CONFIG_FILE, METRICS_FILE, PREDICTIONS_FILE
+from grkv_core.evaluation.kvpress_layout import CONFIG_FILE, METRICS_FILE, PREDICTIONS_FILE
 
 
 def kvpress_evaluation_config(repo: Path, dataset: str, press_name: str) -> type:

@@ -31,7 +31,7 @@ import transformers
 from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.solver.losses import discrepancy_per_head
-from grkv_core.generation import prefill, tokenize_sample
+from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.queries import surrogate_queries

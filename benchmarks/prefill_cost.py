@@ -37,7 +37,7 @@ import transformers
 
 from grkv_core.cli import parse_merge_variant
 from grkv_core.datasets.ruler import load_essay_corpus
-from grkv_core.generation import prefill
+from grkv_core.evaluation.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.layer_groups import LayerGroups

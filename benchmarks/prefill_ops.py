@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from grkv_core.cli import parse_merge_variant
-from grkv_core.generation import prefill
+from grkv_core.evaluation.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
 from prefill_cost import add_prefill_arguments, essay_prompt
@@ -43,7 +43,8 @@ from solver_cost import heap_preparation
 # The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
 LINEAR_ALGEBRA = ("bmm", "baddbmm", "mm", "addmm", "linalg_vecdot", "linalg_cholesky_ex", "cholesky_solve",
                   "linalg_eigh")
-# Where the merge's own operations come from (the model's run under grkv_core.generation, the scoring under kvpress).
+# Where the merge's own operations come from (the model's run under grkv_core.evaluation.generation, the scoring
+# under kvpress).
 MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
 # The operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``, ``torch.equal``, ...):
 # on a GPU each waits for every kernel queued before it. ``tolist`` dispatches none: ``CountedOperations`` counts it.

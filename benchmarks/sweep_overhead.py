@@ -15,7 +15,7 @@ import statistics
 
 from mlflow.tracking import MlflowClient
 
-from tracking.names import ROLE_TAG, SWEEP_TAG, TRIAL_TAG, WORKER_PID_TAG
+from workers.names import ROLE_TAG, SWEEP_TAG, TRIAL_TAG, WORKER_PID_TAG
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from grkv_core.config import PAPER_GRKV_OPTIONS, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import Evaluator
+from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.models import load_model
 
 EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens",

@@ -176,7 +176,8 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
 
 def cmd_eval(args) -> int:
     _quiet_model_loading()
-    from grkv_core.evaluate import format_table, run_evaluation
+    from grkv_core.evaluation.results import format_table
+    from grkv_core.evaluation.run import run_evaluation
 
     press, protocol = _eval_press(args)
     config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options,
@@ -192,7 +193,8 @@ def cmd_eval(args) -> int:
 
 def cmd_compare(args) -> int:
     _quiet_model_loading()
-    from grkv_core.evaluate import EvaluationSetup, format_table, run_evaluations
+    from grkv_core.evaluation.results import format_table
+    from grkv_core.evaluation.run import EvaluationSetup, run_evaluations
 
     output_dir = Path(args.output_dir)
     configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
@@ -214,8 +216,8 @@ def cmd_compare(args) -> int:
 
 def cmd_analyze(args) -> int:
     _quiet_model_loading()
-    from grkv_core.carrier_report import carrier_report, format_carrier_table, plot_window_consistency
-    from grkv_core.evaluate import EvaluationSetup
+    from grkv_core.diagnostics.carrier_report import carrier_report, format_carrier_table, plot_window_consistency
+    from grkv_core.evaluation.run import EvaluationSetup
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +242,7 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_leaderboard(args) -> int:
-    from grkv_core.kvpress_layout import leaderboard_figure, leaderboard_table, read_runs
+    from grkv_core.evaluation.kvpress_layout import leaderboard_figure, leaderboard_table, read_runs
 
     rows = read_runs(*args.folders)
     table = leaderboard_table(rows)

@@ -28,26 +28,76 @@ DATASETS = ("ruler", "ruler-hub", "longbench")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
-# The mean of each over an evaluation's samples is a cost in its summary (``grkv_core.evaluate.summarize``).
-COST_METRICS = ("ttft_s", "prefill_s", "decode_ms_per_token", "kv_bytes", "full_kv_bytes", "peak_memory_bytes",
-                "window_loss", "heldout_loss", "question_loss", "answer_nll", "answer_kl", "answer_top1", "wall_s",
-                "context_tokens")
-# The reconstruction discrepancies: on the surrogate window, on the first generated tokens' queries (needs
-# decoding), and on the question's own queries teacher-forced on its reference answer (needs no decoding).
-LOSS_METRICS = ("window_loss", "heldout_loss", "question_loss")
-# The answer-aligned metrics (``grkv_core.answer_metrics``), no generation needed: the question and its reference
-# answer teacher-forced on each cache against the full cache. The reference answer's mean token NLL (nats), the
-# mean KL(full || compressed) over its positions (nats), and the fraction of its positions whose top-1 token
-# agrees with the full cache's.
-ANSWER_METRICS = ("answer_nll", "answer_kl", "answer_top1")
-# Whether a larger value of a metric is better (every metric not named here: smaller is better); a sample's
-# ``score`` and a summary's scores, per task (``score.<task>``) too.
-HIGHER_IS_BETTER = frozenset({"score", "mean_score", "mean_score_outside_window", "answer_top1"})
-# The metrics a screening stage can rank configurations by without generating anything (all: smaller is better).
-SCREENING_METRICS = ("answer_kl", "answer_nll", "question_loss", "window_loss")
-# What a sweep may optimise: the mean score over tasks (0-100), an answer metric, or a cost.
-OBJECTIVE_METRICS = ("mean_score", *ANSWER_METRICS, "ttft_s", "window_loss", "heldout_loss", "question_loss",
-                     "kv_bytes", "decode_ms_per_token")
+
+
+# Metric families: the dataset's scorer, the reference answer teacher-forced on each cache
+# (``grkv_core.evaluation.answer_metrics``), the reconstruction discrepancies (``grkv_core.evaluation.probe``) and
+# what a press costs (time, memory, sizes).
+BENCHMARK, ANSWER, RECONSTRUCTION, COST = "benchmark", "answer", "reconstruction", "cost"
+# How an evaluation's summary (``grkv_core.evaluation.results.summarize``) holds a per-sample metric: the mean over
+# the samples that have a value (under its ``costs``), or per task the mean over its samples, then the mean over
+# the tasks (a sample's ``score``: the summary's ``tasks``, ``mean_score`` and ``mean_score_outside_window``).
+SAMPLE_MEAN, TASK_MEAN = "sample_mean", "task_mean"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its name, what it measures and how it is used.
+
+    ``family`` is one of ``BENCHMARK``, ``ANSWER``, ``RECONSTRUCTION``, ``COST``. ``summary`` is how an evaluation's
+    summary holds a per-sample metric (``SAMPLE_MEAN`` or ``TASK_MEAN``); None for a number the summary computes
+    from the samples' scores. ``higher_is_better`` is its direction (else smaller is better). ``objective``: a sweep
+    may optimise it; ``screening``: a screening stage may rank configurations by it (it needs no decoding).
+    """
+
+    name: str
+    family: str
+    help: str
+    summary: str | None = SAMPLE_MEAN
+    higher_is_better: bool = False
+    objective: bool = False
+    screening: bool = False
+
+
+# Every metric, defined once; the tuples below are views of this table (a test holds them to it).
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("score", BENCHMARK, "a sample's mean score over its questions, 0-1", TASK_MEAN, higher_is_better=True),
+    MetricSpec("mean_score", BENCHMARK, "the mean over tasks of each task's mean sample score, 0-100", None,
+               higher_is_better=True, objective=True),
+    MetricSpec("mean_score_outside_window", BENCHMARK, "mean_score over the samples whose answer lies outside the "
+               "press's always-kept window (those inside score at any budget)", None, higher_is_better=True),
+    MetricSpec("answer_nll", ANSWER, "the reference answer's mean token NLL on the compressed cache (nats)",
+               objective=True, screening=True),
+    MetricSpec("answer_kl", ANSWER, "the mean KL(full || compressed) over the reference answer's positions (nats)",
+               objective=True, screening=True),
+    MetricSpec("answer_top1", ANSWER, "the fraction of the reference answer's positions whose top-1 token agrees "
+               "with the full cache's", higher_is_better=True, objective=True),
+    MetricSpec("window_loss", RECONSTRUCTION, "the normalised discrepancy on the surrogate window's queries",
+               objective=True, screening=True),
+    MetricSpec("heldout_loss", RECONSTRUCTION, "the normalised discrepancy on the first generated tokens' queries "
+               "(needs decoding)", objective=True),
+    MetricSpec("question_loss", RECONSTRUCTION, "the normalised discrepancy on the question's own queries, "
+               "teacher-forced on its reference answer", objective=True, screening=True),
+    MetricSpec("ttft_s", COST, "time to first token: the prefill with its compression, plus the first question (s)",
+               objective=True),
+    MetricSpec("prefill_s", COST, "the prefill with this press's compression (s)"),
+    MetricSpec("decode_ms_per_token", COST, "decoding latency per generated token (ms)", objective=True),
+    MetricSpec("kv_bytes", COST, "the bytes the compressed cache keeps", objective=True),
+    MetricSpec("full_kv_bytes", COST, "the bytes of the full cache"),
+    MetricSpec("peak_memory_bytes", COST, "peak memory: the CUDA allocator's, or on the CPU the process's "
+               "high-water mark"),
+    MetricSpec("wall_s", COST, "the sample's wall time, shared among the presses evaluated with it (s)"),
+    MetricSpec("context_tokens", COST, "the prefill's length (tokens)"),
+)
+# The per-sample metrics whose mean over the samples an evaluation's summary holds under ``costs``.
+SAMPLE_MEAN_METRICS = tuple(spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN)
+LOSS_METRICS = tuple(spec.name for spec in METRICS if spec.family == RECONSTRUCTION)
+ANSWER_METRICS = tuple(spec.name for spec in METRICS if spec.family == ANSWER)
+# NOTE: a summary's per-task scores (``score.<task>``) are scores too.
+HIGHER_IS_BETTER = frozenset(spec.name for spec in METRICS if spec.higher_is_better)
+SCREENING_METRICS = tuple(spec.name for spec in METRICS if spec.screening)
+OBJECTIVE_METRICS = tuple(spec.name for spec in METRICS if spec.objective)
+
 # The evaluation protocols (kvpress's): the context compressed alone, then the question appended to the
 # compressed cache (kvpress's pipeline), or the question compressed together with the context (kvpress's
 # evaluation ``query_aware``: context + question is the prefill, only the chat template's tail and the answer

@@ -2,20 +2,18 @@
 service's: ``sweep`` (a sweep on the local Ray + MLflow stack), ``report``, ``export`` and ``demo`` (the whole
 path for a newcomer: services, a small SmolLM2 sweep, its report and the recommended press).
 
-NOTE: this module sits on top of every package (grkv_core, workers, tracking, sweeps); nothing below it imports
-from here. Both console scripts start here: ``grkv`` (``main``) and ``grkv-report`` (``report_main``, the alias
-of ``grkv report`` kept for existing scripts).
+NOTE: this module sits on top of every package (grkv_core, service, workers, tracking, sweeps); nothing below it
+imports from here. The local stack and a sweep's Ray job are ``sweeps.local_stack``'s. Both console scripts start
+here: ``grkv`` (``main``) and ``grkv-report`` (``report_main``, the alias of ``grkv report`` kept for existing
+scripts).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from sweeps.entry_points import (
@@ -31,28 +29,12 @@ from sweeps.entry_points import (
 set_service_environment(COMMAND_MLFLOW_RETRIES)
 
 from grkv_core.cli import add_command, build_parser, run  # noqa: E402
-from grkv_core.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
-from tracking.names import (  # noqa: E402
-    FULL_STAGE,
-    PRESS_ARTIFACT,
-    ROLE_TAG,
-    SCREEN_STAGE,
-    STAGE_TAG,
-    SWEEP_TAG,
-    TEST_OF_TAG,
-    TRIAL_TAG,
-)
+from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
+from workers.names import PRESS_ARTIFACT  # noqa: E402
+from sweeps.local_stack import REPO_ROOT, LocalStack, ServiceError, run_sweep  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-LOCAL_INFRA = REPO_ROOT / "infra" / "local"
-SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
 DEMO_CONFIG = REPO_ROOT / "sweeps" / "configs" / "demo.yaml"
 DEFAULT_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-POLL_S = 3.0
-
-
-class ServiceError(RuntimeError):
-    """The local stack or the sweep job failed; the message says where its log is."""
 
 
 # ---- flags shared by several commands, defined once ------------------------------------------------------------
@@ -89,186 +71,6 @@ def _add_stop(parser) -> None:
 def _add_output_dir(parser, default_text: str) -> None:
     parser.add_argument("--output-dir", type=Path, default=None, help=f"where to write the report ({default_text})")
 
-
-# ---- the local stack (infra/local/start.sh, stop.sh) -----------------------------------------------------------
-
-@dataclass(frozen=True)
-class LocalStack:
-    """Ray head and MLflow server on 127.0.0.1, started by ``infra/local/start.sh`` from ``state_dir``."""
-
-    state_dir: Path
-
-    def _script(self, name: str) -> None:
-        """Run ``infra/local/<name>``, echoing its progress lines as they come."""
-        env = {**os.environ, "GRKV_STATE_DIR": str(self.state_dir)}
-        with subprocess.Popen(["bash", str(LOCAL_INFRA / name)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) as script:
-            for line in script.stdout:
-                if line.startswith("grkv-local:"):
-                    print(line, end="", flush=True)
-            errors = script.stderr.read()
-        if script.returncode:
-            first = next((line for line in errors.splitlines() if "error:" in line),
-                         f"{name} exited {script.returncode}")
-            raise ServiceError(f"{first.removeprefix('grkv-local: error: ')} (logs: {self.state_dir}/ray.log, "
-                               "mlflow.log)")
-
-    def start(self) -> None:
-        """Start what is not running; a healthy stack already running from ``state_dir`` is reused as it is."""
-        self._script("start.sh")
-
-    def stop(self) -> None:
-        self._script("stop.sh")
-
-    @property
-    def stop_command(self) -> str:
-        return f"GRKV_STATE_DIR={shlex.quote(str(self.state_dir))} bash {LOCAL_INFRA / 'stop.sh'}"
-
-    def _endpoint(self, name: str) -> str:
-        for line in (self.state_dir / "endpoints.env").read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key == name:
-                return value
-        raise ServiceError(f"{self.state_dir / 'endpoints.env'} has no {name}; restart the stack")
-
-    @property
-    def mlflow_url(self) -> str:
-        return f"http://127.0.0.1:{self._endpoint('MLFLOW_PORT')}"
-
-    @property
-    def dashboard_url(self) -> str:
-        return f"http://127.0.0.1:{self._endpoint('RAY_DASHBOARD_PORT')}"
-
-    @property
-    def sweeps_dir(self) -> Path:
-        return self.state_dir / "sweeps"
-
-
-# ---- one sweep as a Ray job, followed from MLflow --------------------------------------------------------------
-
-SWEEP_ID_METADATA = "grkv.sweep_id"
-ACTIVE_JOB = ("PENDING", "RUNNING")
-
-
-def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
-    """Submit the sweep as a Ray job (``ray job submit`` through the Jobs API), or find the job already running it.
-
-    Returns the job client and the job's submission id.
-    """
-    import logging
-
-    from ray.job_submission import JobSubmissionClient
-
-    # NOTE: the job uploads the repository (what git ignores stays out, the stack's state dir included); Ray
-    # logs every file it leaves out and warns that it leaves out .git, noise here.
-    for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):  # NOTE: the latter sets its own level
-        logging.getLogger(name).setLevel(logging.ERROR)
-    jobs = JobSubmissionClient(stack.dashboard_url)
-    for job in jobs.list_jobs():
-        if (job.metadata or {}).get(SWEEP_ID_METADATA) == sweep_id and str(job.status.value) in ACTIVE_JOB:
-            print(f"sweep {sweep_id}: following its running Ray job {job.submission_id}")
-            return jobs, job.submission_id
-    entrypoint = shlex.join([sys.executable, SWEEP_ENTRYPOINT.name, "--config", str(config_path.resolve()),
-                             "--sweep-id", sweep_id, "--tracking-uri", stack.mlflow_url,
-                             "--state-dir", str(stack.sweeps_dir)])
-    job_id = jobs.submit_job(entrypoint=entrypoint, metadata={SWEEP_ID_METADATA: sweep_id},
-                             submission_id=f"grkv-{sweep_id}-{time.strftime('%Y%m%d-%H%M%S')}",
-                             runtime_env={"working_dir": str(REPO_ROOT)})
-    print(f"sweep {sweep_id}: submitted as Ray job {job_id} (logs: ray job logs --address {stack.dashboard_url} "
-          f"{job_id})")
-    return jobs, job_id
-
-
-class ProgressPrinter:
-    """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
-    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
-
-    def __init__(self, client, config, sweep_id: str):
-        self.client, self.config, self.sweep_id = client, config, sweep_id
-        self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
-        self.running: set[str] = set()  # run ids already announced as running
-        self.started = time.monotonic()
-        self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
-
-    def runs(self, role: str = "trial") -> list:
-        experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
-        if experiment is None:
-            return []
-        return self.client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and "
-                                       f"tags.`{ROLE_TAG}` = '{role}'", max_results=5000)
-
-    def update(self, quiet: bool = False) -> None:
-        """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
-        a resumed sweep's)."""
-        runs = self.runs()
-        ended = [child for child in runs
-                 if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of]
-        for child in sorted(ended, key=lambda child: child.info.end_time or 0):
-            stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
-            self.stage_of[child.info.run_id] = stage
-            if quiet:
-                continue
-            done = sum(seen == stage for seen in self.stage_of.values())
-            count = f"{done}/{self.totals[stage]}" if stage in self.totals else str(done)
-            metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
-            metrics = child.data.metrics
-            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
-            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
-                  f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
-        started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
-        if started and not quiet:
-            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                  + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
-                  flush=True)
-        self.running.update(child.info.run_id for child in started)
-
-    def _minutes(self) -> float:
-        return (time.monotonic() - self.started) / 60
-
-    @staticmethod
-    def _name(run) -> str:
-        """``trial N`` for a trial or a test run confirming one, else what the test run tests (a baseline)."""
-        tags = run.data.tags
-        tested = tags.get(TRIAL_TAG, tags.get(TEST_OF_TAG, "?"))
-        return f"trial {tested}" if tested.isdigit() else tested
-
-    def parent_status(self) -> str:
-        parents = self.runs(role="sweep")
-        return parents[0].info.status if parents else "missing"
-
-
-def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
-    """Run (or resume, or follow) one sweep on the local stack to its end, showing a line per finished run;
-    returns the parent run's status. A Ctrl-C stops the job cleanly (its in-flight trials are re-queued)."""
-    from mlflow.tracking import MlflowClient
-
-    from sweeps.config import load_config
-
-    config = load_config(config_path)
-    jobs, job_id = _submit(stack, config_path, sweep_id)
-    progress = ProgressPrinter(MlflowClient(stack.mlflow_url), config, sweep_id)
-    progress.update(quiet=True)
-    if progress.stage_of:
-        print(f"sweep {sweep_id}: resuming, {len(progress.stage_of)} run(s) already finished")
-    try:
-        while (status := str(jobs.get_job_status(job_id).value)) in ACTIVE_JOB:
-            time.sleep(POLL_S)
-            progress.update()
-    except KeyboardInterrupt:
-        print(f"\nstopping Ray job {job_id} (in-flight trials are closed and re-queued) ...", file=sys.stderr)
-        jobs.stop_job(job_id)
-        for _ in range(60):
-            if str(jobs.get_job_status(job_id).value) not in ACTIVE_JOB:
-                break
-            time.sleep(1)
-        raise
-    progress.update()
-    if status != "SUCCEEDED":
-        tail = "\n".join(jobs.get_job_logs(job_id).splitlines()[-15:])
-        print(tail, file=sys.stderr)
-        raise ServiceError(f"Ray job {job_id} of sweep {sweep_id} ended {status} (its last log lines are above)")
-    return progress.parent_status()
 
 
 def _leave_or_stop(stack: LocalStack, stop: bool) -> None:

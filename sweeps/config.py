@@ -29,8 +29,8 @@ from grkv_core.config import (
     is_number,
     mergers_taking,
 )
+from workers.names import BASELINES, PAPER_DEFAULT
 from sweeps.entry_points import GRKV_HOME
-from tracking.names import BASELINES, PAPER_DEFAULT
 
 
 def _defaults(config_class) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from sweeps.state.ledgers import HeldOutLedger, TrialLedger
 from sweeps.state.records import StageLedger, SweepRecords
 from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
-from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, FULL_STAGE, SCREEN_STAGE
+from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, FULL_STAGE, SCREEN_STAGE
 from workers.trial_worker import WorkerStartError, WorkerStorageError
 from tracking.retry import TrackingUnavailableError, one_line
 

@@ -9,7 +9,7 @@ import optuna
 
 from grkv_core.config import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS, PressConfig
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
-from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
+from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
 
 # The paper's Alg. 1 where it departs from GRKVPress's defaults (no safeguard, the key step to convergence).
 PAPER_OPTIONS_OFF_DEFAULT = {name: value for name, value in PAPER_GRKV_OPTIONS.items() if value != GRKV_DEFAULTS[name]}

@@ -16,7 +16,7 @@ import optuna
 from grkv_core.config import PressConfig
 from sweeps.config import SweepConfig
 from sweeps.space import press_of
-from tracking.names import BASELINE_TAG, EVICTION_ONLY, PROMOTED_FROM_TAG
+from workers.names import BASELINE_TAG, EVICTION_ONLY, PROMOTED_FROM_TAG
 
 SCREEN_STUDY_SUFFIX = ".screen"
 # NOTE: the screening study's sampler is seeded apart from the main study's, so the main study's random

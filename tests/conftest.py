@@ -10,7 +10,7 @@ import torch
 from kvpress import ScorerPress
 
 from grkv_core.config import MERGER_NAMES
-from grkv_core.generation import prefill
+from grkv_core.evaluation.generation import prefill
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES
 from grkv_core.registry import EVICTION_PRESSES

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from conftest import mergers_over, tiny_model
-from grkv_core.answer_metrics import reference_ids, reference_text
+from grkv_core.evaluation.answer_metrics import reference_ids, reference_text
 from grkv_core.config import EVICTION_PRESS_NAMES, PROTOCOLS, QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples
-from grkv_core.evaluate import Evaluator, SampleResult, depth_bin, summarize
-from grkv_core.generation import answer_position, prefill, render_sample, tokenize_sample
+from grkv_core.evaluation.evaluator import Evaluator
+from grkv_core.evaluation.results import SampleResult, depth_bin, summarize
+from grkv_core.evaluation.generation import answer_position, prefill, render_sample, tokenize_sample
 from grkv_core.registry import build, protected_window, required_attention
 
 RATIO = 0.75

@@ -12,7 +12,7 @@ from kvpress import SnapKVPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
-from grkv_core.generation import cache_lengths, prefill
+from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.registry import MERGERS, build_press

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grkv_core.carrier_report import carrier_report
+from grkv_core.diagnostics.carrier_report import carrier_report
 from grkv_core.datasets import load_dataset_samples
 from conftest import tiny_model
 

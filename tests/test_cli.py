@@ -29,7 +29,7 @@ from sweeps.entry_points import (
     SWEEP_NOT_FOUND,
     USER_ERROR,
 )
-from tracking.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
+from workers.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("eval", "compare", "analyze", "leaderboard", "sweep", "report", "export", "demo")
@@ -84,7 +84,7 @@ def test_a_sweep_keeps_its_state_in_the_users_folder_by_default(tmp_path, monkey
 def test_the_library_command_line_stands_alone():
     """``grkv_core.cli`` has the library's commands and imports none of the service's packages."""
     code = ("import sys, grkv_core.cli as cli; parser = cli.build_parser(); "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('sweeps', 'tracking', 'workers')]; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('service', 'sweeps', 'tracking', 'workers')]; "
             "print(sorted(parser._subparsers._group_actions[0].choices))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,14 +14,27 @@ import optuna
 import pytest
 
 from grkv_core.config import (
+    ANSWER,
+    ANSWER_METRICS,
+    BENCHMARK,
+    COST,
     EVICTION_PRESS_NAMES,
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
+    HIGHER_IS_BETTER,
+    LOSS_METRICS,
     MERGER_NAMES,
     MERGER_OPTION_NAMES,
     MERGER_OPTION_SPECS,
     MERGER_OPTIONS,
+    METRICS,
+    OBJECTIVE_METRICS,
     PAPER_GRKV_OPTIONS,
+    RECONSTRUCTION,
+    SAMPLE_MEAN,
+    SAMPLE_MEAN_METRICS,
+    SCREENING_METRICS,
+    TASK_MEAN,
     EvalConfig,
     GRKVOptions,
     OptionSpec,
@@ -28,8 +43,8 @@ from grkv_core.config import (
     mergers_taking,
 )
 from grkv_core.registry import build
-from sweeps.config import ConfigError, SweepConfig, load_config
-from tracking.names import BASELINE_TAG
+from sweeps.config import ConfigError, Objective, SweepConfig, load_config
+from workers.names import BASELINE_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,11 +71,38 @@ def a_value_other_than_the_default(merge: str, name: str):
 
 
 def test_the_config_modules_load_no_heavy_package():
-    code = ("import sys, grkv_core.config, sweeps.config; "
+    code = ("import sys, grkv_core.config, grkv_core.evaluation.kvpress_layout, sweeps.config; "
             "print(sorted(m for m in ('torch', 'kvpress', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                             check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_every_metric_is_defined_once_and_the_metric_tuples_are_views_of_the_table():
+    names = [spec.name for spec in METRICS]
+    assert len(names) == len(set(names))
+    # NOTE: read from the source, so a metric's name typed into a tuple of its own again is caught.
+    literals = Counter(node.value for node in ast.walk(ast.parse((REPO / "grkv_core" / "config.py").read_text()))
+                       if isinstance(node, ast.Constant) and isinstance(node.value, str))
+    assert {name: literals[name] for name in names} == dict.fromkeys(names, 1)
+    assert all(spec.family in (BENCHMARK, ANSWER, RECONSTRUCTION, COST) for spec in METRICS)
+    assert all(spec.summary in (SAMPLE_MEAN, TASK_MEAN, None) for spec in METRICS)
+    assert SAMPLE_MEAN_METRICS == tuple(spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN)
+    assert ANSWER_METRICS == ("answer_nll", "answer_kl", "answer_top1")
+    assert LOSS_METRICS == ("window_loss", "heldout_loss", "question_loss")
+    assert HIGHER_IS_BETTER == {"score", "mean_score", "mean_score_outside_window", "answer_top1"}
+    assert SCREENING_METRICS == ("answer_nll", "answer_kl", "window_loss", "question_loss")
+    assert OBJECTIVE_METRICS == ("mean_score", *ANSWER_METRICS, *LOSS_METRICS, "ttft_s", "decode_ms_per_token",
+                                 "kv_bytes")
+
+
+@pytest.mark.parametrize("metric", OBJECTIVE_METRICS)
+def test_a_sweep_takes_each_objectives_direction_from_the_table(metric):
+    better = "maximize" if metric in HIGHER_IS_BETTER else "minimize"
+    assert Objective.model_validate({"metric": metric}).direction == better
+    other = "minimize" if better == "maximize" else "maximize"
+    with pytest.raises(ValueError, match=f"direction must be {better}"):
+        Objective.model_validate({"metric": metric, "direction": other})
 
 
 def test_the_registry_implements_exactly_the_named_presses_and_mergers():

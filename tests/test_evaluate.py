@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from kvpress.utils import compute_n_kept
 
-from grkv_core.config import GRKV_DEFAULTS, EvalConfig, PressConfig
+from grkv_core.config import GRKV_DEFAULTS, SAMPLE_MEAN_METRICS, SCREENING_METRICS, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import EvaluationSetup, Evaluator, run_evaluation, run_evaluations
-from grkv_core.generation import render_sample, tokenize_sample
+from grkv_core.evaluation.evaluator import Evaluator
+from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
+from grkv_core.evaluation.generation import render_sample, tokenize_sample
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from conftest import tiny_model
 
@@ -116,12 +117,16 @@ def test_without_decoding_the_answer_metrics_and_losses_equal_a_decoding_runs_an
         outputs = [tmp_path / f"{decode}-{index}.json" for index in range(len(configs))]
         run_evaluations(configs, outputs, setup=setup, progress=False)
         runs[decode] = [json.loads(output.read_text())["samples"] for output in outputs]
-    same = ("answer_nll", "answer_kl", "answer_top1", "window_loss", "question_loss", "kv_bytes")
+    same = (*SCREENING_METRICS, "answer_top1", "kv_bytes")
     for decoded, answer_only in zip(runs[True], runs[False]):
         for row, row_only in zip(decoded, answer_only, strict=True):
             assert row["score"] is not None and row_only["score"] is None and row_only["predictions"] == []
             assert {name: row[name] for name in same} == {name: row_only[name] for name in same}
+            assert None not in [row_only[name] for name in SCREENING_METRICS]  # what a screening stage ranks by
             assert row_only["answer_nll"] > 0
+    # A decoding run's summary averages every per-sample metric the table says it does, each measured.
+    costs = json.loads((tmp_path / "True-2.json").read_text())["summary"]["costs"]
+    assert list(costs) == list(SAMPLE_MEAN_METRICS) and None not in costs.values()
     answer_only_file = tmp_path / "False-1.json"
     with pytest.raises(ValueError, match="different configuration"):
         run_evaluation(EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,

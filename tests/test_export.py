@@ -18,7 +18,7 @@ from grkv_core.registry import build, load_press_config, press_from_file, resolv
 from sweeps.cli import main
 from sweeps.config import SweepConfig
 from tracking.mlflow_tracker import SweepTracker
-from tracking.names import PRESS_ARTIFACT, TEST_STAGE
+from workers.names import PRESS_ARTIFACT, TEST_STAGE
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-export-test"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grkv_core.evaluate import SampleResult
+from grkv_core.evaluation.results import SampleResult
 
 REPO = Path(__file__).resolve().parents[1]
 

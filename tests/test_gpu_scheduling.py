@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from test_sweep_service import REPO, local_stack, of_stage, runs_of, write_config
 
-from tracking.names import FULL_STAGE
+from workers.names import FULL_STAGE
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from grkv_core.generation import prefill
+from grkv_core.evaluation.generation import prefill
 from grkv_core.registry import build_press
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -21,13 +21,14 @@ from transformers import DynamicCache, pipeline
 
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.generation import answer_question, append_question, cache_lengths, crop_cache, prefill, tokenize_sample
+from grkv_core.evaluation.generation import (answer_question, append_question, cache_lengths, crop_cache, prefill,
+                                             tokenize_sample)
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
-from grkv_core.shared_prefill import attention_modules
+from grkv_core.evaluation.shared_prefill import attention_modules
 from conftest import assert_batch_elements_compressed_independently, model_and_press, needs_package, tiny_model
 from test_baselines import MERGE_ALL
 

@@ -19,8 +19,8 @@ from grkv_core.cli import main
 from grkv_core.config import QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.datasets.scoring import string_match_all
-from grkv_core.evaluate import SampleResult
-from grkv_core.kvpress_layout import (
+from grkv_core.evaluation.results import SampleResult
+from grkv_core.evaluation.kvpress_layout import (
     KvpressRun,
     kvpress_runs,
     leaderboard_table,

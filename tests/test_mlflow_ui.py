@@ -34,7 +34,7 @@ from tracking.mlflow_tracker import (
     TrackingUnavailableError,
     check_tracking_server,
 )
-from tracking.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE
+from workers.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE
 from tracking.reports.report import build_report
 from tracking.ui_check import CHROMIUM_NAMES, GENAI_MARKERS, check_sweep, render, visible_text
 from workers.protocol import TrialOutcome, WorkerIdentity

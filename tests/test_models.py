@@ -20,7 +20,7 @@ from grkv_core.models import (
     architecture_summary,
     load_model,
 )
-from grkv_core.generation import prefill, run_tokens
+from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.models.loading import EMBEDDED_GGUF_MODELS

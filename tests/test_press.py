@@ -14,7 +14,7 @@ from kvpress.utils import compute_n_kept
 
 from grkv_core.config import GRKV_OPTION_SPECS
 from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
-from grkv_core.generation import answer_question, cache_lengths, prefill
+from grkv_core.evaluation.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection

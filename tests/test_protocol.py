@@ -8,7 +8,7 @@ import pytest
 
 from grkv_core.config import GRKV_DEFAULTS, PressConfig
 from grkv_core.registry import resolved
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key
 
 WORKER = WorkerIdentity(pid=7, node_id="n", actor_id="a", model_loads=2, trials_evaluated=3, samples=4)

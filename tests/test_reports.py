@@ -30,7 +30,7 @@ from sweeps.config import SweepConfig
 from sweeps.entry_points import SERVICE_LOST, SWEEP_NOT_FOUND
 from sweeps.space import suggest_press
 from tracking.mlflow_tracker import SweepTracker
-from tracking.names import (
+from workers.names import (
     BASELINE_TAG,
     FULL_STAGE,
     PARENT_TAG,
@@ -61,6 +61,7 @@ from tracking.reports import (
     sign_flip_test,
     significance,
 )
+from tracking.reports.stats import MAX_EXACT_SIGN_FLIP_UNITS
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-reports-test"
@@ -274,10 +275,47 @@ def test_sign_flip_test_is_exact(differences, expected):
     assert sign_flip_test(differences) == pytest.approx(expected, abs=1e-15)
 
 
-def test_sign_flip_test_enumerates_twenty_tasks_and_refuses_too_many():
-    assert sign_flip_test([0.1] * 20) == pytest.approx(2 / 2**20)
+def test_sign_flip_test_enumerates_sixteen_units_and_refuses_more_without_resamples():
+    assert sign_flip_test([0.1] * MAX_EXACT_SIGN_FLIP_UNITS) == pytest.approx(2 / 2**MAX_EXACT_SIGN_FLIP_UNITS)
     with pytest.raises(ValueError, match="at most"):
-        sign_flip_test([1.0] * 30)
+        sign_flip_test([1.0] * (MAX_EXACT_SIGN_FLIP_UNITS + 1))
+
+
+def hand_made_sign_flip(differences: np.ndarray) -> float:
+    """The reference: the exact test the reports computed before scipy's, every signed sum built by doubling (after k
+    steps the array holds all 2^k sums of the first k terms), a sum within 1e-9 of the total magnitude a tie."""
+    observed, tolerance = abs(differences.sum()), 1e-9 * np.abs(differences).sum()
+    signed_sums = np.zeros(1)
+    for value in differences:
+        signed_sums = np.concatenate((signed_sums + value, signed_sums - value))
+    return np.count_nonzero(np.abs(signed_sums) >= observed - tolerance) / signed_sums.size
+
+
+def hand_made_bootstrap_ci(differences: np.ndarray, n_resamples: int, confidence: float, seed: int) -> tuple:
+    """The reference: the percentile bootstrap the reports computed before scipy's."""
+    rng = np.random.default_rng(seed)
+    means = differences[rng.integers(0, differences.size, size=(n_resamples, differences.size))].mean(axis=1)
+    return tuple(np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2]))
+
+
+@pytest.mark.parametrize("units", [2, 3, 7, 12, MAX_EXACT_SIGN_FLIP_UNITS])
+def test_scipys_exact_sign_flip_and_bootstrap_equal_the_hand_made_ones(units):
+    # Rounded to 0.1, so that assignments tie (equal |sums| reached in different orders) as scores' do.
+    differences = np.round(np.random.default_rng(units).normal(0.3, 1.0, size=units), 1)
+    assert sign_flip_test(differences) == pytest.approx(hand_made_sign_flip(differences), abs=1e-12)
+    for confidence in (0.9, 0.95):
+        ci = paired_bootstrap_ci(differences, n_resamples=20_000, confidence=confidence, seed=units)
+        # NOTE: scipy draws the resamples from the seeded generator as the hand-made code did, so the intervals are
+        # equal, not merely within the resampling's own error.
+        reference = hand_made_bootstrap_ci(differences, 20_000, confidence, seed=units)
+        assert (ci.low, ci.high) == pytest.approx(reference, abs=1e-12)
+
+
+def test_scipys_sampled_sign_flip_estimates_the_hand_made_exact_p_value():
+    differences = np.random.default_rng(5).normal(0.25, 1.0, size=20)
+    exact = hand_made_sign_flip(differences)
+    sampled = sign_flip_test(differences, n_resamples=100_000, seed=1)
+    assert abs(sampled - exact) <= 4 * np.sqrt(exact * (1 - exact) / 100_000) + 1 / 100_000
 
 
 def test_paired_bootstrap_ci_covers_the_true_mean_about_95_percent():
@@ -497,7 +535,7 @@ def test_screening_counts_and_rank_correlation_of_promoted_configurations(store,
     # Trial 3's tag wins over screening trial 1, which proposed the same configuration first.
     assert list(table["trial_number"]) == [2, 3, 5] and list(table["screen_trial"]) == [0, 5, 2]
     assert table["screen_question_loss"].tolist() == [0.10, 0.25, 0.05]
-    question, window = result.promoted.correlations
+    window, question = result.promoted.correlations  # the logged screening metrics, in the metric table's order
     # The screening runs' own losses (not the full runs'): question loss 0.10 0.25 0.05 against scores 70 65 72
     # is perfectly rank-reversed; window loss 0.20 0.10 0.30 ranks them in the same order.
     assert (question.x, question.n, window.x) == ("screen_question_loss", 3, "screen_window_loss")
@@ -687,7 +725,7 @@ TRIAL_2_NLL_EXCESS = [0.01, 0.02, 0.03, 0.01, 0.02, 0.03, 0.01, 0.02]
 def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float, window_loss: float,
                   depth: float, in_window: bool):
     """A ``SampleResult`` of one question answered right (``decoded``) or of a screening run (nothing decoded)."""
-    from grkv_core.evaluate import SampleResult
+    from grkv_core.evaluation.results import SampleResult
 
     return SampleResult(
         sample_id=sample_id, task=task, predictions=["x"] if decoded else [], scores=[1.0] if decoded else [],
@@ -701,7 +739,7 @@ def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float
 def log_outcome(tracker: SweepTracker, config: dict, params: dict, results: list, *, stage: str,
                 number: int | None = None, test_of: str | None = None, baseline: str | None = None) -> str:
     """A finished run written by ``SweepTracker.finish_trial`` from per-sample results and their real summary."""
-    from grkv_core.evaluate import summarize
+    from grkv_core.evaluation.results import summarize
 
     press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     run_id = tracker.start_trial(number, params, baseline, stage=stage, test_of=test_of)

@@ -18,13 +18,14 @@ from kvpress import SnapKVPress
 from transformers import DynamicCache
 
 from conftest import mergers_over, tiny_model
-from grkv_core.batched_decoding import answer_batch
+from grkv_core.evaluation.batched_decoding import answer_batch
 from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluate import Evaluator, summarize
-from grkv_core.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
+from grkv_core.evaluation.evaluator import Evaluator
+from grkv_core.evaluation.results import summarize
+from grkv_core.evaluation.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.registry import build, required_attention
-from grkv_core.shared_prefill import prefill_shared, shares_prefill
+from grkv_core.evaluation.shared_prefill import prefill_shared, shares_prefill
 
 RATIO = 0.75
 MASKING = {"adakv", "criticaladakv"}

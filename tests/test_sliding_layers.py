@@ -9,10 +9,10 @@ from kvpress.utils import compute_n_kept
 from transformers import DynamicCache
 
 from grkv_core.config import MERGER_NAMES
-from grkv_core.generation import cache_lengths, prefill
+from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.presses.sliding_layers import compressing, sliding_layer_indices
 from grkv_core.registry import build_press
-from grkv_core.shared_prefill import prefill_shared
+from grkv_core.evaluation.shared_prefill import prefill_shared
 from conftest import tiny_model
 from test_kvpress_compat import OUR_MERGERS
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tracking.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
+from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
 from test_sweep_faults import (
     EXPERIMENT,
     a_trial_running,

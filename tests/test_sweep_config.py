@@ -19,7 +19,7 @@ from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
                           suggest_press)
 from sweeps.stages import best_trials, configuration_distance, presses_to_test, promotions
-from tracking.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
+from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"

@@ -22,7 +22,7 @@ from conftest import free_ports
 from sweeps.lease import SweepBusyError, SweepLease
 from sweeps.state.optuna_storage import repair_journal
 from sweeps.state.state_dir import StateDirError
-from tracking.names import FULL_STAGE, REQUEUE_OF_ATTR, TRIAL_TAG
+from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, TRIAL_TAG
 from test_sweep_service import (
     REPO,
     assert_one_finished_child_per_complete_trial,

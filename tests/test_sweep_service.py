@@ -26,13 +26,13 @@ from mlflow.tracking import MlflowClient
 
 from conftest import free_ports
 from grkv_core.config import QUERY_AWARE
-from grkv_core.kvpress_layout import read_runs
+from grkv_core.evaluation.kvpress_layout import read_runs
 from grkv_core.registry import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES
 from tracking.export import press_of_run
-from tracking.names import (
+from workers.names import (
     BASELINE_TAG,
     DESIGN_ROW_ATTR,
     EVICTION_ONLY,

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.config import MERGER_OPTION_SPECS, QUESTION_AGNOSTIC, PressConfig
 from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD
-from tracking.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
+from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 
 

@@ -23,8 +23,8 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, OPTION_SYMBOLS, PressConfig
-from grkv_core.kvpress_layout import KVPRESS_FOLDER
-from tracking.names import (
+from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER
+from workers.names import (
     BASELINE_TAG,
     BEST_TRIALS_TAG,
     FULL_STAGE,

@@ -27,7 +27,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from tracking.mlflow_tracker import SHARED_VIEW_TAG_PREFIX, WORKFLOW_TYPE_PARAM, runs_page_url
-from tracking.names import ROLE_TAG, SWEEP_TAG
+from workers.names import ROLE_TAG, SWEEP_TAG
 from tracking.reports.report import ARTIFACT_DIR, REPORT_PAGE
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")

@@ -3,7 +3,7 @@
 Both cross the Ray boundary as they are (Ray pickles dataclasses) and round-trip exactly through JSON
 (``to_dict``/``from_dict``), which is how the driver's state directory keeps finished outcomes.
 
-A request belongs to a stage (``tracking.names.STAGES``): a screening trial (losses and answer metrics, nothing
+A request belongs to a stage (``workers.names.STAGES``): a screening trial (losses and answer metrics, nothing
 generated) or a full trial, both numbered in their own Optuna study, or a held-out test evaluation, named by
 what it confirms (``test_of``: a trial number or a baseline name) and numbered in no study.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grkv_core.config import GRKV_DEFAULTS, PressConfig
-from tracking.names import FULL_STAGE, STAGES, TEST_STAGE
+from workers.names import FULL_STAGE, STAGES, TEST_STAGE
 
 OK = "ok"
 FAILED = "failed"
@@ -142,12 +142,13 @@ class TrialOutcome:
     resolved_press : dict
         ``grkv_core.registry.resolved`` of the press the worker built: every field, defaults included.
     summary : dict or None
-        ``grkv_core.evaluate.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
+        ``grkv_core.evaluation.results.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
     samples : list of dict
         One ``SampleResult`` as a dict per evaluated sample (predictions, scores, costs).
     kvpress_runs : list of dict
-        A test-stage evaluation's results in kvpress's evaluation layout (``grkv_core.kvpress_layout.KvpressRun``
-        as dicts), which the driver writes to its state directory and MLflow; empty in the other stages.
+        A test-stage evaluation's results in kvpress's evaluation layout
+        (``grkv_core.evaluation.kvpress_layout.KvpressRun`` as dicts), which the driver writes to its state directory
+        and MLflow; empty in the other stages.
     """
 
     trial_number: int | None

@@ -20,11 +20,12 @@ import torch
 
 from grkv_core.config import EvalConfig
 from grkv_core.datasets import EvalSample
-from grkv_core.evaluate import EvaluationSetup, ResultStore, evaluate_samples, summarize
+from grkv_core.evaluation.results import ResultStore, summarize
+from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
 from grkv_core.files import storage_failure
-from grkv_core.kvpress_layout import kvpress_runs
+from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.registry import build, resolved
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")

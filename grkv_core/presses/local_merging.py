@@ -220,9 +220,8 @@ class LocalMergePress(BaseMergerPress):
     Parameters
     ----------
     press : BasePress
-        The eviction press (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, ExpectedAttention, Knorm,
-        CriticalKV, AdaKV, CriticalAdaKV), or ``PerLayerCompressionPress`` or ``ChunkPress`` around one of the
-        first seven. Its ``compression_ratio`` sets the budget.
+        The eviction press: any of ``grkv_core.presses.selection.SUPPORTED_BASE_PRESSES`` (by name:
+        ``grkv_core.registry.EVICTION_PRESSES``). Its ``compression_ratio`` sets the budget.
     """
 
     def token_attention(

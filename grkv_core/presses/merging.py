@@ -59,7 +59,7 @@ class BaseMergerPress(ScorerPress):
 
     NOTE: a merging press changes the cache, never the forward: hooks a subclass adds in ``__call__`` only observe,
     and keep what they observe on the press, not on the shared modules. The trial engine relies on it to let
-    several presses share one prefill (``grkv_core.shared_prefill``).
+    several presses share one prefill (``grkv_core.evaluation.shared_prefill``).
 
     NOTE: options are checked when the press is built and again whenever it compresses (``check_options``), so an
     option changed after construction is refused in one line instead of failing deep in a merge.

@@ -16,7 +16,7 @@ from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, propos
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
 from tracking.mlflow_tracker import trial_metrics
-from tracking.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR, SCREEN_STAGE, TEST_STAGE
+from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, TrialOutcome, TrialRequest, configuration_key
 
 log = logging.getLogger("grkv.sweep")

@@ -18,7 +18,7 @@ from sweeps.state.optuna_storage import open_journal, open_storage_url
 from sweeps.state.state_dir import StateDir
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server
-from tracking.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FROM_TAG, RECOVERED_TAG
+from workers.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FROM_TAG, RECOVERED_TAG
 from tracking.retry import RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome, TrialRequest
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from grkv_core.files import write_atomically
-from grkv_core.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
-from tracking.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
+from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome
 
 

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUESTION_AGNOSTIC
 from tracking.mlflow_tracker import SAMPLE_FIELDS
-from tracking.names import (
+from workers.names import (
     BASELINE_TAG,
     FULL_STAGE,
     PARENT_TAG,

@@ -9,7 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from tracking.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.analyses.resources import IsoResource, TradeOff
 from tracking.reports.analyses.screening import SCREEN_PREFIX

@@ -19,7 +19,7 @@ import pandas as pd
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.importance import BaseImportanceEvaluator
 
-from tracking.names import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, SAMPLER_PREFIX, TRIAL_TAG, ZERO_SUFFIX
+from workers.names import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, SAMPLER_PREFIX, TRIAL_TAG, ZERO_SUFFIX
 from tracking.reports.data import Objective, SweepRuns
 
 # PED-ANOVA's authors advise at least this many trials in the top quantile it contrasts with the rest.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS
-from tracking.names import EVICTION_ONLY, PAPER_DEFAULT
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
-from tracking.names import PAPER_DEFAULT
+from workers.names import PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
 from tracking.reports.analyses.metrics import higher_is_better, score_columns
 from tracking.reports.analyses.significance import trial_sample_scores

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from tracking.names import EVICTION_ONLY, PAPER_DEFAULT
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.analyses.metrics import best_index
 from tracking.reports.data import SweepRuns
 

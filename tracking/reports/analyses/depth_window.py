@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from tracking.mlflow_tracker import DEPTH_SAMPLES_PREFIX, DEPTH_SCORE_PREFIX
-from tracking.names import FULL_STAGE, TEST_STAGE
+from workers.names import FULL_STAGE, TEST_STAGE
 from tracking.reports.data import SweepRuns
 
 @dataclass

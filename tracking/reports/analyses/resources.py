@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tracking.names import FULL_STAGE, TEST_STAGE
+from workers.names import FULL_STAGE, TEST_STAGE
 from tracking.reports.analyses.anchors import default_and_best, eviction_rows, tuning_scores
 from tracking.reports.analyses.metrics import best_index, higher_is_better
 from tracking.reports.data import SweepRuns

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import SCREENING_METRICS
-from tracking.names import PROMOTED_FROM_TAG, SAMPLER_PREFIX
+from workers.names import PROMOTED_FROM_TAG, SAMPLER_PREFIX
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import correlate

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from tracking.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, TEST_STAGE
+from workers.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, TEST_STAGE
 from tracking.reports.analyses.anchors import eviction_rows, representative_trials, tuning_scores
 from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
 from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tracking.names import TRIAL_TAG
+from workers.names import TRIAL_TAG
 from tracking.reports import figures
 from tracking.reports.data import SweepRuns
 from tracking.reports.optuna_study import Importance, param_importances, rebuild_study

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tracking.names import TEST_STAGE
+from workers.names import TEST_STAGE
 from tracking.reports import figures
 from tracking.reports.analyses.resources import MIB, IsoResource, trade_off
 from tracking.reports.data import SweepRuns

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tracking.names import TEST_STAGE
+from workers.names import TEST_STAGE
 from tracking.reports import figures
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.analyses.significance import Significance, significance

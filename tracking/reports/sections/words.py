@@ -4,7 +4,7 @@ scored."""
 from __future__ import annotations
 
 from grkv_core.config import ANSWER_METRICS
-from tracking.names import TEST_STAGE
+from workers.names import TEST_STAGE
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.data import SweepRuns
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 from grkv_core.queries import surrogate_queries
-from grkv_core.shared_prefill import PressedCache, attention_modules
+from grkv_core.evaluation.shared_prefill import PressedCache, attention_modules
 from grkv_core.solver.attention import full_cache_outputs
 
 
@@ -47,7 +47,8 @@ class ReconstructionProbe:
 
     @contextmanager
     def _hooks(self, hook):
-        handles = [attention.register_forward_hook(hook, with_kwargs=True) for attention in attention_modules(self.model)]
+        handles = [attention.register_forward_hook(hook, with_kwargs=True)
+                   for attention in attention_modules(self.model)]
         try:
             yield
         finally:

@@ -2,8 +2,8 @@
 
 Per question, the question and its reference answer are teacher-forced once on the full cache (the reference
 distribution, shared by every press of the sample) and once on each compressed cache (caches of equal per-layer
-lengths as one batch, like ``grkv_core.batched_decoding``). Over the answer's positions (the logits that predict
-its tokens):
+lengths as one batch, like ``grkv_core.evaluation.batched_decoding``). Over the answer's positions (the logits that
+predict its tokens):
 
 - ``answer_nll``: the reference answer's mean token negative log-likelihood (nats);
 - ``answer_kl``: the mean KL(p_full || p_compressed) (nats), exactly 0 for the full cache;
@@ -13,7 +13,7 @@ A binary needle score ties on nearly every sample when a small model loses the n
 the same caches, and one forward of q + a tokens per cache costs a fraction of decoding.
 
 NOTE: the reference answer is the question's first reference (``reference_text``), as for the question loss of
-``grkv_core.diagnostics.probe``; for an all-of-them task (RULER's multi-value needles) that is the first needle.
+``grkv_core.evaluation.probe``; for an all-of-them task (RULER's multi-value needles) that is the first needle.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from grkv_core.batched_decoding import cache_batches, module_state_of, stacked_cache
+from grkv_core.evaluation.batched_decoding import cache_batches, module_state_of, stacked_cache
 from grkv_core.datasets.schema import EvalSample
-from grkv_core.generation import cache_lengths, crop_cache, run_tokens
-from grkv_core.shared_prefill import PressedCache
+from grkv_core.evaluation.generation import cache_lengths, crop_cache, run_tokens
+from grkv_core.evaluation.shared_prefill import PressedCache
 
 
 def reference_text(sample: EvalSample, index: int) -> str:
@@ -74,7 +74,7 @@ def answer_log_probs(model: PreTrainedModel, cache: DynamicCache, question_ids: 
     context_length : int
         The uncompressed prefill length: positions continue from it whatever the cache lengths are.
     one_at_a_time : bool
-        Run the tokens one forward each (``grkv_core.generation.run_tokens``).
+        Run the tokens one forward each (``grkv_core.evaluation.generation.run_tokens``).
 
     Returns
     -------
@@ -116,7 +116,7 @@ def answer_metrics_batch(model: PreTrainedModel, caches: list[PressedCache], ref
     Parameters
     ----------
     caches : list of PressedCache
-        Compressed caches of the same prefill (``grkv_core.shared_prefill.prefill_shared``).
+        Compressed caches of the same prefill (``grkv_core.evaluation.shared_prefill.prefill_shared``).
     reference : torch.Tensor
         (a, vocab) the full cache's log-probabilities at the answer positions (``answer_log_probs``).
     max_rows : int, optional

@@ -2,8 +2,9 @@
 
 Caches of equal per-layer lengths (the same budget, and masked or not alike) are stacked along the batch axis
 and decoded together: the question is appended to every row at the same positions (continuing from the
-original context length), and each row stops on its own (its later tokens are computed and ignored). Each row's answer is what
-``grkv_core.generation.answer_question`` gives for its cache alone (the tests check it token for token).
+original context length), and each row stops on its own (its later tokens are computed and ignored). Each row's
+answer is what ``grkv_core.evaluation.generation.answer_question`` gives for its cache alone (the tests check it
+token for token).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from grkv_core.generation import Answer, append_question
-from grkv_core.shared_prefill import PER_CACHE_MODULE_STATE, PressedCache, attention_modules
+from grkv_core.evaluation.generation import Answer, append_question
+from grkv_core.evaluation.shared_prefill import PER_CACHE_MODULE_STATE, PressedCache, attention_modules
 
 
 def answer_batch(
@@ -34,7 +35,7 @@ def answer_batch(
     Parameters
     ----------
     caches : list of PressedCache
-        Compressed caches of the same context (``grkv_core.shared_prefill.prefill_shared``).
+        Compressed caches of the same context (``grkv_core.evaluation.shared_prefill.prefill_shared``).
     context_length : int
         The uncompressed context length: positions continue from it whatever the cache lengths are.
     max_rows : int, optional

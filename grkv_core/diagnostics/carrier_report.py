@@ -18,7 +18,7 @@ from grkv_core.datasets import EvalSample
 from grkv_core.diagnostics.carriers import CarrierConcentration, carrier_concentration_per_unit, macro_average
 from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
 from grkv_core.diagnostics.windows import cross_window_similarity, window_output_summaries
-from grkv_core.generation import prefill, tokenize_sample
+from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import LoadedModel
 from grkv_core.presses.d2o import D2OPress
 from grkv_core.presses.local_merging import MergeInputs

