@@ -13,7 +13,6 @@ parsing a command line stays instant; presses are built from a ``PressConfig`` b
 from __future__ import annotations
 
 import math
-import textwrap
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
@@ -245,21 +244,6 @@ class GRKVOptions:
 def option_specs(options: type) -> dict[str, OptionSpec]:
     """``{name: spec}`` of an options dataclass's fields (those declared with ``_option``), in field order."""
     return {item.name: item.metadata["spec"] for item in fields(options) if "spec" in item.metadata}
-
-
-def options_docstring(options: type, indent: int = 4) -> str:
-    """NumPy-style parameter entries for an options dataclass's fields, from their ``OptionSpec``s: name, accepted
-    values and default, then the help, wrapped at 120 columns and indented by ``indent`` spaces (a class docstring's
-    own indentation), so that a press documents its options where they are defined."""
-    margin = " " * indent
-    entries = []
-    for item in fields(options):
-        spec = item.metadata.get("spec")
-        if spec is not None:
-            entries.append(f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
-                           + textwrap.fill(spec.help.rstrip(".") + ".", width=120,
-                                           initial_indent=margin * 2, subsequent_indent=margin * 2) + "\n")
-    return "".join(entries) + margin
 
 
 def check_options(options) -> None:

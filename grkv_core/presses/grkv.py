@@ -12,9 +12,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions, options_docstring
+from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
-from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.merging import BaseMergerPress, options_docstring
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
 from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation

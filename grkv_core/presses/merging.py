@@ -21,9 +21,10 @@ the base press, inside the merger). Other base presses are refused with the reas
 from __future__ import annotations
 
 import sys
+import textwrap
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -270,6 +271,22 @@ class BaseMergerPress(ScorerPress):
 
 BaseMergerPress.compression_ratio = property(BaseMergerPress._base_compression_ratio,
                                           BaseMergerPress._set_base_compression_ratio)
+
+
+def options_docstring(options: type, indent: int = 4) -> str:
+    """NumPy-style parameter entries for an options dataclass's fields, from their ``OptionSpec``s
+    (``grkv_core.config``): name, accepted values and default, then the help, wrapped at 120 columns and indented by
+    ``indent`` spaces (a class docstring's own indentation), so that a press documents its options where they are
+    defined."""
+    margin = " " * indent
+    entries = []
+    for item in fields(options):
+        spec = item.metadata.get("spec")
+        if spec is not None:
+            entries.append(f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
+                           + textwrap.fill(spec.help.rstrip(".") + ".", width=120,
+                                           initial_indent=margin * 2, subsequent_indent=margin * 2) + "\n")
+    return "".join(entries) + margin
 
 
 def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
