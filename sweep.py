@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = SweepDriver(config, sweep_id).run()
     except SweepStopped as error:
+        if not error.cluster_lost:
+            import ray
+
+            # NOTE: Ray relays the workers' output to this process late, and would print it after the one line
+            # that must be the user's last; disconnected first (the abandoned workers end with it), it cannot.
+            ray.shutdown()
         print(f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
               f"resume with: {resume}", file=sys.stderr, flush=True)
         if error.cluster_lost:

@@ -39,8 +39,11 @@ class DriverIdentity:
         return cls(socket.gethostname(), os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S"),
                    job_config.get("metadata", {}).get("job_submission_id"))
 
-    def describe(self) -> str:
-        job = f", Ray job {self.ray_job} (stop it with `ray job stop {self.ray_job}`)" if self.ray_job else ""
+    def describe(self, alive: bool = True) -> str:
+        """Who the driver is; for a live one, how to stop it (a dead one's Ray job has nothing left to stop)."""
+        job = f", Ray job {self.ray_job}" if self.ray_job else ""
+        if self.ray_job and alive:
+            job += f" (stop it with `ray job stop {self.ray_job}`)"
         return f"pid {self.pid} on {self.host}, started {self.started}{job}"
 
 
@@ -64,8 +67,11 @@ class SweepLease:
                                  f"({holder.describe() if holder else 'unknown'}); wait for it or stop it") from None
         previous = self._holder(lease)
         if previous is not None:
-            log.warning("sweep %s: taking over the lease of a driver that died (%s)", self.sweep_id,
-                        previous.describe())
+            # NOTE: nothing is left to stop, and nothing for the user to do: the driver taking over closes what the
+            # dead one left open (``TrialLedger.reconcile``).
+            log.warning("sweep %s: taking over the lease of a driver that died (%s); this run closes its runs left "
+                        "RUNNING as KILLED and re-queues its trials in flight", self.sweep_id,
+                        previous.describe(alive=False))
         lease.seek(0)
         lease.truncate()
         lease.write(json.dumps(asdict(DriverIdentity.current())))

@@ -179,6 +179,8 @@ def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_t
     assert driver.returncode == 3, stderr[-3000:]
     line = one_line(stderr)
     assert "cannot write its checkpoints (No space left on device" in line and "resume with:" in line, line
+    # The other worker's WorkerStorageError, dropped unread, is not reported after it (see the test below).
+    assert stderr.rstrip().splitlines()[-1] == line and "Unhandled error" not in stderr, stderr[-3000:]
     study = study_of(state, sweep_id)
     assert not failed_trials(study), "a trial failed for a full disk"
     parents, runs = runs_of(services["tracking_uri"], EXPERIMENT, sweep_id)
@@ -190,6 +192,52 @@ def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_t
     stdout, stderr = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
+
+
+def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(tmp_path, small_tmpfs, monkeypatch):
+    """Two workers whose checkpoints cannot be written: the first WorkerStorageError stops the pool, and the
+    other's, which the pool drops unread, must not come back as Ray's "Unhandled error" traceback after the driver's
+    one-line stop (it did, from the second worker, in the sweep of the test above)."""
+    import logging
+
+    import ray
+
+    from grkv_core.config import PressConfig
+    from sweeps.config import load_config
+    from sweeps.worker_pool import WorkerPool
+    from workers.protocol import TrialRequest
+    from workers.trial_worker import WorkerStorageError
+
+    mount, fill, _ = small_tmpfs
+    checkpoints = tmp_path / "checkpoints"
+    mount(checkpoints)
+    fill(checkpoints)
+    monkeypatch.delenv("RAY_IGNORE_UNHANDLED_ERRORS", raising=False)  # NOTE: restored after, so others see Ray's
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("ray._private.worker").addHandler(handler)  # NOTE: where Ray logs an unhandled error
+    config = load_config(slow_config(tmp_path, trials=2))
+    # NOTE: a local instance of its own (never the latest cluster of the machine), with its own temp dir
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))
+    try:
+        pool = WorkerPool(config.eval_config().to_dict(), 0, count=2, num_cpus=1, num_gpus=0, max_retries=0,
+                          node_wait_s=60)
+        for number in (0, 1):
+            pool.submit([TrialRequest(number, PressConfig("snapkv", 0.75), checkpoint_dir=str(checkpoints))])
+        with pytest.raises(WorkerStorageError):
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                pool.wait(timeout_s=1.0)
+        assert len(pool.drain()) == 2  # NOTE: the failed batch too: its trials are re-queued with the rest
+        # An actor's calls run in order: once each worker answers, its batch has ended and its error reached here.
+        ray.get([worker.identity.remote() for worker in pool.workers], timeout=300)
+        time.sleep(2)
+    finally:
+        ray.shutdown()
+        logging.getLogger("ray._private.worker").removeHandler(handler)
+    assert not [message for message in logged if "Unhandled error" in message], logged
 
 
 @pytest.mark.slow
