@@ -23,7 +23,11 @@ RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 class SweepBusyError(RuntimeError):
-    """Another live driver holds the sweep's lease."""
+    """Another live driver holds the sweep's lease; ``holder`` says which, in words."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -55,18 +59,26 @@ class SweepLease:
         self.sweep_id = sweep_id
         self.file = None
 
-    def acquire(self) -> None:
-        """Take the lease, or raise ``SweepBusyError`` naming the driver that holds it."""
+    def acquire(self, wait_s: float = 0.0, announce: bool = True) -> None:
+        """Take the lease, waiting up to ``wait_s`` for its holder to end, or raise ``SweepBusyError`` naming the
+        driver that holds it; with ``announce``, log the takeover of a driver that died holding it."""
         lease = open(self.path, "a+")
-        try:
-            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder(lease)
-            lease.close()
-            raise SweepBusyError(f"sweep {self.sweep_id} is already being run by another driver "
-                                 f"({holder.describe() if holder else 'unknown'}); wait for it or stop it") from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                holder = self._holder(lease)
+                lease.close()
+                named = holder.describe() if holder else "unknown"
+                raise SweepBusyError(f"sweep {self.sweep_id} is already being run by another driver ({named}); "
+                                     "wait for it or stop it", named) from None
         previous = self._holder(lease)
-        if previous is not None:
+        if previous is not None and announce:
             # NOTE: nothing is left to stop, and nothing for the user to do: the driver taking over closes what the
             # dead one left open (``TrialLedger.reconcile``).
             log.warning("sweep %s: taking over the lease of a driver that died (%s); this run closes its runs left "
