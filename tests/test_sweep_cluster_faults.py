@@ -291,7 +291,7 @@ def ray_job_submit(stack, config, sweep_id, state, submission_id) -> subprocess.
 
 @pytest.mark.slow
 def test_ray_stop_under_ray_job_submit_leaves_the_client_at_0_and_the_resume_finishes(tmp_path):
-    """`ray stop` under `ray job submit` (about 3 minutes). The driver cannot say anything: its job supervisor dies
+    """`ray stop` under `ray job submit` (one to three minutes). The driver cannot say anything: its job supervisor dies
     with the raylet, and the supervisor's watcher SIGKILLs the driver's process group within a second
     (ray/dashboard/modules/job/job_supervisor.py, ``_exec_entrypoint``). Ray's client, whose log stream closes
     with the raylet's agents, asks the head for the job's status before the head has noticed, so it exits 0 on
@@ -332,9 +332,9 @@ def test_ray_stop_under_ray_job_submit_leaves_the_client_at_0_and_the_resume_fin
 
 @pytest.mark.slow
 def test_ray_stop_under_grkv_sweep_stops_it_in_one_line_and_the_same_command_resumes_it(tmp_path):
-    """`ray stop` under `grkv sweep` (about 3 minutes): the command follows the sweep's own state, so it stops in one
-    line, exit 3, once the driver has ended with the cluster, with the runs the driver left RUNNING closed KILLED;
-    the same command again restarts Ray and finishes the sweep with nothing lost."""
+    """`ray stop` under `grkv sweep` (one to three minutes): the command follows the sweep's own state, so it stops
+    in one line, exit 3, once the driver has ended with the cluster, with the runs the driver left RUNNING closed
+    KILLED; the same command again restarts Ray and finishes the sweep with nothing lost."""
     stack_dir = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
     names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
              "GRKV_MLFLOW_PORT")
