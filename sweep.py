@@ -7,7 +7,8 @@ the same ``--sweep-id`` resumes it.
 Exit status (``ray job submit`` exits 1 when it is not 0: the job is FAILED; ``ray job stop`` makes it STOPPED):
 0 the sweep finished; 2 the config is invalid; 3 a service (Ray cluster, MLflow, Optuna storage, state
 directory) is unusable at the start, or was lost mid-sweep (then the sweep can be resumed); 4 another driver
-runs this sweep; 5 the sweep was stopped by a signal (resumable).
+runs this sweep; 5 the sweep was stopped by a signal (resumable). ``ray stop`` kills the driver with its job, before
+it can exit with any of these (``ray job submit`` may then exit 0; ``grkv sweep`` stops: ``sweeps.follow``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = SweepDriver(config, sweep_id).run()
     except SweepStopped as error:
+        if not error.cluster_lost:
+            import ray
+
+            # NOTE: Ray relays the workers' output to this process late, and would print it after the one line
+            # that must be the user's last; disconnected first (the abandoned workers end with it), it cannot.
+            ray.shutdown()
         print(f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
               f"resume with: {resume}", file=sys.stderr, flush=True)
         if error.cluster_lost:

@@ -11,6 +11,7 @@ scripts).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ set_service_environment(COMMAND_MLFLOW_RETRIES)
 from grkv_core.cli import add_command, build_parser, run  # noqa: E402
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
 from workers.names import PRESS_ARTIFACT  # noqa: E402
+from sweeps.follow import SweepLostError  # noqa: E402
 from sweeps.local_stack import REPO_ROOT, LocalStack, ServiceError, run_sweep  # noqa: E402
 
 DEMO_CONFIG = REPO_ROOT / "sweeps" / "configs" / "demo.yaml"
@@ -73,10 +75,12 @@ def _add_output_dir(parser, default_text: str) -> None:
 
 
 
-def _leave_or_stop(stack: LocalStack, stop: bool) -> None:
+def _leave_or_stop(stack: LocalStack, stop: bool, lost: SweepLostError | None = None) -> None:
+    """At a command's end: stop the stack with ``stop``, else say that it keeps running (unless its Ray was lost:
+    the next command's start.sh restarts what is left of it)."""
     if stop:
         stack.stop()
-    elif (stack.state_dir / "endpoints.env").is_file():
+    elif lost is None and (stack.state_dir / "endpoints.env").is_file():
         print(f"Ray and MLflow keep running (re-used by the next run); stop them with: {stack.stop_command}")
 
 
@@ -102,6 +106,7 @@ def cmd_sweep(args) -> int:
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     stack = LocalStack(args.state_dir.expanduser())
     print(f"sweep {sweep_id}: {_sweep_words(config)}")
+    lost = None
     try:
         stack.start()
         status = run_sweep(stack, Path(args.config), sweep_id)
@@ -110,8 +115,18 @@ def cmd_sweep(args) -> int:
         if (press_file := stack.sweeps_dir / sweep_id / PRESS_ARTIFACT).is_file():
             print(f"recommended press configuration: {press_file} (also on the parent run, {PRESS_ARTIFACT})")
         _print_kvpress_folder(stack.sweeps_dir / sweep_id / KVPRESS_FOLDER)
+    except SweepLostError as error:
+        lost = error
     finally:
-        _leave_or_stop(stack, args.stop)
+        _leave_or_stop(stack, args.stop, lost)
+    if lost is not None:
+        # NOTE: the last line the user sees; the same command restarts what is left of Ray (start.sh) and resumes.
+        resume = ["grkv", "sweep", "--config", str(args.config), "--sweep-id", sweep_id]
+        if args.state_dir != GRKV_HOME / "local":
+            resume += ["--state-dir", str(args.state_dir)]
+        print(f"sweep {sweep_id}: stopped: {lost}; resume with: {shlex.join(resume + ['--stop'] * args.stop)}",
+              file=sys.stderr, flush=True)
+        return SERVICE_LOST
     return SUCCESS if status == "FINISHED" else STOPPED
 
 
@@ -195,6 +210,7 @@ def cmd_demo(args) -> int:
     output_dir = args.output_dir or stack.state_dir / "outputs" / sweep_id
     print(f"grkv demo: sweep {sweep_id}, {_sweep_words(config)}.\n"
           f"Everything stays in {stack.state_dir}; re-running `grkv demo` resumes the same sweep.")
+    lost = None
     try:
         stack.start()
         print(f"MLflow UI: {stack.mlflow_url}   Ray dashboard: {stack.dashboard_url}")
@@ -221,8 +237,13 @@ def cmd_demo(args) -> int:
               f"  or: grkv eval --press-config {press_file}")
         _print_kvpress_folder(stack.sweeps_dir / sweep_id / KVPRESS_FOLDER)
         print(f"grkv demo: done in {(time.monotonic() - began) / 60:.1f} min")
+    except SweepLostError as error:
+        lost = error
     finally:
-        _leave_or_stop(stack, args.stop)
+        _leave_or_stop(stack, args.stop, lost)
+    if lost is not None:
+        print(f"grkv demo: sweep {sweep_id} stopped: {lost}; re-run `grkv demo` to resume it", file=sys.stderr)
+        return SERVICE_LOST
     return SUCCESS
 
 

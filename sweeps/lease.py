@@ -23,7 +23,11 @@ RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 class SweepBusyError(RuntimeError):
-    """Another live driver holds the sweep's lease."""
+    """Another live driver holds the sweep's lease; ``holder`` says which, in words."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,11 @@ class DriverIdentity:
         return cls(socket.gethostname(), os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S"),
                    job_config.get("metadata", {}).get("job_submission_id"))
 
-    def describe(self) -> str:
-        job = f", Ray job {self.ray_job} (stop it with `ray job stop {self.ray_job}`)" if self.ray_job else ""
+    def describe(self, alive: bool = True) -> str:
+        """Who the driver is; for a live one, how to stop it (a dead one's Ray job has nothing left to stop)."""
+        job = f", Ray job {self.ray_job}" if self.ray_job else ""
+        if self.ray_job and alive:
+            job += f" (stop it with `ray job stop {self.ray_job}`)"
         return f"pid {self.pid} on {self.host}, started {self.started}{job}"
 
 
@@ -52,20 +59,31 @@ class SweepLease:
         self.sweep_id = sweep_id
         self.file = None
 
-    def acquire(self) -> None:
-        """Take the lease, or raise ``SweepBusyError`` naming the driver that holds it."""
+    def acquire(self, wait_s: float = 0.0, announce: bool = True) -> None:
+        """Take the lease, waiting up to ``wait_s`` for its holder to end, or raise ``SweepBusyError`` naming the
+        driver that holds it; with ``announce``, log the takeover of a driver that died holding it."""
         lease = open(self.path, "a+")
-        try:
-            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder(lease)
-            lease.close()
-            raise SweepBusyError(f"sweep {self.sweep_id} is already being run by another driver "
-                                 f"({holder.describe() if holder else 'unknown'}); wait for it or stop it") from None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                holder = self._holder(lease)
+                lease.close()
+                named = holder.describe() if holder else "unknown"
+                raise SweepBusyError(f"sweep {self.sweep_id} is already being run by another driver ({named}); "
+                                     "wait for it or stop it", named) from None
         previous = self._holder(lease)
-        if previous is not None:
-            log.warning("sweep %s: taking over the lease of a driver that died (%s)", self.sweep_id,
-                        previous.describe())
+        if previous is not None and announce:
+            # NOTE: nothing is left to stop, and nothing for the user to do: the driver taking over closes what the
+            # dead one left open (``TrialLedger.reconcile``).
+            log.warning("sweep %s: taking over the lease of a driver that died (%s); this run closes its runs left "
+                        "RUNNING as KILLED and re-queues its trials in flight", self.sweep_id,
+                        previous.describe(alive=False))
         lease.seek(0)
         lease.truncate()
         lease.write(json.dumps(asdict(DriverIdentity.current())))

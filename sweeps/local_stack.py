@@ -14,12 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.names import FULL_STAGE, ROLE_TAG, SCREEN_STAGE, STAGE_TAG, SWEEP_TAG, TEST_OF_TAG, TRIAL_TAG
+from sweeps.follow import ACTIVE_JOB, ProgressPrinter, cluster_loss, job_end
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
 SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
-POLL_S = 3.0
 
 
 class ServiceError(RuntimeError):
@@ -82,7 +81,6 @@ class LocalStack:
 # ---- one sweep as a Ray job, followed from MLflow --------------------------------------------------------------
 
 SWEEP_ID_METADATA = "grkv.sweep_id"
-ACTIVE_JOB = ("PENDING", "RUNNING")
 
 
 def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
@@ -114,68 +112,10 @@ def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
     return jobs, job_id
 
 
-class ProgressPrinter:
-    """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
-    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
-
-    def __init__(self, client, config, sweep_id: str):
-        self.client, self.config, self.sweep_id = client, config, sweep_id
-        self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
-        self.running: set[str] = set()  # run ids already announced as running
-        self.started = time.monotonic()
-        self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
-
-    def runs(self, role: str = "trial") -> list:
-        experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
-        if experiment is None:
-            return []
-        return self.client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and "
-                                       f"tags.`{ROLE_TAG}` = '{role}'", max_results=5000)
-
-    def update(self, quiet: bool = False) -> None:
-        """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
-        a resumed sweep's)."""
-        runs = self.runs()
-        ended = [child for child in runs
-                 if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of]
-        for child in sorted(ended, key=lambda child: child.info.end_time or 0):
-            stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
-            self.stage_of[child.info.run_id] = stage
-            if quiet:
-                continue
-            done = sum(seen == stage for seen in self.stage_of.values())
-            count = f"{done}/{self.totals[stage]}" if stage in self.totals else str(done)
-            metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
-            metrics = child.data.metrics
-            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
-            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
-                  f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
-        started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
-        if started and not quiet:
-            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                  + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
-                  flush=True)
-        self.running.update(child.info.run_id for child in started)
-
-    def _minutes(self) -> float:
-        return (time.monotonic() - self.started) / 60
-
-    @staticmethod
-    def _name(run) -> str:
-        """``trial N`` for a trial or a test run confirming one, else what the test run tests (a baseline)."""
-        tags = run.data.tags
-        tested = tags.get(TRIAL_TAG, tags.get(TEST_OF_TAG, "?"))
-        return f"trial {tested}" if tested.isdigit() else tested
-
-    def parent_status(self) -> str:
-        parents = self.runs(role="sweep")
-        return parents[0].info.status if parents else "missing"
-
-
 def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
     """Run (or resume, or follow) one sweep on the local stack to its end, showing a line per finished run;
-    returns the parent run's status. A Ctrl-C stops the job cleanly (its in-flight trials are re-queued)."""
+    returns the parent run's status. A Ctrl-C stops the job cleanly (its in-flight trials are re-queued); a
+    cluster that stops answering meanwhile raises ``SweepLostError`` (``sweeps.follow.cluster_loss``)."""
     from mlflow.tracking import MlflowClient
 
     from sweeps.config import load_config
@@ -187,9 +127,7 @@ def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
     if progress.stage_of:
         print(f"sweep {sweep_id}: resuming, {len(progress.stage_of)} run(s) already finished")
     try:
-        while (status := str(jobs.get_job_status(job_id).value)) in ACTIVE_JOB:
-            time.sleep(POLL_S)
-            progress.update()
+        status, reason = job_end(jobs, job_id, progress.update)
     except KeyboardInterrupt:
         print(f"\nstopping Ray job {job_id} (in-flight trials are closed and re-queued) ...", file=sys.stderr)
         jobs.stop_job(job_id)
@@ -199,9 +137,12 @@ def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
             time.sleep(1)
         raise
     progress.update()
-    if status != "SUCCEEDED":
-        tail = "\n".join(jobs.get_job_logs(job_id).splitlines()[-15:])
-        print(tail, file=sys.stderr)
-        raise ServiceError(f"Ray job {job_id} of sweep {sweep_id} ended {status} (its last log lines are above)")
-    return progress.parent_status()
+    if status == "SUCCEEDED":
+        return progress.parent_status()
+    if lost := cluster_loss(jobs, status, reason, stack.dashboard_url, stack.mlflow_url, config.tracking.experiment,
+                            stack.sweeps_dir / sweep_id, sweep_id):
+        raise lost
+    tail = "\n".join(jobs.get_job_logs(job_id).splitlines()[-15:])
+    print(tail, file=sys.stderr)
+    raise ServiceError(f"Ray job {job_id} of sweep {sweep_id} ended {status} (its last log lines are above)")
 

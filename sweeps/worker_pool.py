@@ -15,6 +15,7 @@ from ``wait`` (or in one pending dispatch from ``drain``).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -198,8 +199,15 @@ class WorkerPool:
         return ended
 
     def drain(self) -> list[Dispatch]:
-        """Give up every pending dispatch (on a stop) and return them."""
+        """Give up every pending dispatch (on a stop) and return them.
+
+        NOTE: what they still return is dropped unread on purpose (the caller re-queues their trials). Ray would log
+        each error among it as an "Unhandled error" traceback, after the driver's one-line stop (a second worker's
+        ``WorkerStorageError`` on a full disk), so from here on this process ignores them.
+        """
         pending = [*self.running.values(), *self.pinging.values()]
+        if pending:
+            os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"  # read by Ray each time it would log one
         self.running.clear()
         self.pinging.clear()
         return pending

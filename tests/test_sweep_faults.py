@@ -137,20 +137,29 @@ time.sleep(600)
 """
 
 
-def test_a_live_drivers_lease_is_refused_naming_it_and_a_dead_ones_taken_over_at_once(tmp_path):
+def test_a_live_drivers_lease_is_refused_naming_it_and_a_dead_ones_taken_over_at_once(tmp_path, caplog):
+    # NOTE: the metadata `ray job submit` hands its driver, so the lease names the driver's Ray job
+    job = json.dumps({"metadata": {"job_submission_id": "sweep-job-1"}})
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                              text=True, env=dict(os.environ, PYTHONPATH=str(REPO), RAY_JOB_CONFIG_JSON_ENV_VAR=job))
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(SweepBusyError, match=f"pid {holder.pid} on {socket.gethostname()}"):
+        with pytest.raises(SweepBusyError, match=f"pid {holder.pid} on {socket.gethostname()}") as refused:
             SweepLease(tmp_path, "s").acquire()
+        assert "Ray job sweep-job-1 (stop it with `ray job stop sweep-job-1`)" in str(refused.value)
     finally:
         holder.kill()
         holder.wait()
     lease = SweepLease(tmp_path, "s")
     started = time.monotonic()
-    lease.acquire()
+    with caplog.at_level("WARNING", logger="grkv.sweep"):
+        lease.acquire()
     assert time.monotonic() - started < 1.0
+    (takeover,) = [record.getMessage() for record in caplog.records]
+    # A dead driver's job has nothing left to stop: the message says what the run taking over does instead.
+    assert f"taking over the lease of a driver that died (pid {holder.pid} on" in takeover, takeover
+    assert "Ray job sweep-job-1" in takeover and "ray job stop" not in takeover, takeover
+    assert "closes its runs left RUNNING as KILLED and re-queues its trials in flight" in takeover, takeover
     assert json.loads((tmp_path / "driver.lease").read_text())["pid"] == os.getpid()
     lease.release()
     assert (tmp_path / "driver.lease").read_text() == "", "a lease given back names nobody"

@@ -1,0 +1,167 @@
+"""How ``grkv sweep`` (and ``grkv demo``) follow a sweep's Ray job to its end: the progress lines read from MLflow,
+the job's end, and what happens when the cluster goes away under it.
+
+``ray stop`` on the head stops the cluster's processes (the raylet first, then the rest, the GCS last). The job's
+supervisor dies with the raylet and Ray kills the job's driver with it, so the driver can neither close its runs nor
+say anything. Ray's own ``ray job submit`` then reads the job's status before the head has noticed, and exits 0 on
+"RUNNING". ``grkv sweep`` follows the sweep's own state instead: once the Jobs API stops answering it waits for the
+sweep's driver to end (its lease), closes the runs it left RUNNING as KILLED and stops in one line (exit 3) with the
+command that resumes the sweep.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+from sweeps.lease import SweepBusyError, SweepLease
+from workers.names import FULL_STAGE, ROLE_TAG, SCREEN_STAGE, STAGE_TAG, SWEEP_TAG, TEST_OF_TAG, TRIAL_TAG
+
+ACTIVE_JOB = ("PENDING", "RUNNING")
+POLL_S = 3.0
+# How long the sweep's driver may outlive its cluster: Ray's job supervisor SIGKILLs the driver within a second of
+# its own death, and Ray ends any driver whose GCS has been gone for gcs_rpc_server_reconnect_timeout_s (60 s).
+DRIVER_END_WAIT_S = 90.0
+
+
+class SweepLostError(RuntimeError):
+    """The sweep's Ray cluster stopped answering before the sweep's end; the message is one line."""
+
+
+class ProgressPrinter:
+    """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
+    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
+
+    def __init__(self, client, config, sweep_id: str):
+        self.client, self.config, self.sweep_id = client, config, sweep_id
+        self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
+        self.running: set[str] = set()  # run ids already announced as running
+        self.started = time.monotonic()
+        self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
+
+    def runs(self, role: str = "trial") -> list:
+        experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
+        if experiment is None:
+            return []
+        return self.client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and "
+                                       f"tags.`{ROLE_TAG}` = '{role}'", max_results=5000)
+
+    def update(self, quiet: bool = False) -> None:
+        """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
+        a resumed sweep's)."""
+        runs = self.runs()
+        ended = [child for child in runs
+                 if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of]
+        for child in sorted(ended, key=lambda child: child.info.end_time or 0):
+            stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
+            self.stage_of[child.info.run_id] = stage
+            if quiet:
+                continue
+            done = sum(seen == stage for seen in self.stage_of.values())
+            count = f"{done}/{self.totals[stage]}" if stage in self.totals else str(done)
+            metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
+            metrics = child.data.metrics
+            value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
+            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
+                  f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
+        started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
+        if started and not quiet:
+            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
+            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
+                  + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
+                  flush=True)
+        self.running.update(child.info.run_id for child in started)
+
+    def _minutes(self) -> float:
+        return (time.monotonic() - self.started) / 60
+
+    @staticmethod
+    def _name(run) -> str:
+        """``trial N`` for a trial or a test run confirming one, else what the test run tests (a baseline)."""
+        tags = run.data.tags
+        tested = tags.get(TRIAL_TAG, tags.get(TEST_OF_TAG, "?"))
+        return f"trial {tested}" if tested.isdigit() else tested
+
+    def parent_status(self) -> str:
+        parents = self.runs(role="sweep")
+        return parents[0].info.status if parents else "missing"
+
+
+def job_end(jobs, job_id: str, on_poll: Callable[[], None]) -> tuple[str | None, str]:
+    """Wait for the Ray job ``job_id`` to end, calling ``on_poll`` between looks. Returns its final status and, when
+    the Jobs API stopped answering first, None and the reason."""
+    while True:
+        try:
+            status = str(jobs.get_job_status(job_id).value)
+        except (OSError, RuntimeError) as error:  # NOTE: requests' ConnectionError is an OSError
+            return None, _reason(error)
+        if status not in ACTIVE_JOB:
+            return status, ""
+        time.sleep(POLL_S)
+        on_poll()
+
+
+def cluster_loss(jobs, status: str | None, reason: str, dashboard_url: str, tracking_uri: str, experiment: str,
+                 state: Path, sweep_id: str) -> SweepLostError | None:
+    """After the job's end (``status``; None, with ``reason``, when the Jobs API stopped answering first): the error
+    to stop on when the cluster went away under the sweep, once the runs its driver left RUNNING are closed; None
+    when the cluster still answers."""
+    # NOTE: a job seen ending while its head goes down (its supervisor died with the raylet) is the cluster's loss.
+    if status is not None and jobs_api_answers(jobs):
+        return None
+    done = close_runs_left_running(tracking_uri, experiment, state, sweep_id)
+    return SweepLostError(f"the Ray cluster stopped answering (Jobs API {dashboard_url}: {reason or f'job {status}'}); "
+                          f"{done}; nothing finished is lost, the resume re-queues the trials that were in flight")
+
+
+def jobs_api_answers(jobs) -> bool:
+    try:
+        jobs.get_version()
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def close_runs_left_running(tracking_uri: str, experiment: str, state: Path, sweep_id: str,
+                            wait_s: float = DRIVER_END_WAIT_S) -> str:
+    """Once the sweep's driver has ended (its lease free, waiting up to ``wait_s``), close the sweep's runs it left
+    RUNNING as KILLED, holding the lease meanwhile so that no driver starts on the sweep; returns what was done, in
+    words.
+
+    NOTE: the resume would close them too (``TrialLedger.reconcile``), but until then the MLflow UI would show a
+    sweep still running that nothing runs.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not (state / "driver.lease").is_file():
+        return "its driver had not started"
+    lease = SweepLease(state, sweep_id)
+    try:
+        lease.acquire(wait_s=wait_s, announce=False)
+    except SweepBusyError as error:
+        return f"its driver still runs ({error.holder}), its runs left as they are"
+    try:
+        client = MlflowClient(tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([found.experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and "
+                                  "attributes.status = 'RUNNING'", max_results=5000) if found else []
+        for run in runs:
+            client.set_terminated(run.info.run_id, "KILLED")
+    except (OSError, MlflowException) as error:
+        return f"the runs it left RUNNING stay so until the resume (MLflow: {_reason(error)})"
+    finally:
+        lease.release()
+    return f"the driver ended with it and its {len(runs)} run(s) left RUNNING are closed KILLED"
+
+
+def _reason(error: BaseException) -> str:
+    """An HTTP client's error in a few words: the operating system's (``Connection refused``) when it has one."""
+    text = str(error)
+    found = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found.group(1).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1][:160]}" if lines else type(error).__name__
