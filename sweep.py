@@ -59,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-id", default=None, help="resume this sweep (default: <name>-<timestamp>)")
     parser.add_argument("--tracking-uri", default=None, help="override tracking.tracking_uri")
     parser.add_argument("--state-dir", default=None, help="override storage.state_dir (journal + trial results)")
-    parser.add_argument("--storage-url", default=os.environ.get("GRKV_OPTUNA_STORAGE"),
-                        help="override storage.url, the Optuna RDB (default: $GRKV_OPTUNA_STORAGE)")
+    parser.add_argument(
+        "--storage-url",
+        default=os.environ.get("GRKV_OPTUNA_STORAGE"),
+        help="override storage.url, the Optuna RDB (default: $GRKV_OPTUNA_STORAGE)",
+    )
     parser.add_argument("--protocol", default=None, choices=PROTOCOLS, help="override data.protocol")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep: invalid config: {error}", file=sys.stderr)
         return USER_ERROR
     if args.tracking_uri:
-        config = config.model_copy(update={"tracking": config.tracking.model_copy(update={"tracking_uri": args.tracking_uri})})
+        config = config.model_copy(
+            update={"tracking": config.tracking.model_copy(update={"tracking_uri": args.tracking_uri})}
+        )
     if args.storage_url:
         config = config.model_copy(update={"storage": config.storage.model_copy(update={"url": args.storage_url})})
     if args.state_dir:
@@ -100,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             # NOTE: Ray relays the workers' output to this process late, and would print it after the one line
             # that must be the user's last; disconnected first (the abandoned workers end with it), it cannot.
             ray.shutdown()
-        print(f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
-              f"resume with: {resume}", file=sys.stderr, flush=True)
+        print(
+            f"sweep {sweep_id}: stopped: {error}; nothing finished is lost, the in-flight trials are re-queued; "
+            f"resume with: {resume}",
+            file=sys.stderr,
+            flush=True,
+        )
         if error.cluster_lost:
             # NOTE: Ray's exit handler would wait on the lost cluster until Ray aborts the process (its exit
             # status lost with it); everything of the sweep is written by now, so the process ends here.

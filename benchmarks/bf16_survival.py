@@ -22,11 +22,11 @@ import torch
 import transformers
 
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press
+from grkv_core.solver.losses import discrepancy_per_head
 
 
 def rows(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -46,23 +46,45 @@ def main() -> None:
 
     loaded = load_model(args.model, dtype="float32")
     model = loaded.model
-    samples = load_dataset_samples("ruler", tasks=args.tasks, samples_per_task=args.samples,
-                                   tokenizer=loaded.tokenizer, context_length=args.context_length)
-    totals = {name: 0.0 for name in ("moved_k", "rounded_back_k", "moved_v", "rounded_back_v", "update_k",
-                                     "kept_k", "update_v", "kept_v", "evicted", "merged", "merged_bf16", "ref")}
+    samples = load_dataset_samples(
+        "ruler",
+        tasks=args.tasks,
+        samples_per_task=args.samples,
+        tokenizer=loaded.tokenizer,
+        context_length=args.context_length,
+    )
+    totals = {
+        name: 0.0
+        for name in (
+            "moved_k",
+            "rounded_back_k",
+            "moved_v",
+            "rounded_back_v",
+            "update_k",
+            "kept_k",
+            "update_v",
+            "kept_v",
+            "evicted",
+            "merged",
+            "merged_bf16",
+            "ref",
+        )
+    }
     for sample in samples:
         context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
         captured = {}
 
         def keep_full_cache(module, _args, kwargs, _output):
             layer = kwargs["past_key_values"].layers[module.layer_idx]
-            window = surrogate_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"],
-                                       n_queries=args.window_size)
+            window = surrogate_queries(
+                module, kwargs["hidden_states"], kwargs["position_embeddings"], n_queries=args.window_size
+            )
             captured[module.layer_idx] = (layer.keys, layer.values, window, module)
 
         # NOTE: registered before the press's hooks, so it sees each layer's full cache before the merge.
-        handles = [layer.self_attn.register_forward_hook(keep_full_cache, with_kwargs=True)
-                   for layer in model.model.layers]
+        handles = [
+            layer.self_attn.register_forward_hook(keep_full_cache, with_kwargs=True) for layer in model.model.layers
+        ]
         try:
             cache = prefill(model, context_ids, build_press("snapkv", args.compression_ratio, merge="grkv"))
         finally:
@@ -80,10 +102,16 @@ def main() -> None:
                 totals[f"rounded_back_{name}"] += int((moved & (rounded == rounded_start)).sum())
                 totals[f"update_{name}"] += float((merged - start).square().sum())
                 totals[f"kept_{name}"] += float((rounded.float() - rounded_start.float()).square().sum())
-            loss = dict(query_positions=window.positions + (context_ids.shape[1] - args.window_size),
-                        compressed_positions=kept, scale=module.scaling)
-            for name, (k, v) in (("evicted", (keys0, values0)), ("merged", (keys, values)),
-                                 ("merged_bf16", (keys.bfloat16().float(), values.bfloat16().float()))):
+            loss = dict(
+                query_positions=window.positions + (context_ids.shape[1] - args.window_size),
+                compressed_positions=kept,
+                scale=module.scaling,
+            )
+            for name, (k, v) in (
+                ("evicted", (keys0, values0)),
+                ("merged", (keys, values)),
+                ("merged_bf16", (keys.bfloat16().float(), values.bfloat16().float())),
+            ):
                 error, reference = discrepancy_per_head(window.queries, full_keys, full_values, k, v, **loss)
                 totals[name] += float(error.sum())
             totals["ref"] += float(reference.sum())
@@ -91,10 +119,12 @@ def main() -> None:
 
     print(f"model={args.model} samples={len(samples)} keep={1 - args.compression_ratio:.0%} (SnapKV + GRKV defaults)")
     for name, label in (("k", "keys"), ("v", "values")):
-        print(f"{label}: {totals[f'moved_{name}']:.0f} entries moved in float32; "
-              f"{totals[f'rounded_back_{name}'] / max(totals[f'moved_{name}'], 1):.1%} of them round back to the "
-              f"evicted value in bfloat16; update energy surviving bfloat16: "
-              f"{(totals[f'kept_{name}'] / max(totals[f'update_{name}'], 1e-30)) ** 0.5:.1%} (norm ratio)")
+        print(
+            f"{label}: {totals[f'moved_{name}']:.0f} entries moved in float32; "
+            f"{totals[f'rounded_back_{name}'] / max(totals[f'moved_{name}'], 1):.1%} of them round back to the "
+            f"evicted value in bfloat16; update energy surviving bfloat16: "
+            f"{(totals[f'kept_{name}'] / max(totals[f'update_{name}'], 1e-30)) ** 0.5:.1%} (norm ratio)"
+        )
     for name in ("evicted", "merged", "merged_bf16"):
         print(f"window discrepancy, {name:12s}: {totals[name] / totals['ref']:.5f}")
 

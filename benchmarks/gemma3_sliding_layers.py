@@ -42,17 +42,21 @@ def main() -> None:
         "snapkv every layer": lambda ids: prefill_as_kvpress(loaded.model, ids, press),
         "snapkv global layers only": lambda ids: prefill(loaded.model, ids, press),
     }
-    samples = load_dataset_samples("ruler", tasks=args.tasks, context_length=2048, samples_per_task=args.samples,
-                                   tokenizer=loaded.tokenizer)
+    samples = load_dataset_samples(
+        "ruler", tasks=args.tasks, context_length=2048, samples_per_task=args.samples, tokenizer=loaded.tokenizer
+    )
     for sample in samples:
         context_ids, (question_ids,) = tokenize_sample(loaded.tokenizer, sample)
         for name, prefilled in prefills.items():
             cache = prefilled(context_ids)
-            answer = answer_question(loaded.model, cache, question_ids, context_ids.shape[1], args.max_new_tokens,
-                                     stop_token_ids(loaded))
+            answer = answer_question(
+                loaded.model, cache, question_ids, context_ids.shape[1], args.max_new_tokens, stop_token_ids(loaded)
+            )
             text = loaded.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
-            print(f"{sample.sample_id} | {name} | needle found: {sample.references[0][0] in text} | {text[:48]!r}",
-                  flush=True)
+            print(
+                f"{sample.sample_id} | {name} | needle found: {sample.references[0][0] in text} | {text[:48]!r}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

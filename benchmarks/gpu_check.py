@@ -49,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import transformers
+from prefill_cost import timed_hook
+from prefill_ops import CountedOperations
+from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 from torch.profiler import ProfilerActivity
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -62,16 +65,30 @@ from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.reference import grkv_merge_reference
-from prefill_cost import timed_hook
-from prefill_ops import CountedOperations
-from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 
 # Llama-3.1-8B's shape (config.json of meta-llama/Llama-3.1-8B): what the paper times on an A100.
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-                rope_theta=500000.0)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=300, max_position_embeddings=4096, rope_theta=10000.0)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=300,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+)
 PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 # A graph replay against the eager solve (largest absolute difference): the same kernels on a padded budget, so float
 # rounding of sums over the padding's zeros, and a bfloat16 cache's last bit.
@@ -142,16 +159,29 @@ def parity(report: Report, device: torch.device, tiny: bool) -> None:
     options = dict(lambda_k=0.05, lambda_v=1e-2, steps=2, query_positions=positions)
     for dtype in (torch.float32, torch.bfloat16):
         cache = [tensor.to(dtype) for tensor in (keys, values)]
-        fast = grkv_merge(queries.to(device), *(tensor.to(device) for tensor in cache), kept.to(device),
-                          fixed.to(device), cg_max_iter=400, cg_rtol=1e-7, **{**options, "query_positions":
-                                                                             positions.to(device)})
+        fast = grkv_merge(
+            queries.to(device),
+            *(tensor.to(device) for tensor in cache),
+            kept.to(device),
+            fixed.to(device),
+            cg_max_iter=400,
+            cg_rtol=1e-7,
+            **{**options, "query_positions": positions.to(device)},
+        )
         CAPTURED_SOLVES.enabled = False
-        eager = grkv_merge(queries.to(device), *(tensor.to(device) for tensor in cache), kept.to(device),
-                           fixed.to(device), cg_max_iter=400, cg_rtol=1e-7, **{**options, "query_positions":
-                                                                              positions.to(device)})
+        eager = grkv_merge(
+            queries.to(device),
+            *(tensor.to(device) for tensor in cache),
+            kept.to(device),
+            fixed.to(device),
+            cg_max_iter=400,
+            cg_rtol=1e-7,
+            **{**options, "query_positions": positions.to(device)},
+        )
         CAPTURED_SOLVES.enabled = True
-        reference = grkv_merge_reference(queries.double(), *(tensor.double() for tensor in cache), kept, fixed,
-                                         **options)
+        reference = grkv_merge_reference(
+            queries.double(), *(tensor.double() for tensor in cache), kept, fixed, **options
+        )
         errors = []
         for result, expected, full in zip(fast, reference, cache):
             start = full.double().gather(2, kept[..., None].expand(-1, -1, -1, dim))
@@ -162,20 +192,33 @@ def parity(report: Report, device: torch.device, tiny: bool) -> None:
         # NOTE: on CUDA ``fast`` replayed a captured graph of the solve (``solver.capture``), ``eager`` did not.
         replay_difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(fast, eager))
         passed = passed and replay_difference <= REPLAY_TOLERANCE[name]
-        report.add("parity", {"cache dtype": name, "key error": errors[0], "value error": errors[1],
-                              "tolerance": PARITY_TOLERANCE[name], "graph vs eager": replay_difference,
-                              "passed": passed})
+        report.add(
+            "parity",
+            {
+                "cache dtype": name,
+                "key error": errors[0],
+                "value error": errors[1],
+                "tolerance": PARITY_TOLERANCE[name],
+                "graph vs eager": replay_difference,
+                "passed": passed,
+            },
+        )
         if not passed:
-            report.problems.append(f"parity in {name}: relative error {error:.3g}, graph vs eager "
-                                   f"{replay_difference:.3g}")
+            report.problems.append(
+                f"parity in {name}: relative error {error:.3g}, graph vs eager {replay_difference:.3g}"
+            )
 
 
 def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedModel:
     """A Llama-3.1-8B-shaped (or tiny) model with seeded random weights, bfloat16 on a GPU, float32 on the CPU."""
     tokenizer = byte_level_chatml_tokenizer(4096)
     shape = dict(TINY if tiny else LLAMA_8B)
-    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        **shape,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)
@@ -183,19 +226,24 @@ def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedMode
     return LoadedModel.of(model, tokenizer, "llama-3.1-8b-shape" if not tiny else "tiny-llama-shape")
 
 
-def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int,
-                  decode_tokens: int) -> None:
+def prefill_costs(
+    report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int, decode_tokens: int
+) -> None:
     """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve``, per context and batch."""
     model, device = loaded.model, loaded.model.device
     stopwatch = Stopwatch(device)
     layers = loaded.num_layers
-    presses = {"snapkv": build_press("snapkv", COMPRESSION_RATIO),
-               "snapkv+grkv": build_press("snapkv", COMPRESSION_RATIO, merge="grkv")}
+    presses = {
+        "snapkv": build_press("snapkv", COMPRESSION_RATIO),
+        "snapkv+grkv": build_press("snapkv", COMPRESSION_RATIO, merge="grkv"),
+    }
     for per_solve in sorted({1, min(6, layers)}):
-        presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press("snapkv", COMPRESSION_RATIO, merge="grkv",
-                                                                           layers_per_solve=per_solve)
+        presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press(
+            "snapkv", COMPRESSION_RATIO, merge="grkv", layers_per_solve=per_solve
+        )
     presses[f"snapkv+grkv stratified m={STRATIFIED_M}"] = build_press(
-        "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy="stratified", window_size=STRATIFIED_M)
+        "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy="stratified", window_size=STRATIFIED_M
+    )
     for length in contexts:
         for batch in batches:
             ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
@@ -244,16 +292,32 @@ def prefill_costs(report: Report, loaded: LoadedModel, contexts: list[int], batc
                 added_operations = (counted[name].by_caller.total() - counted["snapkv"].by_caller.total()) / layers
                 added_host_reads = (counted[name].host_reads.total() - counted["snapkv"].host_reads.total()) / layers
                 kernels, kernel_ms, synchronisations = (
-                    (profiled[name][index] - profiled["snapkv"][index]) / layers if device.type == "cuda"
-                    else "n/a (CPU)" for index in range(3))
-                report.add("prefill", {
-                    "context": length, "batch": batch, "attention": loaded.attn_implementation, "press": name,
-                    "prefill ms": median, "TTFT ratio": median / base, "merge ms/layer": merge_ms,
-                    "merge / layer prefill": merge_ms / (base / layers), "added ops/layer": added_operations,
-                    "added host reads/layer": added_host_reads, "added kernels/layer": kernels,
-                    "added kernel ms/layer": kernel_ms, "added stream syncs/layer": synchronisations,
-                    "merge µs/added op": 1000 * merge_ms / added_operations if added_operations else "",
-                    "peak GiB": peaks.get(name, "n/a (CPU)"), "decode ms/token": statistics.median(decode_ms[name])})
+                    (profiled[name][index] - profiled["snapkv"][index]) / layers
+                    if device.type == "cuda"
+                    else "n/a (CPU)"
+                    for index in range(3)
+                )
+                report.add(
+                    "prefill",
+                    {
+                        "context": length,
+                        "batch": batch,
+                        "attention": loaded.attn_implementation,
+                        "press": name,
+                        "prefill ms": median,
+                        "TTFT ratio": median / base,
+                        "merge ms/layer": merge_ms,
+                        "merge / layer prefill": merge_ms / (base / layers),
+                        "added ops/layer": added_operations,
+                        "added host reads/layer": added_host_reads,
+                        "added kernels/layer": kernels,
+                        "added kernel ms/layer": kernel_ms,
+                        "added stream syncs/layer": synchronisations,
+                        "merge µs/added op": 1000 * merge_ms / added_operations if added_operations else "",
+                        "peak GiB": peaks.get(name, "n/a (CPU)"),
+                        "decode ms/token": statistics.median(decode_ms[name]),
+                    },
+                )
 
 
 def profiled_prefill(model, ids: torch.Tensor, press, device: torch.device) -> tuple[int, float, int]:
@@ -276,8 +340,14 @@ def profiled_prefill(model, ids: torch.Tensor, press, device: torch.device) -> t
 def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:
     """Section 3: every trial with its own prefill against the engine's one prefill per sample (the same results:
     exactly in float32, to the format's precision in bfloat16)."""
-    rows = load_dataset_samples("ruler", tasks=("niah_single_1", "niah_multivalue"), context_length=context,
-                                samples_per_task=samples_per_task, seed=0, tokenizer=loaded.tokenizer)
+    rows = load_dataset_samples(
+        "ruler",
+        tasks=("niah_single_1", "niah_multivalue"),
+        context_length=context,
+        samples_per_task=samples_per_task,
+        seed=0,
+        tokenizer=loaded.tokenizer,
+    )
     chosen = fixed_trials("snapkv", COMPRESSION_RATIO, 0.88)[:trials]
     evaluator = Evaluator(loaded)
     rtol = BATCHED_RTOL.get(loaded.dtype)
@@ -290,12 +360,21 @@ def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_
             seconds["engine"] += engine
             problems += found
             largest = max(largest, difference)
-        report.add("trial engine", {"mode": mode, "context": context, "samples": len(rows), "trials": len(chosen),
-                                    "per-trial s": seconds["per trial"], "engine s": seconds["engine"],
-                                    "speed-up": seconds["per trial"] / seconds["engine"], "agree": not problems,
-                                    "tolerance": "exact" if rtol is None
-                                    else f"relative {rtol:.2g}, decoded not compared",
-                                    "largest answer difference": largest})
+        report.add(
+            "trial engine",
+            {
+                "mode": mode,
+                "context": context,
+                "samples": len(rows),
+                "trials": len(chosen),
+                "per-trial s": seconds["per trial"],
+                "engine s": seconds["engine"],
+                "speed-up": seconds["per trial"] / seconds["engine"],
+                "agree": not problems,
+                "tolerance": "exact" if rtol is None else f"relative {rtol:.2g}, decoded not compared",
+                "largest answer difference": largest,
+            },
+        )
         report.problems += [f"trial engine ({mode}): {problem}" for problem in problems[:5]]
 
 
@@ -304,11 +383,14 @@ def out_of_memory(report: Report, device: torch.device) -> None:
     from workers.protocol import TrialRequest
     from workers.trial_worker import TrialWorker
 
-    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1",), context_length=512, samples=1,
-                        dtype="float32", device=device.type)
+    config = EvalConfig(
+        model="tiny-llama", tasks=("niah_single_1",), context_length=512, samples=1, dtype="float32", device=device.type
+    )
     worker = TrialWorker(config.to_dict())
-    requests = [TrialRequest(number, PressConfig("snapkv", 0.75, "grkv", {"lambda_k": 0.1 * (number + 1)}))
-                for number in range(2)]
+    requests = [
+        TrialRequest(number, PressConfig("snapkv", 0.75, "grkv", {"lambda_k": 0.1 * (number + 1)}))
+        for number in range(2)
+    ]
     ballast = []
     if device.type == "cuda":
         # NOTE: one allocation of all the free memory fails (the allocator's rounding and context need some of it),
@@ -336,13 +418,22 @@ def out_of_memory(report: Report, device: torch.device) -> None:
         torch.cuda.empty_cache()
     else:
         worker.setup.evaluator.evaluate_trials = original
-    recovered = worker.evaluate_batch([TrialRequest(number + 2, request.press)
-                                       for number, request in enumerate(requests)])
-    behaved = (all(not outcome.ok and "out of memory" in outcome.error for outcome in failed)
-               and all(outcome.ok for outcome in recovered))
-    report.add("out of memory", {"how": how, "failed trials": sum(not o.ok for o in failed),
-                                 "errors": failed[0].error.split(":")[0] if failed[0].error else "",
-                                 "next batch ok": sum(o.ok for o in recovered), "as expected": behaved})
+    recovered = worker.evaluate_batch(
+        [TrialRequest(number + 2, request.press) for number, request in enumerate(requests)]
+    )
+    behaved = all(not outcome.ok and "out of memory" in outcome.error for outcome in failed) and all(
+        outcome.ok for outcome in recovered
+    )
+    report.add(
+        "out of memory",
+        {
+            "how": how,
+            "failed trials": sum(not o.ok for o in failed),
+            "errors": failed[0].error.split(":")[0] if failed[0].error else "",
+            "next batch ok": sum(o.ok for o in recovered),
+            "as expected": behaved,
+        },
+    )
     if not behaved:
         report.problems.append("out-of-memory batch: " + "; ".join(str(o.error) for o in failed))
 
@@ -355,8 +446,9 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 4 (tiny: 1 2)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up (default 5; tiny 1)")
     parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--engine-trials", type=int, default=None,
-                        help="trials of the trial-engine section (default 16; tiny 2)")
+    parser.add_argument(
+        "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
+    )
     parser.add_argument("--output-dir", type=Path, required=True)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -374,9 +466,20 @@ def main() -> int:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         attentions.append("flash_attention_2")
     versions = {package.__name__: package.__version__ for package in (torch, transformers)}
-    report = Report(name, {"device": str(device), "tiny": args.tiny, "contexts": contexts, "batches": batches,
-                           "rounds": rounds, "attentions": attentions, "versions": versions,
-                           "cuda": torch.version.cuda, "threads": torch.get_num_threads()})
+    report = Report(
+        name,
+        {
+            "device": str(device),
+            "tiny": args.tiny,
+            "contexts": contexts,
+            "batches": batches,
+            "rounds": rounds,
+            "attentions": attentions,
+            "versions": versions,
+            "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads(),
+        },
+    )
     print(f"GRKV GPU check on {name}: {json.dumps(report.settings)}", flush=True)
     parity(report, device, args.tiny)
     for attention in attentions:
@@ -384,14 +487,21 @@ def main() -> int:
         prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens)
         if attention == "sdpa":
             # NOTE: a RULER prompt needs ~400 byte-level tokens besides its haystack
-            trial_engine(report, loaded, max(contexts[0], 1024), samples_per_task=1 if args.tiny else 2,
-                         trials=args.engine_trials or (2 if args.tiny else 16))
+            trial_engine(
+                report,
+                loaded,
+                max(contexts[0], 1024),
+                samples_per_task=1 if args.tiny else 2,
+                trials=args.engine_trials or (2 if args.tiny else 16),
+            )
         del loaded
     out_of_memory(report, device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "gpu_check.json").write_text(json.dumps({**report.settings, "device_name": name,
-                                                                "sections": report.sections,
-                                                                "problems": report.problems}, indent=1))
+    (args.output_dir / "gpu_check.json").write_text(
+        json.dumps(
+            {**report.settings, "device_name": name, "sections": report.sections, "problems": report.problems}, indent=1
+        )
+    )
     (args.output_dir / "gpu_check.md").write_text(report.markdown())
     print(f"problems: {'; '.join(report.problems) if report.problems else 'none'}")
     print(f"report: {args.output_dir / 'gpu_check.md'}")

@@ -39,10 +39,20 @@ def kvpress_evaluation_config(repo: Path, dataset: str, press_name: str) -> type
     source = (repo / "evaluation" / "evaluate.py").read_text()
     tree = ast.parse(source)
     node = next(item for item in tree.body if isinstance(item, ast.ClassDef) and item.name == "EvaluationConfig")
-    namespace = {"dataclass": dataclass, "field": field, "asdict": asdict, "Optional": Optional, "Dict": Dict,
-                 "Any": Any, "Path": Path, "yaml": yaml, "logger": __import__("logging").getLogger("kvpress"),
-                 "DATASET_REGISTRY": {dataset: dataset}, "SCORER_REGISTRY": {dataset: None},
-                 "PRESS_REGISTRY": {press_name: None}}
+    namespace = {
+        "dataclass": dataclass,
+        "field": field,
+        "asdict": asdict,
+        "Optional": Optional,
+        "Dict": Dict,
+        "Any": Any,
+        "Path": Path,
+        "yaml": yaml,
+        "logger": __import__("logging").getLogger("kvpress"),
+        "DATASET_REGISTRY": {dataset: dataset},
+        "SCORER_REGISTRY": {dataset: None},
+        "PRESS_REGISTRY": {press_name: None},
+    }
     exec(compile(ast.Module(body=[node], type_ignores=[]), "evaluate.py", "exec"), namespace)  # noqa: S102
     return namespace["EvaluationConfig"]
 

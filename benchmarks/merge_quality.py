@@ -30,13 +30,13 @@ import transformers
 
 from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
+from grkv_core.solver.losses import discrepancy_per_head
 
 
 @dataclass
@@ -64,8 +64,18 @@ class RecordingGRKVPress(GRKVPress):
     def merge_selected(self, keys, values, selection, context):
         # NOTE: the same kept and fixed sets GRKVPress.merge_selected hands grkv_merge (uniform SnapKV budget).
         kept = selection.kept_positions()
-        self.problems.append(Problem(context.surrogate.queries, context.surrogate.positions, keys, values, kept,
-                                     self._fixed(selection, kept), context.scale, context.full_outputs))
+        self.problems.append(
+            Problem(
+                context.surrogate.queries,
+                context.surrogate.positions,
+                keys,
+                values,
+                kept,
+                self._fixed(selection, kept),
+                context.scale,
+                context.full_outputs,
+            )
+        )
         index = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, index), values.gather(2, index)
 
@@ -104,13 +114,14 @@ def record_problems(loaded, sample, compression_ratio: float) -> list[Problem]:
     captured = {}
 
     def keep_queries(module, _args, kwargs, _output):
-        hidden = kwargs["hidden_states"][:, context_ids.shape[1]:]
+        hidden = kwargs["hidden_states"][:, context_ids.shape[1] :]
         cos, sin = kwargs["position_embeddings"]
-        embeddings = (cos[:, context_ids.shape[1]:], sin[:, context_ids.shape[1]:])
+        embeddings = (cos[:, context_ids.shape[1] :], sin[:, context_ids.shape[1] :])
         captured[module.layer_idx] = surrogate_queries(module, hidden, embeddings, n_queries=hidden.shape[1]).queries
 
-    handles = [layer.self_attn.register_forward_hook(keep_queries, with_kwargs=True)
-               for layer in loaded.model.model.layers]
+    handles = [
+        layer.self_attn.register_forward_hook(keep_queries, with_kwargs=True) for layer in loaded.model.model.layers
+    ]
     try:
         with torch.inference_mode():
             loaded.model.model(input_ids=torch.cat([context_ids, continuation], dim=1))
@@ -126,16 +137,25 @@ def solve(problem: Problem, options: dict | None) -> tuple[torch.Tensor, torch.T
     if options is None:
         index = problem.kept.unsqueeze(-1).expand(-1, -1, -1, problem.keys.shape[-1])
         return problem.keys.gather(2, index), problem.values.gather(2, index)
-    return grkv_merge(problem.queries, problem.keys, problem.values, problem.kept, problem.fixed,
-                      query_positions=problem.positions, scale=problem.scale, full_outputs=problem.target,
-                      **{"lambda_k": 1e-2, "lambda_v": 1e-2, **options})
+    return grkv_merge(
+        problem.queries,
+        problem.keys,
+        problem.values,
+        problem.kept,
+        problem.fixed,
+        query_positions=problem.positions,
+        scale=problem.scale,
+        full_outputs=problem.target,
+        **{"lambda_k": 1e-2, "lambda_v": 1e-2, **options},
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_single_2", "niah_multikey_1",
-                                                        "niah_multivalue"])
+    parser.add_argument(
+        "--tasks", nargs="+", default=["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue"]
+    )
     parser.add_argument("--samples", type=int, default=2, help="samples per task")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context-length", type=int, default=2048)
@@ -145,24 +165,39 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     loaded = load_model(args.model, dtype="float32")
-    samples = load_dataset_samples("ruler", tasks=args.tasks, samples_per_task=args.samples, seed=args.seed,
-                                   tokenizer=loaded.tokenizer, context_length=args.context_length)
-    configs = {name: options for name, options in CONFIGS.items() if args.only is None or name in args.only
-               or options is None or name.startswith("grv (")}
+    samples = load_dataset_samples(
+        "ruler",
+        tasks=args.tasks,
+        samples_per_task=args.samples,
+        seed=args.seed,
+        tokenizer=loaded.tokenizer,
+        context_length=args.context_length,
+    )
+    configs = {
+        name: options
+        for name, options in CONFIGS.items()
+        if args.only is None or name in args.only or options is None or name.startswith("grv (")
+    }
     sums = collections.defaultdict(float)
     lengths = collections.defaultdict(collections.Counter)
     units = 0
     for sample_number, sample in enumerate(samples, 1):
         for problem in record_problems(loaded, sample, args.compression_ratio):
             results = {name: solve(problem, options) for name, options in configs.items()}
-            window_args = dict(query_positions=problem.positions, compressed_positions=problem.kept,
-                               scale=problem.scale, full_outputs=problem.target)
+            window_args = dict(
+                query_positions=problem.positions,
+                compressed_positions=problem.kept,
+                scale=problem.scale,
+                full_outputs=problem.target,
+            )
             errors = {}
             for name, (keys, values) in results.items():
-                error, reference = discrepancy_per_head(problem.queries, problem.keys, problem.values, keys, values,
-                                                        **window_args)
-                held, held_reference = discrepancy_per_head(problem.heldout_queries, problem.keys, problem.values,
-                                                            keys, values, scale=problem.scale)
+                error, reference = discrepancy_per_head(
+                    problem.queries, problem.keys, problem.values, keys, values, **window_args
+                )
+                held, held_reference = discrepancy_per_head(
+                    problem.heldout_queries, problem.keys, problem.values, keys, values, scale=problem.scale
+                )
                 errors[name] = error
                 sums[name, "window"] += float(error.sum())
                 sums[name, "heldout"] += float(held.sum())
@@ -185,13 +220,17 @@ def main() -> None:
     if not units:
         raise SystemExit("no merge problem was recorded: RecordingGRKVPress no longer intercepts GRKVPress's merge")
 
-    print(f"\nmodel={args.model} samples={len(samples)} tasks={','.join(args.tasks)} context={args.context_length} "
-          f"keep={1 - args.compression_ratio:.0%} (layer, head) units={units}")
+    print(
+        f"\nmodel={args.model} samples={len(samples)} tasks={','.join(args.tasks)} context={args.context_length} "
+        f"keep={1 - args.compression_ratio:.0%} (layer, head) units={units}"
+    )
     print(f"{'configuration':40s} {'window':>9s} {'held-out':>9s} {'worse than GRV':>15s}")
     for name in configs:
-        print(f"{name:40s} {sums[name, 'window'] / sums['reference', 'window']:9.5f} "
-              f"{sums[name, 'heldout'] / sums['reference', 'heldout']:9.5f} "
-              f"{int(sums[name, 'worse_than_grv']):8d} / {units}")
+        print(
+            f"{name:40s} {sums[name, 'window'] / sums['reference', 'window']:9.5f} "
+            f"{sums[name, 'heldout'] / sums['reference', 'heldout']:9.5f} "
+            f"{int(sums[name, 'worse_than_grv']):8d} / {units}"
+        )
     for name, counter in lengths.items():
         shares = ", ".join(f"{length:g}: {count}" for length, count in sorted(counter.items(), reverse=True))
         print(f"key-step length kept by the safeguard ({name}): {shares}")

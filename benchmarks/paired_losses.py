@@ -38,8 +38,11 @@ def by_sample(path: Path) -> dict[str, dict]:
 
 def paired_row(method: str, metric: str, rows: dict[str, dict], reference: dict[str, dict]) -> dict | None:
     """One table row: ``metric`` of ``rows`` against ``reference`` on the samples where both measured it."""
-    pairs = [(rows[s][metric], reference[s][metric]) for s in reference
-             if s in rows and rows[s].get(metric) is not None and reference[s].get(metric) is not None]
+    pairs = [
+        (rows[s][metric], reference[s][metric])
+        for s in reference
+        if s in rows and rows[s].get(metric) is not None and reference[s].get(metric) is not None
+    ]
     if not pairs:
         return None
     differences = [a - b for a, b in pairs]
@@ -47,9 +50,18 @@ def paired_row(method: str, metric: str, rows: dict[str, dict], reference: dict[
     better = sum(1 for d in differences if sign * d > 0)
     worse = sum(1 for d in differences if sign * d < 0)
     ci = paired_bootstrap_ci(differences)
-    return {"method": method, "metric": metric, "n": len(pairs), "mean": sum(a for a, _ in pairs) / len(pairs),
-            "difference": ci.estimate, "low": ci.low, "high": ci.high, "better": better, "worse": worse,
-            "p": sign_test(better, worse)}
+    return {
+        "method": method,
+        "metric": metric,
+        "n": len(pairs),
+        "mean": sum(a for a, _ in pairs) / len(pairs),
+        "difference": ci.estimate,
+        "low": ci.low,
+        "high": ci.high,
+        "better": better,
+        "worse": worse,
+        "p": sign_test(better, worse),
+    }
 
 
 def main() -> None:
@@ -68,8 +80,10 @@ def main() -> None:
         for metric in args.metrics:
             row = paired_row(path.stem, metric, rows, reference)
             if row is not None:
-                print(f"| {row['method']} | {metric} | {row['n']} | {row['mean']:.4g} | {row['difference']:+.4f} "
-                      f"[{row['low']:+.4f}, {row['high']:+.4f}] | {row['better']} / {row['worse']} | {row['p']:.2g} |")
+                print(
+                    f"| {row['method']} | {metric} | {row['n']} | {row['mean']:.4g} | {row['difference']:+.4f} "
+                    f"[{row['low']:+.4f}, {row['high']:+.4f}] | {row['better']} / {row['worse']} | {row['p']:.2g} |"
+                )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import time
 
 import torch
 import transformers
+from solver_cost import HEAP_SETTINGS, heap_preparation
 
 from grkv_core.cli import parse_merge_variant
 from grkv_core.datasets.ruler import load_essay_corpus
@@ -42,7 +43,6 @@ from grkv_core.models import load_model
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.layer_groups import LayerGroups
 from grkv_core.registry import build_press
-from solver_cost import HEAP_SETTINGS, heap_preparation
 
 
 def essay_prompt(tokenizer, tokens: int) -> torch.Tensor:
@@ -79,8 +79,9 @@ class MergeParts:
     @contextlib.contextmanager
     def installed(self):
         """Time ``GRKVPress``'s set-up and solves, and ``LayerGroups.solve``, while the context is open."""
-        originals = {(GRKVPress, name): getattr(GRKVPress, name)
-                     for name in ("layer_context", "merge_selected", "_capped_solve")}
+        originals = {
+            (GRKVPress, name): getattr(GRKVPress, name) for name in ("layer_context", "merge_selected", "_capped_solve")
+        }
         originals[(LayerGroups, "solve")] = LayerGroups.solve
         # NOTE: a group's solve belongs to the press whose ``_capped`` finishes it.
         owner = {LayerGroups: lambda groups: groups.finish.__self__, GRKVPress: lambda press: press}
@@ -101,8 +102,10 @@ class MergeParts:
                 return method(instance, *args, **kwargs)
             finally:
                 # NOTE: a solve inside the set-up (``merge_selected`` without layer groups) counts as a solve only.
-                counter[part] += time.perf_counter() - start - (counter["solve"] - solves_before if part == "set-up"
-                                                                else 0.0)
+                counter[part] += (
+                    time.perf_counter() - start - (counter["solve"] - solves_before if part == "set-up" else 0.0)
+                )
+
         return timed
 
 
@@ -122,11 +125,19 @@ def main() -> None:
     add_prefill_arguments(parser, rounds=5)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
-                        help="another merger configuration to time (grkv compare's --merge-variant syntax), "
-                             "e.g. cg8=grkv:cg_max_iter=8")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also split each GRKV press's hook time into its solves, set-up and the rest")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=MERGE[:k=v,...]",
+        help="another merger configuration to time (grkv compare's --merge-variant syntax), "
+        "e.g. cg8=grkv:cg_max_iter=8",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split each GRKV press's hook time into its solves, set-up and the rest",
+    )
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
 
@@ -136,13 +147,15 @@ def main() -> None:
     presses = {
         args.press: build_press(args.press, args.compression_ratio),
         f"{args.press}+grkv": build_press(args.press, args.compression_ratio, merge="grkv"),
-        f"{args.press}+grkv (paper, no safeguard)": build_press(args.press, args.compression_ratio, merge="grkv",
-                                                                safeguard=False),
+        f"{args.press}+grkv (paper, no safeguard)": build_press(
+            args.press, args.compression_ratio, merge="grkv", safeguard=False
+        ),
     }
     for text in args.variant:
         name, merge, options = parse_merge_variant(text)
-        presses[f"{args.press}+{merge} {name}"] = build_press(args.press, args.compression_ratio, merge=merge,
-                                                              **options)
+        presses[f"{args.press}+{merge} {name}"] = build_press(
+            args.press, args.compression_ratio, merge=merge, **options
+        )
     on_cuda = loaded.model.device.type == "cuda"
     hook_seconds = {name: [0.0] for name in presses}
     for name, press in presses.items():
@@ -166,17 +179,21 @@ def main() -> None:
                     hook_seconds[name][0] = 0.0
                     parts.seconds.pop(id(press), None)
 
-    print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
-          f"rounds={args.rounds} threads={torch.get_num_threads()} device={loaded.model.device} "
-          f"dtype={loaded.model.dtype} heap={args.heap}")
+    print(
+        f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
+        f"rounds={args.rounds} threads={torch.get_num_threads()} device={loaded.model.device} "
+        f"dtype={loaded.model.dtype} heap={args.heap}"
+    )
     print(f"{'press':44s} {'median s':>9s} {'vs base':>9s} {'added in hooks':>15s}   per-round ratios")
     base_prefill = statistics.median(times[args.press])
     for name, samples in times.items():
         ratios = [sample / base_sample - 1 for sample, base_sample in zip(samples, times[args.press])]
         per_round = " ".join(f"{ratio:+.1%}" for ratio in ratios)
         added = (hook_seconds[name][0] - hook_seconds[args.press][0]) / args.rounds / base_prefill
-        print(f"{name:44s} {statistics.median(samples):9.3f} {statistics.median(ratios):+9.1%} {added:+15.2%}   "
-              f"{per_round}")
+        print(
+            f"{name:44s} {statistics.median(samples):9.3f} {statistics.median(ratios):+9.1%} {added:+15.2%}   "
+            f"{per_round}"
+        )
     if args.breakdown:
         print("\nGRKV's hook time over the base press's prefill, by part (mean over the rounds; GPU: not synchronised)")
         print(f"{'press':44s} {'solves':>8s} {'set-up':>8s} {'rest':>8s}   (rest: hook - solves - set-up - base hook)")

@@ -28,6 +28,8 @@ import time
 
 import torch
 import transformers
+from prefill_cost import add_prefill_arguments, essay_prompt
+from solver_cost import heap_preparation
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,13 +38,18 @@ from grkv_core.cli import parse_merge_variant
 from grkv_core.evaluation.generation import prefill
 from grkv_core.models import load_model
 from grkv_core.registry import build_press
-from prefill_cost import add_prefill_arguments, essay_prompt
-from solver_cost import heap_preparation
-
 
 # The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
-LINEAR_ALGEBRA = ("bmm", "baddbmm", "mm", "addmm", "linalg_vecdot", "linalg_cholesky_ex", "cholesky_solve",
-                  "linalg_eigh")
+LINEAR_ALGEBRA = (
+    "bmm",
+    "baddbmm",
+    "mm",
+    "addmm",
+    "linalg_vecdot",
+    "linalg_cholesky_ex",
+    "cholesky_solve",
+    "linalg_eigh",
+)
 # Where the merge's own operations come from (the model's run under grkv_core.evaluation.generation, the scoring
 # under kvpress).
 MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
@@ -86,8 +93,11 @@ class CountedOperations(TorchDispatchMode):
             self.host_reads[caller] += 1
         while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
             frame = frame.f_back
-        if frame is not None and any(part in frame.f_code.co_filename for part in MERGE_CODE) \
-                and func.overloadpacket.__name__ in LINEAR_ALGEBRA:
+        if (
+            frame is not None
+            and any(part in frame.f_code.co_filename for part in MERGE_CODE)
+            and func.overloadpacket.__name__ in LINEAR_ALGEBRA
+        ):
             shapes = tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args)
             self.linear_algebra[(func, shapes, tuple(sorted((kwargs or {}).items())))] += 1
         return func(*args, **(kwargs or {}))
@@ -146,8 +156,10 @@ def main() -> None:
     before_each = heap_preparation(args.heap, loaded.model.device)
     ids = essay_prompt(loaded.tokenizer, args.tokens)
     _, merge, options = parse_merge_variant(f"grkv=grkv:{args.option}" if args.option else "grkv=grkv")
-    presses = {"base": build_press(args.press, args.compression_ratio),
-               "grkv": build_press(args.press, args.compression_ratio, merge=merge, **options)}
+    presses = {
+        "base": build_press(args.press, args.compression_ratio),
+        "grkv": build_press(args.press, args.compression_ratio, merge=merge, **options),
+    }
     counts, host_reads, times, linear_algebra, prefill_s = {}, {}, {}, {}, {}
     for name, press in presses.items():
         prefill(loaded.model, ids, press)  # warm-up
@@ -155,17 +167,24 @@ def main() -> None:
             prefill(loaded.model, ids, press)
         counts[name], host_reads[name] = counted.by_caller, counted.host_reads
         linear_algebra[name] = counted.linear_algebra
-        prefill_s[name] = statistics.median(_timed_prefill(loaded.model, ids, press, before_each)
-                                            for _ in range(args.rounds))
+        prefill_s[name] = statistics.median(
+            _timed_prefill(loaded.model, ids, press, before_each) for _ in range(args.rounds)
+        )
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             for _ in range(args.rounds):
                 prefill(loaded.model, ids, press)
-        times[name] = {event.key: (event.count / args.rounds, event.self_cpu_time_total / args.rounds / 1000)
-                       for event in profiled.key_averages()}
-    print(f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
-          f"grkv options={options or 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}")
-    print(f"dispatched operations per prefill: base {counts['base'].total()}, +grkv {counts['grkv'].total()}; "
-          f"host reads (GPU synchronisations) base {host_reads['base'].total()}, +grkv {host_reads['grkv'].total()}")
+        times[name] = {
+            event.key: (event.count / args.rounds, event.self_cpu_time_total / args.rounds / 1000)
+            for event in profiled.key_averages()
+        }
+    print(
+        f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
+        f"grkv options={options or 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}"
+    )
+    print(
+        f"dispatched operations per prefill: base {counts['base'].total()}, +grkv {counts['grkv'].total()}; "
+        f"host reads (GPU synchronisations) base {host_reads['base'].total()}, +grkv {host_reads['grkv'].total()}"
+    )
     print("\nadded operations by caller (grkv - base)")
     added = counts["grkv"].copy()
     added.subtract(counts["base"])
@@ -183,15 +202,17 @@ def main() -> None:
         grkv_calls, grkv_ms = times["grkv"].get(key, (0, 0.0))
         if grkv_calls != base_calls:
             rows.append((grkv_ms - base_ms, grkv_calls - base_calls, key))
-    for extra_ms, extra_calls, key in sorted(rows, reverse=True)[:args.top]:
+    for extra_ms, extra_calls, key in sorted(rows, reverse=True)[: args.top]:
         print(f"{key[:44]:44s} {extra_calls:+8.0f} {extra_ms:+9.2f}")
     print(f"{'total':44s} {sum(row[1] for row in rows):+8.0f} {sum(row[0] for row in rows):+9.2f}")
     floor_ms, gflop = replayed_ms(linear_algebra["grkv"], args.repeats)
     base_ms = prefill_s["base"] * 1000
-    print(f"\nGRKV's linear algebra: {sum(linear_algebra['grkv'].values())} calls, {gflop:.2f} GFLOP, replayed alone "
-          f"{floor_ms:.1f} ms per prefill = {floor_ms / base_ms:.2%} of the base press's prefill ({base_ms:.0f} ms, "
-          f"median of {args.rounds}); whole prefill with GRKV {prefill_s['grkv'] * 1000:.0f} ms "
-          f"({prefill_s['grkv'] / prefill_s['base'] - 1:+.2%})")
+    print(
+        f"\nGRKV's linear algebra: {sum(linear_algebra['grkv'].values())} calls, {gflop:.2f} GFLOP, replayed alone "
+        f"{floor_ms:.1f} ms per prefill = {floor_ms / base_ms:.2%} of the base press's prefill ({base_ms:.0f} ms, "
+        f"median of {args.rounds}); whole prefill with GRKV {prefill_s['grkv'] * 1000:.0f} ms "
+        f"({prefill_s['grkv'] / prefill_s['base'] - 1:+.2%})"
+    )
 
 
 def _timed_prefill(model, ids: torch.Tensor, press, before_each=None) -> float:

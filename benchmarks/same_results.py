@@ -26,8 +26,9 @@ def main() -> int:
     for path in sorted(args.before.glob("*.json")):
         before = json.loads(path.read_text())["samples"]
         after = json.loads((args.after / path.name).read_text())["samples"]
-        predictions = len(before) == len(after) and all(x["predictions"] == y["predictions"]
-                                                        for x, y in zip(before, after))
+        predictions = len(before) == len(after) and all(
+            x["predictions"] == y["predictions"] for x, y in zip(before, after)
+        )
         worst, fields = 0.0, 0
         for x, y in zip(before, after):
             for key, value in x.items():
@@ -36,8 +37,10 @@ def main() -> int:
                     worst = max(worst, abs(value - y[key]) / max(abs(value), 1e-30))
         ok = predictions and worst <= args.rtol
         same &= ok
-        print(f"{path.stem}: {len(before)} samples, predictions {'identical' if predictions else 'DIFFER'}, "
-              f"{fields} numeric fields, largest relative difference {worst:.3g} ({'ok' if ok else 'DIFFERS'})")
+        print(
+            f"{path.stem}: {len(before)} samples, predictions {'identical' if predictions else 'DIFFER'}, "
+            f"{fields} numeric fields, largest relative difference {worst:.3g} ({'ok' if ok else 'DIFFERS'})"
+        )
     return 0 if same else 1
 
 

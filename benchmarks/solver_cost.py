@@ -77,8 +77,9 @@ def heap_preparation(setting: str, device: torch.device):
     return lambda: libc.malloc_trim(0)
 
 
-def interleaved_median_seconds(functions, repeats: int, device: torch.device, warmup: int = 3,
-                               before_each=None) -> list[float]:
+def interleaved_median_seconds(
+    functions, repeats: int, device: torch.device, warmup: int = 3, before_each=None
+) -> list[float]:
     """Median wall time of each function, calling them in turn on every repeat.
 
     Alternating the calls exposes both to the same background load, so their ratio stays stable on a
@@ -113,17 +114,33 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=32, help="surrogate query tokens m")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--cg-max-iter", type=int, default=GRKV_DEFAULTS["cg_max_iter"], help="GRKVPress's default")
-    parser.add_argument("--layers", type=int, default=GRKV_DEFAULTS["layers_per_solve"],
-                        help="layers solved together (layers_per_solve; GRKVPress's default)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=GRKV_DEFAULTS["layers_per_solve"],
+        help="layers solved together (layers_per_solve; GRKVPress's default)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--heap", choices=HEAP_SETTINGS, default="release",
-                        help="CPU heap handling between timed calls (see the module docstring)")
-    parser.add_argument("--naive", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the explicit-Jacobian reference (slow, large memory)")
-    parser.add_argument("--naive-limit-gib", type=float, default=4.0,
-                        help="skip the naive reference when one head's explicit Jacobian would exceed this")
+    parser.add_argument(
+        "--heap",
+        choices=HEAP_SETTINGS,
+        default="release",
+        help="CPU heap handling between timed calls (see the module docstring)",
+    )
+    parser.add_argument(
+        "--naive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the explicit-Jacobian reference (slow, large memory)",
+    )
+    parser.add_argument(
+        "--naive-limit-gib",
+        type=float,
+        default=4.0,
+        help="skip the naive reference when one head's explicit Jacobian would exceed this",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -132,10 +149,14 @@ def main() -> None:
     shape = PRESETS[args.preset]
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size, max_position_embeddings=max(args.tokens, 8192),
-        num_hidden_layers=1, attn_implementation="sdpa",
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=max(args.tokens, 8192),
+        num_hidden_layers=1,
+        attn_implementation="sdpa",
     )
     layer = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=dtype).eval()
     rotary = LlamaRotaryEmbedding(config).to(device)
@@ -171,10 +192,20 @@ def main() -> None:
     window_outputs = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)
 
     def stacked_regression():
-        return KeptRegression.stack([
-            KeptRegression.of(queries[row], keys[row], values[row], kept[row], fixed[row],
-                              query_positions=query_positions, full_outputs=window_outputs[row])
-            for row in (slice(layer, layer + 1) for layer in range(layers))])
+        return KeptRegression.stack(
+            [
+                KeptRegression.of(
+                    queries[row],
+                    keys[row],
+                    values[row],
+                    kept[row],
+                    fixed[row],
+                    query_positions=query_positions,
+                    full_outputs=window_outputs[row],
+                )
+                for row in (slice(layer, layer + 1) for layer in range(layers))
+            ]
+        )
 
     def merge_in_press():
         solve_regression(stacked_regression(), SolverOptions(**solve_args))
@@ -183,12 +214,16 @@ def main() -> None:
         solve_regression(stacked_regression(), SolverOptions(safeguard=False, **solve_args))
 
     def merge_standalone():
-        grkv_merge(queries[:1], keys[:1], values[:1], kept[:1], fixed[:1], query_positions=query_positions,
-                   **solve_args)
+        grkv_merge(
+            queries[:1], keys[:1], values[:1], kept[:1], fixed[:1], query_positions=query_positions, **solve_args
+        )
 
     layer_seconds, group_seconds, unguarded_group_seconds, standalone_seconds = interleaved_median_seconds(
-        [layer_prefill, merge_in_press, merge_in_press_unguarded, merge_standalone], args.repeats, device,
-        before_each=before_each)
+        [layer_prefill, merge_in_press, merge_in_press_unguarded, merge_standalone],
+        args.repeats,
+        device,
+        before_each=before_each,
+    )
     merge_seconds, unguarded_seconds = group_seconds / layers, unguarded_group_seconds / layers
     rows = [
         ("decoder layer prefill", layer_seconds, 1.0),
@@ -200,28 +235,41 @@ def main() -> None:
     jacobian_gib = groups * m * head_dim * int((~fixed[:1]).sum(dim=-1).max()) * head_dim * 4 / 2**30
     run_naive = args.naive and jacobian_gib <= args.naive_limit_gib
     if args.naive and not run_naive:
-        print(f"naive reference skipped: one head's explicit Jacobian would take {jacobian_gib:.1f} GiB "
-              f"(--naive-limit-gib {args.naive_limit_gib:g})")
+        print(
+            f"naive reference skipped: one head's explicit Jacobian would take {jacobian_gib:.1f} GiB "
+            f"(--naive-limit-gib {args.naive_limit_gib:g})"
+        )
     if run_naive:
         naive_inputs = [t[:1].float().cpu() for t in (queries, keys, values)]
 
         def naive():
-            grkv_merge_reference(*naive_inputs, kept[:1].cpu(), fixed[:1].cpu(), dtype=torch.float32,
-                                 steps=args.steps, query_positions=query_positions.cpu(), safeguard=False)
+            grkv_merge_reference(
+                *naive_inputs,
+                kept[:1].cpu(),
+                fixed[:1].cpu(),
+                dtype=torch.float32,
+                steps=args.steps,
+                query_positions=query_positions.cpu(),
+                safeguard=False,
+            )
 
         (naive_seconds,) = interleaved_median_seconds([naive], 1, torch.device("cpu"), warmup=1)
         rows.append(("naive explicit Jacobian (CPU)", naive_seconds, naive_seconds / layer_seconds))
 
-    print(f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
-          f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} layers_per_solve={layers} "
-          f"device={device} dtype={args.dtype} "
-          f"threads={torch.get_num_threads()} heap={args.heap if device.type == 'cpu' else 'n/a'}")
+    print(
+        f"preset={args.preset} tokens={args.tokens} kept={budget} ({args.keep:.0%}) m={m} groups={groups} "
+        f"M={groups * m} kv_heads={kv_heads} d={head_dim} steps={args.steps} layers_per_solve={layers} "
+        f"device={device} dtype={args.dtype} "
+        f"threads={torch.get_num_threads()} heap={args.heap if device.type == 'cpu' else 'n/a'}"
+    )
     print(f"{'what':36s} {'median ms':>10s} {'/ layer prefill':>16s}")
     for name, seconds, ratio in rows:
         print(f"{name:36s} {seconds * 1e3:10.2f} {ratio:16.2%}")
-    print(f"the safeguard's share of the merge as GRKVPress runs it: "
-          f"{(merge_seconds - unguarded_seconds) / merge_seconds:.1%} "
-          f"({(merge_seconds - unguarded_seconds) * 1e3:.2f} ms, {args.cg_max_iter} CG iterations)")
+    print(
+        f"the safeguard's share of the merge as GRKVPress runs it: "
+        f"{(merge_seconds - unguarded_seconds) / merge_seconds:.1%} "
+        f"({(merge_seconds - unguarded_seconds) * 1e3:.2f} ms, {args.cg_max_iter} CG iterations)"
+    )
     if run_naive:
         # NOTE: against the standalone merge, which, like the naive one, computes the full-cache outputs.
         print(f"speed-up of grkv_merge over the naive implementation: {naive_seconds / standalone_seconds:.1f}x")

@@ -1,6 +1,7 @@
 """Trials per hour of the trial engine against the per-trial path, side by side, on one fixed list of trials.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sweep_throughput.py --samples 4 --output benchmarks/results/sweep-throughput.json
+    PYTHONPATH=. .venv/bin/python benchmarks/sweep_throughput.py --samples 4 \
+        --output benchmarks/results/sweep-throughput.json
 
 The same trials (SnapKV at two budgets alone, the paper's GRKV, and GRKV variants: 24 by default) are evaluated
 on the same samples (offline RULER needle tasks at 2K, SmolLM2 by default) two ways, sample by sample and in
@@ -41,8 +42,16 @@ from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.models import load_model
 
-EXACT_FIELDS = ("predictions", "scores", "score", "kv_bytes", "window_loss", "question_loss", "generated_tokens",
-                "answer_top1")
+EXACT_FIELDS = (
+    "predictions",
+    "scores",
+    "score",
+    "kv_bytes",
+    "window_loss",
+    "question_loss",
+    "generated_tokens",
+    "answer_top1",
+)
 # NOTE: what a greedy decode or an argmax yields can flip on a rounding difference at a near tie
 DECODED_FIELDS = ("predictions", "scores", "score", "generated_tokens", "answer_top1")
 HELDOUT_RTOL = 1e-5
@@ -51,8 +60,11 @@ ANSWER_ATOL = 1e-5
 # batch-invariant): float metrics then agree to the format's precision, not bit for bit (docs/results/gpu.md)
 BATCHED_RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-10}
 # mode -> Evaluator.evaluate_trials arguments
-MODES = {"full": dict(decode=True), "screening": dict(decode=False),
-         "answer": dict(decode=False, measure_reconstruction=False)}
+MODES = {
+    "full": dict(decode=True),
+    "screening": dict(decode=False),
+    "answer": dict(decode=False, measure_reconstruction=False),
+}
 NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
 
@@ -61,18 +73,45 @@ def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConf
     (one option moved at a time: the first 24 are the default batch), then 24 combinations of several moved
     together."""
     variants = [
-        {}, {"safeguard": False}, {"lambda_k": 0.0}, {"lambda_k": 1.0, "lambda_v": 0.1}, {"lambda_k": 1e-3},
-        {"beta": 0.0}, {"beta": 0.3}, {"window_size": 16}, {"window_size": 64}, {"steps": 2},
-        {"components": "v"}, {"components": "k"}, {"ridge_scale": "relative"}, {"lambda_v": 1.0},
-        {"lambda_v": 1e-3}, {"n_sink": 0}, {"accept": "objective"}, {"cg_max_iter": 16},
-        {"query_policy": "stratified"}, {"lambda_k": 0.1, "beta": 0.2}, {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
-        *({"lambda_k": lambda_k, "beta": beta, "window_size": window}
-          for lambda_k in (1e-3, 0.1, 1.0) for beta in (0.1, 0.2) for window in (16, 32, 64)),
-        *({"steps": 2, "lambda_v": lambda_v, "components": components}
-          for lambda_v in (1e-3, 1e-2, 0.1) for components in ("kv", "v")),
+        {},
+        {"safeguard": False},
+        {"lambda_k": 0.0},
+        {"lambda_k": 1.0, "lambda_v": 0.1},
+        {"lambda_k": 1e-3},
+        {"beta": 0.0},
+        {"beta": 0.3},
+        {"window_size": 16},
+        {"window_size": 64},
+        {"steps": 2},
+        {"components": "v"},
+        {"components": "k"},
+        {"ridge_scale": "relative"},
+        {"lambda_v": 1.0},
+        {"lambda_v": 1e-3},
+        {"n_sink": 0},
+        {"accept": "objective"},
+        {"cg_max_iter": 16},
+        {"query_policy": "stratified"},
+        {"lambda_k": 0.1, "beta": 0.2},
+        {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
+        *(
+            {"lambda_k": lambda_k, "beta": beta, "window_size": window}
+            for lambda_k in (1e-3, 0.1, 1.0)
+            for beta in (0.1, 0.2)
+            for window in (16, 32, 64)
+        ),
+        *(
+            {"steps": 2, "lambda_v": lambda_v, "components": components}
+            for lambda_v in (1e-3, 1e-2, 0.1)
+            for components in ("kv", "v")
+        ),
     ]
-    return [PressConfig(press, ratio), PressConfig(press, wider_ratio), PressConfig(press, ratio, "grkv", dict(PAPER_GRKV_OPTIONS), variant="paper"),
-            *(PressConfig(press, ratio, "grkv", options) for options in variants)]
+    return [
+        PressConfig(press, ratio),
+        PressConfig(press, wider_ratio),
+        PressConfig(press, ratio, "grkv", dict(PAPER_GRKV_OPTIONS), variant="paper"),
+        *(PressConfig(press, ratio, "grkv", options) for options in variants),
+    ]
 
 
 def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], float]:
@@ -84,8 +123,11 @@ def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], flo
     found, largest = [], 0.0
     for ours, theirs in zip(engine, alone):
         ours, theirs = asdict(ours), asdict(theirs)
-        found += [f"{ours['sample_id']}: {name} {ours[name]!r} != {theirs[name]!r}"
-                  for name in exact if ours[name] != theirs[name]]
+        found += [
+            f"{ours['sample_id']}: {name} {ours[name]!r} != {theirs[name]!r}"
+            for name in exact
+            if ours[name] != theirs[name]
+        ]
         for name in ("heldout_loss", "answer_nll", "answer_kl"):
             a, b = ours[name], theirs[name]
             if (a is None) != (b is None):
@@ -106,8 +148,9 @@ def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], flo
     return found, largest
 
 
-def both_paths(evaluator: Evaluator, sample, trials: list[PressConfig], mode: str
-               ) -> tuple[float, float, list[str], float]:
+def both_paths(
+    evaluator: Evaluator, sample, trials: list[PressConfig], mode: str
+) -> tuple[float, float, list[str], float]:
     """``trials`` on ``sample`` each with its own prefill, then all on the engine: the seconds of each path, the
     differences beyond tolerance and the largest answer-metric difference (``mismatches``, to the model's
     ``BATCHED_RTOL`` in half precision)."""
@@ -137,10 +180,16 @@ def main() -> int:
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     per_task = math.ceil(args.samples / len(NEEDLE_TASKS))
-    samples = load_dataset_samples("ruler", tasks=NEEDLE_TASKS, context_length=args.context_length,
-                                   samples_per_task=per_task, seed=0, tokenizer=loaded.tokenizer)
-    samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][:args.samples]
-    trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[:args.trials]
+    samples = load_dataset_samples(
+        "ruler",
+        tasks=NEEDLE_TASKS,
+        context_length=args.context_length,
+        samples_per_task=per_task,
+        seed=0,
+        tokenizer=loaded.tokenizer,
+    )
+    samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][: args.samples]
+    trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[: args.trials]
     evaluator = Evaluator(loaded)
     seconds = {(mode, path): 0.0 for mode in args.modes for path in ("per_trial", "engine")}
     problems, largest = [], 0.0
@@ -152,32 +201,56 @@ def main() -> int:
             problems += [f"{mode}: {problem}" for problem in found]
             largest = max(largest, difference)
 
-    figures = {"model": args.model, "device": str(loaded.model.device), "dtype": str(loaded.dtype),
-               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-               "context_length": args.context_length, "samples": len(samples), "trials": len(trials), "modes": {}}
-    print(f"{len(trials)} trials x {len(samples)} samples, {args.model} on {loaded.model.device}, "
-          f"{args.context_length} tokens, {torch.get_num_threads()} threads")
-    print(f"{'mode':10s} {'per-trial s':>11s} {'engine s':>9s} {'trials/h per-trial':>19s} {'trials/h engine':>16s} "
-          f"{'ratio':>6s}")
+    figures = {
+        "model": args.model,
+        "device": str(loaded.model.device),
+        "dtype": str(loaded.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "context_length": args.context_length,
+        "samples": len(samples),
+        "trials": len(trials),
+        "modes": {},
+    }
+    print(
+        f"{len(trials)} trials x {len(samples)} samples, {args.model} on {loaded.model.device}, "
+        f"{args.context_length} tokens, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'mode':10s} {'per-trial s':>11s} {'engine s':>9s} {'trials/h per-trial':>19s} {'trials/h engine':>16s} "
+        f"{'ratio':>6s}"
+    )
     for mode in args.modes:
         per_trial, engine = seconds[mode, "per_trial"], seconds[mode, "engine"]
         rates = [3600 * len(trials) / value for value in (per_trial, engine)]
-        figures["modes"][mode] = {"per_trial_s": per_trial, "engine_s": engine, "trials_per_hour_per_trial": rates[0],
-                                  "trials_per_hour_engine": rates[1], "ratio": per_trial / engine}
-        print(f"{mode:10s} {per_trial:11.1f} {engine:9.1f} {rates[0]:19.0f} {rates[1]:16.0f} {per_trial / engine:5.1f}x")
+        figures["modes"][mode] = {
+            "per_trial_s": per_trial,
+            "engine_s": engine,
+            "trials_per_hour_per_trial": rates[0],
+            "trials_per_hour_engine": rates[1],
+            "ratio": per_trial / engine,
+        }
+        print(
+            f"{mode:10s} {per_trial:11.1f} {engine:9.1f} {rates[0]:19.0f} {rates[1]:16.0f} {per_trial / engine:5.1f}x"
+        )
     if "answer" in args.modes and "full" in args.modes:
         answer = seconds["answer", "engine"]
         figures["answer_vs_full"] = {path: seconds["full", path] / answer for path in ("per_trial", "engine")}
-        print(f"answer-metric trials on the engine vs full scoring trials: "
-              f"{figures['answer_vs_full']['engine']:.1f}x the engine's, "
-              f"{figures['answer_vs_full']['per_trial']:.1f}x the per-trial path's throughput")
+        print(
+            f"answer-metric trials on the engine vs full scoring trials: "
+            f"{figures['answer_vs_full']['engine']:.1f}x the engine's, "
+            f"{figures['answer_vs_full']['per_trial']:.1f}x the per-trial path's throughput"
+        )
     rtol = BATCHED_RTOL.get(loaded.dtype)
     tolerance = "exact" if rtol is None else f"to relative {rtol:.2g}, decoded fields not compared"
     figures["identical"] = not problems
     figures["tolerance"] = tolerance
     figures["largest_answer_difference"] = largest
-    print(f"per-sample results identical ({tolerance}): " + ("yes" if not problems else f"NO ({len(problems)} "
-          "differences)") + f" (answer NLL/KL: largest difference {largest:.2g})")
+    print(
+        f"per-sample results identical ({tolerance}): "
+        + ("yes" if not problems else f"NO ({len(problems)} differences)")
+        + f" (answer NLL/KL: largest difference {largest:.2g})"
+    )
     for problem in problems[:20]:
         print("  " + problem)
     if args.output is not None:

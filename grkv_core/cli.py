@@ -47,13 +47,21 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 def add_command(commands, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A ``grkv`` command whose ``--help`` ends with an example of its use."""
-    return commands.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
-                               epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    return commands.add_parser(
+        name,
+        help=help,
+        description=help[0].upper() + help[1:] + ".",
+        epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="HF id, local dir, smollm2-135m, gemma3-270m or tiny-llama/-mistral/-qwen3/-gemma3")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="HF id, local dir, smollm2-135m, gemma3-270m or tiny-llama/-mistral/-qwen3/-gemma3",
+    )
     parser.add_argument("--dataset", default="ruler", choices=DATASETS)
     parser.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of the dataset's)")
     parser.add_argument("--context-length", type=int, default=2048, help="RULER prompt length in tokens")
@@ -63,10 +71,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default=None, choices=ATTN_IMPLEMENTATIONS)
     parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--data-dir", default=None, help="folder with PaulGrahamEssays.json, squad/hotpotqa JSON")
-    parser.add_argument("--protocol", default=None, choices=PROTOCOLS, help=(
-        "question_agnostic: the context is compressed alone, then the question follows (kvpress's pipeline); "
-        "query_aware: the question is compressed with the context (kvpress's evaluation query_aware) "
-        f"(default: a press file's, else {QUESTION_AGNOSTIC})"))
+    parser.add_argument(
+        "--protocol",
+        default=None,
+        choices=PROTOCOLS,
+        help=(
+            "question_agnostic: the context is compressed alone, then the question follows (kvpress's pipeline); "
+            "query_aware: the question is compressed with the context (kvpress's evaluation query_aware) "
+            f"(default: a press file's, else {QUESTION_AGNOSTIC})"
+        ),
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -78,8 +92,9 @@ def _add_merger_options(parser: argparse.ArgumentParser) -> None:
         spec = SEARCHABLE_SPECS[name]
         described = []
         for merge in mergers_taking(name):
-            defaults = {item.name: item.default for item in fields(MERGER_OPTIONS[merge])} \
-                if merge in MERGER_OPTIONS else {}
+            defaults = (
+                {item.name: item.default for item in fields(MERGER_OPTIONS[merge])} if merge in MERGER_OPTIONS else {}
+            )
             default = f" (default: {'none' if defaults[name] is None else defaults[name]})" if name in defaults else ""
             described.append(f"{merge}: {MERGER_OPTION_SPECS[merge][name].help}{default}")
         text = "; ".join(described).replace("%", "%%")
@@ -93,13 +108,21 @@ def _add_merger_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_evaluation_outputs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kvpress-dir", default=None, metavar="DIR",
-                        help="also write the results in kvpress's evaluation layout under DIR "
-                             "(dataset__data_dir__model__press__ratio[__query_aware]/ with predictions.csv, "
-                             "metrics.json, config.yaml; grkv leaderboard reads them)")
-    parser.add_argument("--no-decode", dest="decode", action="store_false",
-                        help="generate no answers (no score): only the reference answer's NLL, KL and top-1, the "
-                             "losses and the prefill's costs, about a tenth of the time")
+    parser.add_argument(
+        "--kvpress-dir",
+        default=None,
+        metavar="DIR",
+        help="also write the results in kvpress's evaluation layout under DIR "
+        "(dataset__data_dir__model__press__ratio[__query_aware]/ with predictions.csv, "
+        "metrics.json, config.yaml; grkv leaderboard reads them)",
+    )
+    parser.add_argument(
+        "--no-decode",
+        dest="decode",
+        action="store_false",
+        help="generate no answers (no score): only the reference answer's NLL, KL and top-1, the "
+        "losses and the prefill's costs, about a tenth of the time",
+    )
 
 
 def _quiet_model_loading() -> None:
@@ -141,17 +164,30 @@ def parse_merge_variant(text: str) -> tuple[str, str, dict]:
     return name, merge, options
 
 
-def _config(args, press: str, ratio: float, merge: str, merge_options: dict, variant: str | None = None,
-            protocol: str | None = None):
+def _config(
+    args,
+    press: str,
+    ratio: float,
+    merge: str,
+    merge_options: dict,
+    variant: str | None = None,
+    protocol: str | None = None,
+):
     from grkv_core.config import EvalConfig
 
     return EvalConfig(
         protocol=args.protocol or protocol or QUESTION_AGNOSTIC,
-        model=args.model, dataset=args.dataset, tasks=tuple(args.tasks) if args.tasks else None,
-        context_length=args.context_length if args.dataset == "ruler" else None, samples=args.samples,
+        model=args.model,
+        dataset=args.dataset,
+        tasks=tuple(args.tasks) if args.tasks else None,
+        context_length=args.context_length if args.dataset == "ruler" else None,
+        samples=args.samples,
         seed=args.seed,
         press=PressConfig(press, ratio if press != FULL_CACHE else 0.0, merge, merge_options, variant),
-        dtype=args.dtype, attn_implementation=args.attn_implementation, device=args.device, data_dir=args.data_dir,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+        device=args.device,
+        data_dir=args.data_dir,
         decode=getattr(args, "decode", True),
     )
 
@@ -159,8 +195,12 @@ def _config(args, press: str, ratio: float, merge: str, merge_options: dict, var
 def _eval_press(args) -> tuple[PressConfig, str | None]:
     """The press ``grkv eval`` evaluates and the protocol it was tuned under: the press file's, or the one its flags
     describe (defaults filled in; no protocol)."""
-    flags = {"--press": args.press, "--compression-ratio": args.compression_ratio, "--merge": args.merge,
-             **{"--" + name.replace("_", "-"): value for name, value in _given_merge_options(args).items()}}
+    flags = {
+        "--press": args.press,
+        "--compression-ratio": args.compression_ratio,
+        "--merge": args.merge,
+        **{"--" + name.replace("_", "-"): value for name, value in _given_merge_options(args).items()},
+    }
     if args.press_config:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
@@ -169,9 +209,12 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
 
         return load_press_file(args.press_config)
     merge = args.merge or PRESS_DEFAULTS.merge
-    return PressConfig(args.press or PRESS_DEFAULTS.press,
-                       PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
-                       merge, _merge_options(args, merge)), None
+    return PressConfig(
+        args.press or PRESS_DEFAULTS.press,
+        PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
+        merge,
+        _merge_options(args, merge),
+    ), None
 
 
 def cmd_eval(args) -> int:
@@ -180,8 +223,7 @@ def cmd_eval(args) -> int:
     from grkv_core.evaluation.run import run_evaluation
 
     press, protocol = _eval_press(args)
-    config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options,
-                     protocol=protocol)
+    config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options, protocol=protocol)
     summary = run_evaluation(config, args.output, progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
     print(format_table([summary]))
     if args.output:
@@ -205,8 +247,13 @@ def cmd_compare(args) -> int:
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
     names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
-    summaries = run_evaluations(configs, [output_dir / f"{name}.json" for name in names], setup=setup,
-                                progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
+    summaries = run_evaluations(
+        configs,
+        [output_dir / f"{name}.json" for name in names],
+        setup=setup,
+        progress=not args.no_progress,
+        kvpress_dir=args.kvpress_dir,
+    )
     table = format_table(summaries)
     (output_dir / "table.md").write_text(table + "\n")
     print(table)
@@ -229,13 +276,24 @@ def cmd_analyze(args) -> int:
     base = _config(args, args.press, args.compression_ratio, "none", {})
     setup = EvaluationSetup.load(base)
     loaded, samples = setup.loaded, setup.samples
-    reports = [carrier_report(loaded, samples, name, args.compression_ratio, args.candidate_range, output_dir,
-                              progress=not args.no_progress) for name in presses]
+    reports = [
+        carrier_report(
+            loaded,
+            samples,
+            name,
+            args.compression_ratio,
+            args.candidate_range,
+            output_dir,
+            progress=not args.no_progress,
+        )
+        for name in presses
+    ]
     plot_window_consistency(loaded, samples[0], output_dir / "cross_window_consistency.png")
     table = format_carrier_table(reports)
     (output_dir / "carrier_concentration.md").write_text(table + "\n")
-    (output_dir / "carrier_concentration.json").write_text(json.dumps(
-        [{"press": r.press, "units": r.units, **r.macro.__dict__} for r in reports], indent=1))
+    (output_dir / "carrier_concentration.json").write_text(
+        json.dumps([{"press": r.press, "units": r.units, **r.macro.__dict__} for r in reports], indent=1)
+    )
     print(table)
     print(f"plots and tables: {output_dir}/")
     return 0
@@ -251,74 +309,115 @@ def cmd_leaderboard(args) -> int:
         output_dir = Path(args.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "leaderboard.md").write_text(table + "\n")
-        print(f"table and figure: {output_dir / 'leaderboard.md'}, "
-              f"{leaderboard_figure(rows, output_dir / 'leaderboard.png')}")
+        print(
+            f"table and figure: {output_dir / 'leaderboard.md'}, "
+            f"{leaderboard_figure(rows, output_dir / 'leaderboard.png')}"
+        )
     return 0
 
 
 def _add_library_commands(commands) -> None:
-    evaluate = add_command(commands, "eval", "evaluate one press configuration",
-                           "grkv eval --press snapkv --compression-ratio 0.9 --merge grkv --samples 3 "
-                           "--output results.json\n  grkv eval --press-config press.yaml   # a file grkv export wrote")
+    evaluate = add_command(
+        commands,
+        "eval",
+        "evaluate one press configuration",
+        "grkv eval --press snapkv --compression-ratio 0.9 --merge grkv --samples 3 "
+        "--output results.json\n  grkv eval --press-config press.yaml   # a file grkv export wrote",
+    )
     _add_common(evaluate)
-    evaluate.add_argument("--press", default=None, choices=(*EVICTION_PRESS_NAMES, FULL_CACHE),
-                          help=f"eviction press (default: {PRESS_DEFAULTS.press})")
-    evaluate.add_argument("--compression-ratio", type=float, default=None,
-                          help=f"fraction of the KV pairs removed (default: {PRESS_DEFAULTS.compression_ratio})")
-    evaluate.add_argument("--merge", default=None, choices=MERGER_NAMES,
-                          help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})")
-    evaluate.add_argument("--press-config", default=None, metavar="FILE",
-                          help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the "
-                               "merger options")
+    evaluate.add_argument(
+        "--press",
+        default=None,
+        choices=(*EVICTION_PRESS_NAMES, FULL_CACHE),
+        help=f"eviction press (default: {PRESS_DEFAULTS.press})",
+    )
+    evaluate.add_argument(
+        "--compression-ratio",
+        type=float,
+        default=None,
+        help=f"fraction of the KV pairs removed (default: {PRESS_DEFAULTS.compression_ratio})",
+    )
+    evaluate.add_argument(
+        "--merge", default=None, choices=MERGER_NAMES, help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})"
+    )
+    evaluate.add_argument(
+        "--press-config",
+        default=None,
+        metavar="FILE",
+        help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the merger options",
+    )
     _add_merger_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     _add_evaluation_outputs(evaluate)
     evaluate.set_defaults(handler=cmd_eval)
 
-    compare = add_command(commands, "compare", "full cache vs an eviction press vs the press + GRKV",
-                          "grkv compare --samples 3 --compression-ratios 0.9 0.8")
+    compare = add_command(
+        commands,
+        "compare",
+        "full cache vs an eviction press vs the press + GRKV",
+        "grkv compare --samples 3 --compression-ratios 0.9 0.8",
+    )
     _add_common(compare)
     compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
     compare.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
     compare.add_argument("--compression-ratios", type=float, nargs="+", default=[0.9])
-    compare.add_argument("--merge-variant", action="append", default=[], metavar="NAME=MERGE[:k=v,...]",
-                         help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective")
+    compare.add_argument(
+        "--merge-variant",
+        action="append",
+        default=[],
+        metavar="NAME=MERGE[:k=v,...]",
+        help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective",
+    )
     compare.add_argument("--output-dir", default="outputs/compare")
     _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)
 
-    analyze = add_command(commands, "analyze", "carrier concentration of eviction presses, merge maps, "
-                                               "cross-window consistency",
-                          "grkv analyze --press snapkv --compare h2o --output-dir outputs/analyze")
+    analyze = add_command(
+        commands,
+        "analyze",
+        "carrier concentration of eviction presses, merge maps, cross-window consistency",
+        "grkv analyze --press snapkv --compare h2o --output-dir outputs/analyze",
+    )
     _add_common(analyze)
     analyze.set_defaults(tasks=["niah_single_2", "qa_2"], samples=2)
     analyze.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
-    analyze.add_argument("--compare", nargs="*", default=["h2o"], choices=EVICTION_PRESS_NAMES,
-                         help="more eviction presses to tabulate")
+    analyze.add_argument(
+        "--compare", nargs="*", default=["h2o"], choices=EVICTION_PRESS_NAMES, help="more eviction presses to tabulate"
+    )
     analyze.add_argument("--compression-ratio", type=float, default=0.9)
-    analyze.add_argument("--candidate-range", type=int, default=32,
-                         help="local matching rule: carriers at most this many positions away")
+    analyze.add_argument(
+        "--candidate-range", type=int, default=32, help="local matching rule: carriers at most this many positions away"
+    )
     analyze.add_argument("--output-dir", default="outputs/analyze")
     analyze.set_defaults(handler=cmd_analyze)
 
-    leaderboard = add_command(commands, "leaderboard", "results in kvpress's evaluation layout (kvpress's own, "
-                                                       "grkv eval --kvpress-dir, a sweep's kvpress/ folder) as one "
-                                                       "table and a score-vs-compression figure",
-                              "grkv leaderboard ~/kvpress/evaluation/results ~/.grkv/demo/sweeps/demo/kvpress "
-                              "--output-dir leaderboard/")
-    leaderboard.add_argument("folders", nargs="+", metavar="FOLDER",
-                             help="run folders, or folders holding them at any depth")
+    leaderboard = add_command(
+        commands,
+        "leaderboard",
+        "results in kvpress's evaluation layout (kvpress's own, "
+        "grkv eval --kvpress-dir, a sweep's kvpress/ folder) as one "
+        "table and a score-vs-compression figure",
+        "grkv leaderboard ~/kvpress/evaluation/results ~/.grkv/demo/sweeps/demo/kvpress --output-dir leaderboard/",
+    )
+    leaderboard.add_argument(
+        "folders", nargs="+", metavar="FOLDER", help="run folders, or folders holding them at any depth"
+    )
     leaderboard.add_argument("--output-dir", default=None, help="also write leaderboard.md and leaderboard.png here")
     leaderboard.set_defaults(handler=cmd_leaderboard)
 
 
-def build_parser(*extensions: Callable[[argparse._SubParsersAction], None],
-                 description: str = "GRKV: KV-cache merging evaluation",
-                 start_with: str = "grkv compare --samples 3") -> argparse.ArgumentParser:
+def build_parser(
+    *extensions: Callable[[argparse._SubParsersAction], None],
+    description: str = "GRKV: KV-cache merging evaluation",
+    start_with: str = "grkv compare --samples 3",
+) -> argparse.ArgumentParser:
     """The ``grkv`` parser with the library's commands; each of ``extensions`` adds more (``add_command``)."""
-    parser = _OneLineErrorParser(prog="grkv", description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=f"start with:\n  {start_with}\nthen `grkv COMMAND --help`: each ends with an example")
+    parser = _OneLineErrorParser(
+        prog="grkv",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"start with:\n  {start_with}\nthen `grkv COMMAND --help`: each ends with an example",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_library_commands(commands)
     for extend in extensions:
@@ -326,8 +425,9 @@ def build_parser(*extensions: Callable[[argparse._SubParsersAction], None],
     return parser
 
 
-def run(parser: argparse.ArgumentParser, argv: list[str] | None,
-        user_errors: tuple[type[BaseException], ...] = ()) -> int:
+def run(
+    parser: argparse.ArgumentParser, argv: list[str] | None, user_errors: tuple[type[BaseException], ...] = ()
+) -> int:
     """Parse ``argv`` and run its command; a user error (bad names, missing data or packages, or any of
     ``user_errors``) ends in one line, not a traceback."""
     args = parser.parse_args(argv)
@@ -337,8 +437,10 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None,
         print(f"grkv {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"grkv {args.command}: interrupted; what finished is saved, re-run the same command to resume",
-              file=sys.stderr)
+        print(
+            f"grkv {args.command}: interrupted; what finished is saved, re-run the same command to resume",
+            file=sys.stderr,
+        )
         return 130
 
 

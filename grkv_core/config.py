@@ -17,8 +17,17 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 # Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
-EVICTION_PRESS_NAMES = ("snapkv", "pyramidkv", "streamingllm", "h2o", "expected_attention", "knorm", "criticalkv",
-                        "adakv", "criticaladakv")
+EVICTION_PRESS_NAMES = (
+    "snapkv",
+    "pyramidkv",
+    "streamingllm",
+    "h2o",
+    "expected_attention",
+    "knorm",
+    "criticalkv",
+    "adakv",
+    "criticaladakv",
+)
 FULL_CACHE = "full"
 MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger", "kvpress_merging")
 # "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
@@ -61,30 +70,76 @@ class MetricSpec:
 # Every metric, defined once; the tuples below are views of this table (a test holds them to it).
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("score", BENCHMARK, "a sample's mean score over its questions, 0-1", TASK_MEAN, higher_is_better=True),
-    MetricSpec("mean_score", BENCHMARK, "the mean over tasks of each task's mean sample score, 0-100", None,
-               higher_is_better=True, objective=True),
-    MetricSpec("mean_score_outside_window", BENCHMARK, "mean_score over the samples whose answer lies outside the "
-               "press's always-kept window (those inside score at any budget)", None, higher_is_better=True),
-    MetricSpec("answer_nll", ANSWER, "the reference answer's mean token NLL on the compressed cache (nats)",
-               objective=True, screening=True),
-    MetricSpec("answer_kl", ANSWER, "the mean KL(full || compressed) over the reference answer's positions (nats)",
-               objective=True, screening=True),
-    MetricSpec("answer_top1", ANSWER, "the fraction of the reference answer's positions whose top-1 token agrees "
-               "with the full cache's", higher_is_better=True, objective=True),
-    MetricSpec("window_loss", RECONSTRUCTION, "the normalised discrepancy on the surrogate window's queries",
-               objective=True, screening=True),
-    MetricSpec("heldout_loss", RECONSTRUCTION, "the normalised discrepancy on the first generated tokens' queries "
-               "(needs decoding)", objective=True),
-    MetricSpec("question_loss", RECONSTRUCTION, "the normalised discrepancy on the question's own queries, "
-               "teacher-forced on its reference answer", objective=True, screening=True),
-    MetricSpec("ttft_s", COST, "time to first token: the prefill with its compression, plus the first question (s)",
-               objective=True),
+    MetricSpec(
+        "mean_score",
+        BENCHMARK,
+        "the mean over tasks of each task's mean sample score, 0-100",
+        None,
+        higher_is_better=True,
+        objective=True,
+    ),
+    MetricSpec(
+        "mean_score_outside_window",
+        BENCHMARK,
+        "mean_score over the samples whose answer lies outside the "
+        "press's always-kept window (those inside score at any budget)",
+        None,
+        higher_is_better=True,
+    ),
+    MetricSpec(
+        "answer_nll",
+        ANSWER,
+        "the reference answer's mean token NLL on the compressed cache (nats)",
+        objective=True,
+        screening=True,
+    ),
+    MetricSpec(
+        "answer_kl",
+        ANSWER,
+        "the mean KL(full || compressed) over the reference answer's positions (nats)",
+        objective=True,
+        screening=True,
+    ),
+    MetricSpec(
+        "answer_top1",
+        ANSWER,
+        "the fraction of the reference answer's positions whose top-1 token agrees with the full cache's",
+        higher_is_better=True,
+        objective=True,
+    ),
+    MetricSpec(
+        "window_loss",
+        RECONSTRUCTION,
+        "the normalised discrepancy on the surrogate window's queries",
+        objective=True,
+        screening=True,
+    ),
+    MetricSpec(
+        "heldout_loss",
+        RECONSTRUCTION,
+        "the normalised discrepancy on the first generated tokens' queries (needs decoding)",
+        objective=True,
+    ),
+    MetricSpec(
+        "question_loss",
+        RECONSTRUCTION,
+        "the normalised discrepancy on the question's own queries, teacher-forced on its reference answer",
+        objective=True,
+        screening=True,
+    ),
+    MetricSpec(
+        "ttft_s",
+        COST,
+        "time to first token: the prefill with its compression, plus the first question (s)",
+        objective=True,
+    ),
     MetricSpec("prefill_s", COST, "the prefill with this press's compression (s)"),
     MetricSpec("decode_ms_per_token", COST, "decoding latency per generated token (ms)", objective=True),
     MetricSpec("kv_bytes", COST, "the bytes the compressed cache keeps", objective=True),
     MetricSpec("full_kv_bytes", COST, "the bytes of the full cache"),
-    MetricSpec("peak_memory_bytes", COST, "peak memory: the CUDA allocator's, or on the CPU the process's "
-               "high-water mark"),
+    MetricSpec(
+        "peak_memory_bytes", COST, "peak memory: the CUDA allocator's, or on the CPU the process's high-water mark"
+    ),
     MetricSpec("wall_s", COST, "the sample's wall time, shared among the presses evaluated with it (s)"),
     MetricSpec("context_tokens", COST, "the prefill's length (tokens)"),
 )
@@ -165,8 +220,10 @@ class OptionSpec:
         else:
             noun = "an integer" if self.kind is int else "a finite number"
             if self.low is not None and self.high is not None:
-                text = (f"{noun} in {'(' if self.low_open else '['}{self.low:g}, "
-                        f"{self.high:g}{')' if self.high_open else ']'}")
+                text = (
+                    f"{noun} in {'(' if self.low_open else '['}{self.low:g}, "
+                    f"{self.high:g}{')' if self.high_open else ']'}"
+                )
             elif self.low is not None:
                 text = f"{noun} {'>' if self.low_open else '>='} {self.low:g}"
             else:
@@ -190,55 +247,135 @@ class GRKVOptions:
     NOTE: not frozen, because ``GRKVPress`` inherits these fields and kvpress presses are mutable.
     """
 
-    lambda_k: float = _option(1e-2, OptionSpec(
-        "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)", float, low=0.0,
-        symbol="λk"))
+    lambda_k: float = _option(
+        1e-2,
+        OptionSpec(
+            "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)",
+            float,
+            low=0.0,
+            symbol="λk",
+        ),
+    )
     lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
-    beta: float = _option(0.1, OptionSpec(
-        "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
-        "held fixed", float, low=0.0, high=1.0, symbol="β"))
-    window_size: int = _option(PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1,
-                                                                  symbol="m"))
-    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1,
-                                                    symbol="S"))
+    beta: float = _option(
+        0.1,
+        OptionSpec(
+            "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
+            "held fixed",
+            float,
+            low=0.0,
+            high=1.0,
+            symbol="β",
+        ),
+    )
+    window_size: int = _option(
+        PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1, symbol="m")
+    )
+    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1, symbol="S"))
     n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
-    fix_window: bool = _option(True, OptionSpec(
-        "hold the last window_size positions fixed when kept (paper; off: the window's own tokens are refitted too)",
-        bool))
-    components: str = _option("kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str,
-                                               choices=COMPONENTS))
-    query_policy: str = _option("window", OptionSpec(
-        "surrogate queries: the last m prompt tokens (paper) or strata of the prompt (authors' code)", str,
-        choices=QUERY_POLICIES))
-    max_rel_update_k: float | None = _option(None, OptionSpec(
-        "trust-region cap per head, |dK| <= cap |K0| (authors' code: 0.025)", float, low=0.0, low_open=True,
-        nullable=True))
-    max_rel_update_v: float | None = _option(None, OptionSpec(
-        "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)", float, low=0.0, low_open=True,
-        nullable=True))
-    accept: str = _option("always", OptionSpec(
-        "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code); "
-        "'validation' merges a head only where a merge fitted on half the window's tokens lowers the loss on the "
-        "other half", str, choices=ACCEPT_RULES))
+    fix_window: bool = _option(
+        True,
+        OptionSpec(
+            "hold the last window_size positions fixed when kept (paper; off: the window's own tokens are refitted "
+            "too)",
+            bool,
+        ),
+    )
+    components: str = _option(
+        "kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str, choices=COMPONENTS)
+    )
+    query_policy: str = _option(
+        "window",
+        OptionSpec(
+            "surrogate queries: the last m prompt tokens (paper) or strata of the prompt (authors' code)",
+            str,
+            choices=QUERY_POLICIES,
+        ),
+    )
+    max_rel_update_k: float | None = _option(
+        None,
+        OptionSpec(
+            "trust-region cap per head, |dK| <= cap |K0| (authors' code: 0.025)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
+    max_rel_update_v: float | None = _option(
+        None,
+        OptionSpec(
+            "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
+    accept: str = _option(
+        "always",
+        OptionSpec(
+            "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code); "
+            "'validation' merges a head only where a merge fitted on half the window's tokens lowers the loss on the "
+            "other half",
+            str,
+            choices=ACCEPT_RULES,
+        ),
+    )
     cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
-    cg_rtol: float = _option(1e-6, OptionSpec("relative residual tolerance of the key step's conjugate gradients",
-                                              float, low=0.0, high=1.0, low_open=True, high_open=True))
-    safeguard: bool = _option(True, OptionSpec(
-        "shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool))
-    ridge_scale: str = _option("absolute", OptionSpec(
-        "'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES))
-    layers_per_solve: int = _option(0, OptionSpec(
-        "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the press "
-        "compresses, in as few calls as a bounded working set allows (results equal up to float rounding; more "
-        "layers dispatch fewer operations)", int, low=0))
-    target_from_forward: bool = _option(True, OptionSpec(
-        "take the regression target from the prefill's own attention outputs instead of recomputing it", bool))
-    head_weighting: str = _option("uniform", OptionSpec(
-        "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
-        "next layer sees of its error), 'uniform' alike (paper)", str, choices=HEAD_WEIGHTINGS))
-    merged_layers: str = _option("all", OptionSpec(
-        "which of the compressed layers GRKV merges: 'all' (paper), the first half ('early') or the second half "
-        "('late'); the others keep the base press's eviction, unmerged", str, choices=MERGED_LAYERS))
+    cg_rtol: float = _option(
+        1e-6,
+        OptionSpec(
+            "relative residual tolerance of the key step's conjugate gradients",
+            float,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+        ),
+    )
+    safeguard: bool = _option(
+        True, OptionSpec("shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool)
+    )
+    ridge_scale: str = _option(
+        "absolute",
+        OptionSpec("'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES),
+    )
+    layers_per_solve: int = _option(
+        0,
+        OptionSpec(
+            "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the "
+            "press "
+            "compresses, in as few calls as a bounded working set allows (results equal up to float rounding; more "
+            "layers dispatch fewer operations)",
+            int,
+            low=0,
+        ),
+    )
+    target_from_forward: bool = _option(
+        True,
+        OptionSpec(
+            "take the regression target from the prefill's own attention outputs instead of recomputing it", bool
+        ),
+    )
+    head_weighting: str = _option(
+        "uniform",
+        OptionSpec(
+            "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
+            "next layer sees of its error), 'uniform' alike (paper)",
+            str,
+            choices=HEAD_WEIGHTINGS,
+        ),
+    )
+    merged_layers: str = _option(
+        "all",
+        OptionSpec(
+            "which of the compressed layers GRKV merges: 'all' (paper), the first half ('early') or the second half "
+            "('late'); the others keep the base press's eviction, unmerged",
+            str,
+            choices=MERGED_LAYERS,
+        ),
+    )
 
 
 def option_specs(options: type) -> dict[str, OptionSpec]:
@@ -263,17 +400,33 @@ GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
 PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
 
 # NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
-SOLVER_OPTION_NAMES = ("lambda_k", "lambda_v", "steps", "components", "cg_max_iter", "cg_rtol", "safeguard",
-                       "ridge_scale")
+SOLVER_OPTION_NAMES = (
+    "lambda_k",
+    "lambda_v",
+    "steps",
+    "components",
+    "cg_max_iter",
+    "cg_rtol",
+    "safeguard",
+    "ridge_scale",
+)
 
 SolverOptions = make_dataclass(
     "SolverOptions",
-    [(item.name, item.type, field(default=item.default, metadata=item.metadata))
-     for item in fields(GRKVOptions) if item.name in SOLVER_OPTION_NAMES],
+    [
+        (item.name, item.type, field(default=item.default, metadata=item.metadata))
+        for item in fields(GRKVOptions)
+        if item.name in SOLVER_OPTION_NAMES
+    ],
     frozen=True,
-    namespace={"__post_init__": check_options, "__module__": __name__, "__doc__": (
-        "The solver's options (``grkv_merge``, ``solve_regression``): ``GRKVOptions``' fields of the same names, "
-        "with their defaults and specs, as one frozen value checked when made.")},
+    namespace={
+        "__post_init__": check_options,
+        "__module__": __name__,
+        "__doc__": (
+            "The solver's options (``grkv_merge``, ``solve_regression``): ``GRKVOptions``' fields of the same names, "
+            "with their defaults and specs, as one frozen value checked when made."
+        ),
+    },
 )
 
 
@@ -281,37 +434,58 @@ SolverOptions = make_dataclass(
 class CaMOptions:
     """CaM's options (``CaMPress``)."""
 
-    merge_budget: int = _option(32, OptionSpec(
-        "m, the number of subsequent kept tokens each evicted value is spread over", int, low=1))
-    window_size: int = _option(PAPER_WINDOW, OptionSpec(
-        "the number of last prompt queries whose attention weights the merge", int, low=1))
+    merge_budget: int = _option(
+        32, OptionSpec("m, the number of subsequent kept tokens each evicted value is spread over", int, low=1)
+    )
+    window_size: int = _option(
+        PAPER_WINDOW, OptionSpec("the number of last prompt queries whose attention weights the merge", int, low=1)
+    )
 
 
 @dataclass
 class D2OOptions:
     """D2O's options (``D2OPress``)."""
 
-    threshold: float = _option(0.5, OptionSpec(
-        "minimum key cosine similarity for an evicted token to be merged", float, low=-1.0, high=1.0))
-    candidate_range: int | None = _option(None, OptionSpec(
-        "only kept tokens at most this many positions away are candidates (None: every kept token)", int, low=1,
-        nullable=True))
+    threshold: float = _option(
+        0.5, OptionSpec("minimum key cosine similarity for an evicted token to be merged", float, low=-1.0, high=1.0)
+    )
+    candidate_range: int | None = _option(
+        None,
+        OptionSpec(
+            "only kept tokens at most this many positions away are candidates (None: every kept token)",
+            int,
+            low=1,
+            nullable=True,
+        ),
+    )
 
 
 @dataclass
 class KVMergerOptions:
     """KVMerger's options (``KVMergerPress``)."""
 
-    threshold: float = _option(0.75, OptionSpec(
-        "cosine similarity that links two adjacent keys", float, low=-1.0, high=1.0))
-    sigma: float | None = _option(None, OptionSpec(
-        "a fixed Gaussian-kernel width in key units (None: adapted per merging set)", float, low=0.0,
-        low_open=True, nullable=True))
+    threshold: float = _option(
+        0.75, OptionSpec("cosine similarity that links two adjacent keys", float, low=-1.0, high=1.0)
+    )
+    sigma: float | None = _option(
+        None,
+        OptionSpec(
+            "a fixed Gaussian-kernel width in key units (None: adapted per merging set)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
 
 
 # Our mergers' options, declared as dataclasses whose fields the presses inherit (AsymKV has none).
-MERGER_OPTIONS: dict[str, type] = {"grkv": GRKVOptions, "cam": CaMOptions, "d2o": D2OOptions,
-                                   "kvmerger": KVMergerOptions}
+MERGER_OPTIONS: dict[str, type] = {
+    "grkv": GRKVOptions,
+    "cam": CaMOptions,
+    "d2o": D2OOptions,
+    "kvmerger": KVMergerOptions,
+}
 # Every merger's options by name. NOTE: kvpress's own MergingPress checks its options with asserts; these specs refuse
 # bad values in one line, as our mergers do (its defaults stay kvpress's).
 MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
@@ -319,17 +493,27 @@ MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
     **{merge: option_specs(options) for merge, options in MERGER_OPTIONS.items()},
     "asymkv": {},
     "kvpress_merging": {
-        "similarity_threshold": OptionSpec("minimum key cosine similarity of an evicted token to its survivor for its "
-                                           "value to be merged", float, low=0.0, high=1.0),
-        "merge_fraction": OptionSpec("fraction of the evicted tokens, most similar first, whose values are merged",
-                                     float, low=0.0, high=1.0, low_open=True),
+        "similarity_threshold": OptionSpec(
+            "minimum key cosine similarity of an evicted token to its survivor for its value to be merged",
+            float,
+            low=0.0,
+            high=1.0,
+        ),
+        "merge_fraction": OptionSpec(
+            "fraction of the evicted tokens, most similar first, whose values are merged",
+            float,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+        ),
     },
 }
 # Each option name once, in the order of the mergers (a flag, a searchable parameter). NOTE: a name two mergers share
 # means the same kind of value in both (``window_size``: GRKV's m and CaM's window; ``threshold``: D2O's and
 # KVMerger's cosine similarity), so one spec checks it; a test holds them to that.
-MERGER_OPTION_NAMES: tuple[str, ...] = tuple(dict.fromkeys(
-    name for specs in MERGER_OPTION_SPECS.values() for name in specs))
+MERGER_OPTION_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys(name for specs in MERGER_OPTION_SPECS.values() for name in specs)
+)
 
 
 def mergers_taking(name: str) -> list[str]:
@@ -338,12 +522,17 @@ def mergers_taking(name: str) -> list[str]:
 
 
 # What a prefill holds (``PROTOCOLS``): checked wherever a protocol enters (configs, the evaluator, press files).
-PROTOCOL_SPEC = OptionSpec("the evaluation protocol: the context compressed alone (kvpress's pipeline) or with "
-                           "its question (kvpress's evaluation query_aware)", str, choices=PROTOCOLS)
+PROTOCOL_SPEC = OptionSpec(
+    "the evaluation protocol: the context compressed alone (kvpress's pipeline) or with "
+    "its question (kvpress's evaluation query_aware)",
+    str,
+    choices=PROTOCOLS,
+)
 
 # A sweep searches the budget and every merger's options (each applied to the mergers that take it).
-COMPRESSION_RATIO_SPEC = OptionSpec("fraction of the context's KV pairs removed", float, low=0.0, high=1.0,
-                                    high_open=True)
+COMPRESSION_RATIO_SPEC = OptionSpec(
+    "fraction of the context's KV pairs removed", float, low=0.0, high=1.0, high_open=True
+)
 SEARCHABLE_SPECS: dict[str, OptionSpec] = {
     "compression_ratio": COMPRESSION_RATIO_SPEC,
     **{name: MERGER_OPTION_SPECS[mergers_taking(name)[0]][name] for name in MERGER_OPTION_NAMES},

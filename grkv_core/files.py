@@ -8,8 +8,16 @@ from pathlib import Path
 
 # NOTE: the OS errors that mean "this storage cannot take the write" (full, read-only, no permission, not a
 # directory), as opposed to a bug: a sweep stops on them in one line instead of failing trials.
-STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EFBIG,
-                  errno.EIO}
+STORAGE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EFBIG,
+    errno.EIO,
+}
 
 
 def storage_failure(error: BaseException) -> bool:

@@ -13,7 +13,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from grkv_core.config import PAPER_WINDOW, QUERY_POLICIES
 
 
-
 @dataclass(frozen=True)
 class SurrogateQueries:
     """Queries for one layer, grouped by KV head.
@@ -71,14 +70,22 @@ def surrogate_queries(
     if policy not in QUERY_POLICIES:
         raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {policy!r}")
     length = hidden_states.shape[1]
-    rows = _rope_rows(position_embeddings, policy, min(n_queries, length), length,
-                      module.config.num_attention_heads // module.config.num_key_value_heads)
-    if window_projections is not None and policy == "window" and \
-            window_projections.shape[:2] == (hidden_states.shape[0], rows.token_positions.numel()):
+    rows = _rope_rows(
+        position_embeddings,
+        policy,
+        min(n_queries, length),
+        length,
+        module.config.num_attention_heads // module.config.num_key_value_heads,
+    )
+    if (
+        window_projections is not None
+        and policy == "window"
+        and window_projections.shape[:2] == (hidden_states.shape[0], rows.token_positions.numel())
+    ):
         queries = _prerope_from_projections(module, window_projections)
     elif policy == "window":
         # NOTE: a slice (a view), not an index copy: the window is the prompt's last m tokens.
-        queries = get_prerope_query_states(module, hidden_states[:, length - rows.token_positions.numel():])
+        queries = get_prerope_query_states(module, hidden_states[:, length - rows.token_positions.numel() :])
     else:
         queries = get_prerope_query_states(module, hidden_states[:, rows.token_positions])
     # NOTE: RoPE as q·cos + rotate_half(q)·sin, with rotate_half(q)·sin = roll(q)·sin' (sin' the sine with its first
@@ -88,8 +95,9 @@ def surrogate_queries(
     # NOTE: query head h·groups + g reads KV head h (transformers' repeat_kv layout), so a plain view
     # stacks each KV head's group contiguously.
     stacked = queries.reshape(batch, module.config.num_key_value_heads, -1, head_dim)
-    return SurrogateQueries(stacked, rows.positions, rows.token_positions,
-                            loss_weight=1.0 if policy == "window" else 6.0 / m)
+    return SurrogateQueries(
+        stacked, rows.positions, rows.token_positions, loss_weight=1.0 if policy == "window" else 6.0 / m
+    )
 
 
 @dataclass(frozen=True)
@@ -109,8 +117,9 @@ class _RopeRows:
 _LAST_ROPE_ROWS: list = [None, None]
 
 
-def _rope_rows(position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int,
-               groups: int) -> _RopeRows:
+def _rope_rows(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int, groups: int
+) -> _RopeRows:
     cos, sin = position_embeddings
     key = (policy, m, length, groups)
     cached_key, cached = _LAST_ROPE_ROWS
@@ -119,11 +128,11 @@ def _rope_rows(position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: s
     device = cos.device
     if policy == "window":
         token_positions = torch.arange(length - m, length, device=device)
-        cos_rows, sin_rows = cos[:, length - m:], sin[:, length - m:]
+        cos_rows, sin_rows = cos[:, length - m :], sin[:, length - m :]
         positions = token_positions.repeat(groups)
     else:
         token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
-        cos_rows, sin_rows = cos[:, length - 1:].expand(-1, m, -1), sin[:, length - 1:].expand(-1, m, -1)
+        cos_rows, sin_rows = cos[:, length - 1 :].expand(-1, m, -1), sin[:, length - 1 :].expand(-1, m, -1)
         positions = None
     half = sin_rows.shape[-1] // 2
     signed_sin = torch.cat([-sin_rows[..., :half], sin_rows[..., half:]], dim=-1)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
-
 from kvpress import (
     AdaKVPress,
     BasePress,
@@ -118,8 +117,10 @@ def build(config: PressConfig) -> BasePress | None:
     if merger is None:
         return base
     if merger is KVPressMergingPress and not isinstance(base, ScorerPress):
-        raise ValueError(f"merge {config.merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press "
-                         f"{config.press!r} ({type(base).__name__}) is not one")
+        raise ValueError(
+            f"merge {config.merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press "
+            f"{config.press!r} ({type(base).__name__}) is not one"
+        )
     return merger(press=base, **config.merge_options)
 
 
@@ -133,8 +134,11 @@ def resolved(config: PressConfig) -> dict[str, Any]:
     result files).
     """
     # NOTE: keyed by the configuration's JSON, which tells 1 from 1.0 as the result (and so a configuration key) does.
-    return dict(_resolved(json.dumps([config.press, config.compression_ratio, config.merge, config.merge_options],
-                                     sort_keys=True)))
+    return dict(
+        _resolved(
+            json.dumps([config.press, config.compression_ratio, config.merge, config.merge_options], sort_keys=True)
+        )
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -208,8 +212,8 @@ def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
 def press_from_file(path: str | Path) -> BasePress | None:
     """The ready press a press file describes (None for the full cache), e.g. one ``grkv export`` wrote::
 
-        press = press_from_file("press.yaml")
-        with press(model):
-            model.model(input_ids=context_ids, past_key_values=cache)
+    press = press_from_file("press.yaml")
+    with press(model):
+        model.model(input_ids=context_ids, past_key_values=cache)
     """
     return build(load_press_config(path))

@@ -29,8 +29,8 @@ from grkv_core.config import (
     is_number,
     mergers_taking,
 )
-from workers.names import BASELINES, PAPER_DEFAULT
 from sweeps.entry_points import GRKV_HOME
+from workers.names import BASELINES, PAPER_DEFAULT
 
 
 def _defaults(config_class) -> dict[str, Any]:
@@ -95,8 +95,9 @@ class ModelSection(_Strict):
     name: str = EVAL_DEFAULTS["model"]
     dtype: Literal[DTYPES] = EVAL_DEFAULTS["dtype"]
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = EVAL_DEFAULTS["attn_implementation"]
-    device: Literal[DEVICES] | None = Field(default=None, description=(
-        "where each worker runs its model; unset: cuda when workers.num_gpus > 0, else cpu"))
+    device: Literal[DEVICES] | None = Field(
+        default=None, description=("where each worker runs its model; unset: cuda when workers.num_gpus > 0, else cpu")
+    )
 
 
 class TestSamplesSection(_Strict):
@@ -107,13 +108,18 @@ class DataSection(_Strict):
     dataset: Literal[DATASETS] = EVAL_DEFAULTS["dataset"]
     tasks: list[str] | None = EVAL_DEFAULTS["tasks"]
     context_length: int | None = EVAL_DEFAULTS["context_length"]
-    samples: int = Field(default=EVAL_DEFAULTS["samples"], ge=1,
-                         description="tuning samples per task (screening and full trials)")
+    samples: int = Field(
+        default=EVAL_DEFAULTS["samples"], ge=1, description="tuning samples per task (screening and full trials)"
+    )
     seed: int = EVAL_DEFAULTS["seed"]
     data_dir: str | None = EVAL_DEFAULTS["data_dir"]
-    protocol: Literal[PROTOCOLS] = Field(default=EVAL_DEFAULTS["protocol"], description=(
-        "question_agnostic: the context compressed alone (kvpress's pipeline); query_aware: with its question "
-        "(kvpress's evaluation query_aware)"))
+    protocol: Literal[PROTOCOLS] = Field(
+        default=EVAL_DEFAULTS["protocol"],
+        description=(
+            "question_agnostic: the context compressed alone (kvpress's pipeline); query_aware: with its question "
+            "(kvpress's evaluation query_aware)"
+        ),
+    )
     # NOTE: loaded in one call with the tuning samples and split per task, so the two sets are disjoint.
     test: TestSamplesSection = TestSamplesSection()
 
@@ -151,40 +157,65 @@ class Objective(_Strict):
             better = "maximize" if data["metric"] in HIGHER_IS_BETTER else "minimize"
             given = data.setdefault("direction", better)
             if given != better:
-                raise ValueError(f"{data['metric']} is better {'higher' if better == 'maximize' else 'lower'}: "
-                                 f"direction must be {better}, got {given!r}")
+                raise ValueError(
+                    f"{data['metric']} is better {'higher' if better == 'maximize' else 'lower'}: "
+                    f"direction must be {better}, got {given!r}"
+                )
         return data
 
 
 class SamplerSection(_Strict):
-    type: Literal["tpe", "nsga2", "gp", "grid", "random", "one_at_a_time"] = Field(default="tpe", description=(
-        "one_at_a_time: the paper's ablation design, each searched option at each of its choices with every other "
-        "at the paper default's value (the rows are enqueued after the baselines; trials must count them all)"))
+    type: Literal["tpe", "nsga2", "gp", "grid", "random", "one_at_a_time"] = Field(
+        default="tpe",
+        description=(
+            "one_at_a_time: the paper's ablation design, each searched option at each of its choices with every other "
+            "at the paper default's value (the rows are enqueued after the baselines; trials must count them all)"
+        ),
+    )
     seed: int = 0
     n_startup_trials: int = Field(default=8, ge=0)
-    together: list[list[str]] = Field(default_factory=list, description=(
-        "one_at_a_time: options varied together as one factor, e.g. [[lambda_k, lambda_v]] for the paper's λ"))
+    together: list[list[str]] = Field(
+        default_factory=list,
+        description=(
+            "one_at_a_time: options varied together as one factor, e.g. [[lambda_k, lambda_v]] for the paper's λ"
+        ),
+    )
 
 
 class WorkerSection(_Strict):
     count: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
-    max_retries: int = Field(default=2, ge=0, description=(
-        "restarts of a worker that died (its batch re-runs each time); a worker that dies more often is retired, "
-        "and with none left the sweep stops"))
-    node_wait_s: float = Field(default=120.0, gt=0, description=(
-        "how long a batch waits for a node that can hold its worker (after nodes were lost) before the sweep "
-        "stops"))
-    batch_size: int = Field(default=8, ge=1, description=(
-        "most trials a worker evaluates together (one prefill per sample for all of them); a batch of K holds "
-        "K compressed caches plus one full cache in memory"))
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "restarts of a worker that died (its batch re-runs each time); a worker that dies more often is retired, "
+            "and with none left the sweep stops"
+        ),
+    )
+    node_wait_s: float = Field(
+        default=120.0,
+        gt=0,
+        description=(
+            "how long a batch waits for a node that can hold its worker (after nodes were lost) before the sweep stops"
+        ),
+    )
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "most trials a worker evaluates together (one prefill per sample for all of them); a batch of K holds "
+            "K compressed caches plus one full cache in memory"
+        ),
+    )
 
 
 _MIN_DISTANCE = (
     "skip a configuration closer than this to a better one already chosen: the largest difference over its "
     "parameters, each as a fraction of its searched range (log scale where searched so), a different categorical "
-    "choice 1 (0: skip only repeats; e.g. 0.1 keeps the sampler's near-copies of one configuration out)")
+    "choice 1 (0: skip only repeats; e.g. 0.1 keeps the sampler's near-copies of one configuration out)"
+)
 
 
 class ScreeningSection(_Strict):
@@ -201,11 +232,19 @@ class TestSection(_Strict):
 
     top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
     min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
-    eviction_ratios: list[float] = Field(default_factory=list, description=(
-        "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"))
-    mergers: list[str] = Field(default_factory=list, description=(
-        "other mergers behind the base press at the sweep's budget, with their defaults (e.g. kvpress_merging: "
-        "kvpress's own MergingPress)"))
+    eviction_ratios: list[float] = Field(
+        default_factory=list,
+        description=(
+            "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"
+        ),
+    )
+    mergers: list[str] = Field(
+        default_factory=list,
+        description=(
+            "other mergers behind the base press at the sweep's budget, with their defaults (e.g. kvpress_merging: "
+            "kvpress's own MergingPress)"
+        ),
+    )
 
     @field_validator("mergers")
     @classmethod
@@ -230,10 +269,18 @@ class TestSection(_Strict):
 class TrackingSection(_Strict):
     tracking_uri: str = "http://127.0.0.1:5000"
     experiment: str = "grkv-sweeps"
-    retries: int = Field(default=5, ge=0, description=(
-        "re-tries of an MLflow call that found the server unreachable before the driver stops"))
-    retry_backoff_s: float = Field(default=2.0, ge=0, description=(
-        "wait before the first re-try, doubled before each next one (5 re-tries from 2 s: about a minute)"))
+    retries: int = Field(
+        default=5,
+        ge=0,
+        description=("re-tries of an MLflow call that found the server unreachable before the driver stops"),
+    )
+    retry_backoff_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "wait before the first re-try, doubled before each next one (5 re-tries from 2 s: about a minute)"
+        ),
+    )
 
 
 class StorageSection(_Strict):
@@ -270,8 +317,9 @@ class SweepConfig(_Strict):
     press: PressSection = PressSection()
     merge: list[str] = Field(default_factory=lambda: ["grkv"], min_length=1)
     search_space: dict[str, Param]
-    objectives: list[Objective] = Field(default_factory=lambda: [Objective(metric="mean_score", direction="maximize")],
-                                        min_length=1)
+    objectives: list[Objective] = Field(
+        default_factory=lambda: [Objective(metric="mean_score", direction="maximize")], min_length=1
+    )
     sampler: SamplerSection = SamplerSection()
     trials: int = Field(ge=1)
     screening: ScreeningSection = ScreeningSection()
@@ -301,51 +349,66 @@ class SweepConfig(_Strict):
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
             if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):
-                raise ValueError(f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge "
-                                 f"{self.merge}")
+                raise ValueError(
+                    f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge {self.merge}"
+                )
         if self.sampler.type in ("grid", "one_at_a_time") and any(
-                not isinstance(p, CategoricalParam) for p in self.search_space.values()):
+            not isinstance(p, CategoricalParam) for p in self.search_space.values()
+        ):
             raise ValueError(f"sampler: {self.sampler.type} needs every search_space parameter to be categorical")
         if self.sampler.type == "one_at_a_time":
             self._check_one_at_a_time()
         ratio = self.search_space.get("compression_ratio")
         if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
-            raise ValueError(f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, not "
-                             "among the choices of search_space.compression_ratio")
+            raise ValueError(
+                f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, not "
+                "among the choices of search_space.compression_ratio"
+            )
         screening = self.screening
         if screening.trials and screening.promote > screening.trials:
             raise ValueError(f"screening.promote: {screening.promote} exceeds screening.trials ({screening.trials})")
         if screening.trials and screening.promote + len(self.baselines) > self.trials:
-            raise ValueError(f"screening.promote: {screening.promote} promoted plus {len(self.baselines)} baseline(s) "
-                             f"exceed trials ({self.trials})")
+            raise ValueError(
+                f"screening.promote: {screening.promote} promoted plus {len(self.baselines)} baseline(s) "
+                f"exceed trials ({self.trials})"
+            )
         for field_name in ("eviction_ratios", "mergers"):
             if getattr(self.test, field_name) and not self.data.test.samples:
                 raise ValueError(f"test.{field_name}: a test stage needs held-out samples; set data.test.samples")
         no_larger_budget = [r for r in self.test.eviction_ratios if r >= self.press.compression_ratio]
         if no_larger_budget:
-            raise ValueError(f"test.eviction_ratios: {no_larger_budget} must be below press.compression_ratio "
-                             f"({self.press.compression_ratio}): eviction-only is compared at a larger budget")
+            raise ValueError(
+                f"test.eviction_ratios: {no_larger_budget} must be below press.compression_ratio "
+                f"({self.press.compression_ratio}): eviction-only is compared at a larger budget"
+            )
         return self
 
     def _check_one_at_a_time(self) -> None:
         if "grkv" not in self.merge or PAPER_DEFAULT not in self.baselines or "compression_ratio" in self.search_space:
-            raise ValueError("sampler: one_at_a_time varies GRKV's options around the paper default: it needs merge "
-                             "grkv, the paper_default baseline and a fixed press.compression_ratio")
+            raise ValueError(
+                "sampler: one_at_a_time varies GRKV's options around the paper default: it needs merge "
+                "grkv, the paper_default baseline and a fixed press.compression_ratio"
+            )
         grouped = [name for group in self.sampler.together for name in group]
         if len(grouped) != len(set(grouped)) or not set(grouped) <= set(self.search_space):
-            raise ValueError(f"sampler.together: groups must name distinct search_space options, got "
-                             f"{self.sampler.together}")
+            raise ValueError(
+                f"sampler.together: groups must name distinct search_space options, got {self.sampler.together}"
+            )
         for group in self.sampler.together:
             if any(self.search_space[name].choices != self.search_space[group[0]].choices for name in group):
                 raise ValueError(f"sampler.together: {group} are varied together, so they need the same choices")
         for name, param in self.search_space.items():
             if PAPER_GRKV_OPTIONS.get(name) not in param.choices:
-                raise ValueError(f"search_space.{name}: one_at_a_time holds it at the paper default "
-                                 f"{PAPER_GRKV_OPTIONS.get(name)!r}, which must be among its choices")
+                raise ValueError(
+                    f"search_space.{name}: one_at_a_time holds it at the paper default "
+                    f"{PAPER_GRKV_OPTIONS.get(name)!r}, which must be among its choices"
+                )
         expected = len(self.baselines) + len(self.one_at_a_time_rows())
         if self.trials != expected:
-            raise ValueError(f"trials: the one-at-a-time design has {expected - len(self.baselines)} rows plus "
-                             f"{len(self.baselines)} baseline(s); set trials: {expected}")
+            raise ValueError(
+                f"trials: the one-at-a-time design has {expected - len(self.baselines)} rows plus "
+                f"{len(self.baselines)} baseline(s); set trials: {expected}"
+            )
 
     def one_at_a_time_rows(self) -> list[dict[str, Any]]:
         """The one-factor-at-a-time design's rows besides the paper default, as ``{option: value}`` changes from it:
@@ -370,17 +433,23 @@ class SweepConfig(_Strict):
     def eval_config(self) -> EvalConfig:
         """The evaluation every trial of the sweep runs (each trial replaces its press): the fields of
         ``EvalConfig`` that the model and data sections name alike, then those the sweep spells its own way."""
-        alike = {name: getattr(section, name) for section in (self.model, self.data)
-                 for name in type(section).model_fields if name in EVAL_DEFAULTS}
-        return EvalConfig(**{
-            **alike,
-            "model": self.model.name,
-            "tasks": tuple(self.data.tasks) if self.data.tasks else None,
-            # NOTE: only the offline generator builds contexts of a given length; the hub datasets come as they are.
-            "context_length": self.data.context_length if self.data.dataset == "ruler" else None,
-            "device": self.model.device or ("cuda" if self.workers.num_gpus > 0 else "cpu"),
-            "press": PressConfig(self.press.name, self.press.compression_ratio),
-        })
+        alike = {
+            name: getattr(section, name)
+            for section in (self.model, self.data)
+            for name in type(section).model_fields
+            if name in EVAL_DEFAULTS
+        }
+        return EvalConfig(
+            **{
+                **alike,
+                "model": self.model.name,
+                "tasks": tuple(self.data.tasks) if self.data.tasks else None,
+                # NOTE: only the offline generator builds contexts of a given length; the hub datasets come as they are.
+                "context_length": self.data.context_length if self.data.dataset == "ruler" else None,
+                "device": self.model.device or ("cuda" if self.workers.num_gpus > 0 else "cpu"),
+                "press": PressConfig(self.press.name, self.press.compression_ratio),
+            }
+        )
 
 
 def _one_line(error: ValidationError) -> str:

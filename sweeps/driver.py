@@ -29,9 +29,9 @@ from sweeps.state.ledgers import HeldOutLedger, TrialLedger
 from sweeps.state.records import StageLedger, SweepRecords
 from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
+from tracking.retry import TrackingUnavailableError, one_line
 from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, FULL_STAGE, SCREEN_STAGE
 from workers.trial_worker import WorkerStartError, WorkerStorageError
-from tracking.retry import TrackingUnavailableError, one_line
 
 log = logging.getLogger("grkv.sweep")
 
@@ -48,8 +48,14 @@ class SweepStopped(RuntimeError):
 # NOTE: what stops a sweep mid-way without being any trial's fault (a full or unwritable state directory also
 # shows as an OSError from the Optuna journal; see ``storage_failure``; a worker that cannot start on its node,
 # or cannot write its checkpoints, would fail every trial it is given).
-LOST_SERVICES = (ClusterLostError, TrackingUnavailableError, StateDirError, WorkerStartError, WorkerStorageError,
-                 NoWorkerLeftError)
+LOST_SERVICES = (
+    ClusterLostError,
+    TrackingUnavailableError,
+    StateDirError,
+    WorkerStartError,
+    WorkerStorageError,
+    NoWorkerLeftError,
+)
 
 
 def connect_to_ray() -> None:
@@ -61,8 +67,10 @@ def connect_to_ray() -> None:
         ray.init(address=address)
     except (ConnectionError, RuntimeError, TimeoutError) as error:
         reason = one_line(error)
-        raise ClusterLostError(f"the Ray cluster at {address or 'a local address'} is not reachable ({reason}); "
-                               "start it (infra/local/start.sh) or fix RAY_ADDRESS") from None
+        raise ClusterLostError(
+            f"the Ray cluster at {address or 'a local address'} is not reachable ({reason}); "
+            "start it (infra/local/start.sh) or fix RAY_ADDRESS"
+        ) from None
 
 
 class SweepDriver:
@@ -110,21 +118,30 @@ class SweepDriver:
         for ledger in (screen, full):
             if ledger is not None:
                 ledger.open()
-        full.enqueue_once([(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)]
-                          + [(params, {DESIGN_ROW_ATTR: row}) for row, params in
-                             enumerate(one_at_a_time_params(self.config))])
+        full.enqueue_once(
+            [(params, {BASELINE_TAG: name}) for name, params in baseline_params(self.config)]
+            + [(params, {DESIGN_ROW_ATTR: row}) for row, params in enumerate(one_at_a_time_params(self.config))]
+        )
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
-        pool = WorkerPool(self.config.eval_config().to_dict(), self.config.data.test.samples, workers.count,
-                          workers.num_cpus, workers.num_gpus, workers.max_retries, workers.node_wait_s)
+        pool = WorkerPool(
+            self.config.eval_config().to_dict(),
+            self.config.data.test.samples,
+            workers.count,
+            workers.num_cpus,
+            workers.num_gpus,
+            workers.max_retries,
+            workers.node_wait_s,
+        )
         if screen is not None:
             self._run_stage(pool, screen)
             if not self.stop_requested:
                 # NOTE: enqueued after the baselines, so the promoted configurations are the first full trials
                 # after them; enqueue_once makes this a no-op when a resumed sweep gets here again.
-                full.enqueue_once(promotions(screen.study, self.config.screening.promote,
-                                             self.config.screening.min_distance))
+                full.enqueue_once(
+                    promotions(screen.study, self.config.screening.promote, self.config.screening.min_distance)
+                )
         if not self.stop_requested:
             self._run_stage(pool, full)
         if self.config.test_stage and not self.stop_requested:
@@ -175,12 +192,13 @@ class SweepDriver:
         received = time.time()
         for index, (open_trial, outcome) in enumerate(zip(dispatch.context, outcomes, strict=True)):
             try:
-                ledger.record(open_trial, outcome, self._dispatch_share(dispatch, outcome, received),
-                              dispatch.attempt + 1)
+                ledger.record(
+                    open_trial, outcome, self._dispatch_share(dispatch, outcome, received), dispatch.attempt + 1
+                )
             except TrackingUnavailableError:
                 # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
                 # (the first place a record writes), where the resume finds and logs them.
-                for later in outcomes[index + 1:]:
+                for later in outcomes[index + 1 :]:
                     self.records.state.save(later)
                 raise
 

@@ -45,15 +45,21 @@ class ProgressPrinter:
         experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
         if experiment is None:
             return []
-        return self.client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and "
-                                       f"tags.`{ROLE_TAG}` = '{role}'", max_results=5000)
+        return self.client.search_runs(
+            [experiment.experiment_id],
+            f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = '{role}'",
+            max_results=5000,
+        )
 
     def update(self, quiet: bool = False) -> None:
         """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
         a resumed sweep's)."""
         runs = self.runs()
-        ended = [child for child in runs
-                 if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of]
+        ended = [
+            child
+            for child in runs
+            if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of
+        ]
         for child in sorted(ended, key=lambda child: child.info.end_time or 0):
             stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
             self.stage_of[child.info.run_id] = stage
@@ -64,14 +70,19 @@ class ProgressPrinter:
             metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
             metrics = child.data.metrics
             value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
-            print(f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
-                  f"{metrics.get('trial_eval_s', 0.0):6.1f} s", flush=True)
+            print(
+                f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
+                f"{metrics.get('trial_eval_s', 0.0):6.1f} s",
+                flush=True,
+            )
         started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
         if started and not quiet:
             stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            print(f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                  + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
-                  flush=True)
+            print(
+                f"  [{self._minutes():4.1f} min] {stage:6} running: "
+                + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
+                flush=True,
+            )
         self.running.update(child.info.run_id for child in started)
 
     def _minutes(self) -> float:
@@ -103,8 +114,16 @@ def job_end(jobs, job_id: str, on_poll: Callable[[], None]) -> tuple[str | None,
         on_poll()
 
 
-def cluster_loss(jobs, status: str | None, reason: str, dashboard_url: str, tracking_uri: str, experiment: str,
-                 state: Path, sweep_id: str) -> SweepLostError | None:
+def cluster_loss(
+    jobs,
+    status: str | None,
+    reason: str,
+    dashboard_url: str,
+    tracking_uri: str,
+    experiment: str,
+    state: Path,
+    sweep_id: str,
+) -> SweepLostError | None:
     """After the job's end (``status``; None, with ``reason``, when the Jobs API stopped answering first): the error
     to stop on when the cluster went away under the sweep, once the runs its driver left RUNNING are closed; None
     when the cluster still answers."""
@@ -112,8 +131,10 @@ def cluster_loss(jobs, status: str | None, reason: str, dashboard_url: str, trac
     if status is not None and jobs_api_answers(jobs):
         return None
     done = close_runs_left_running(tracking_uri, experiment, state, sweep_id)
-    return SweepLostError(f"the Ray cluster stopped answering (Jobs API {dashboard_url}: {reason or f'job {status}'}); "
-                          f"{done}; nothing finished is lost, the resume re-queues the trials that were in flight")
+    return SweepLostError(
+        f"the Ray cluster stopped answering (Jobs API {dashboard_url}: {reason or f'job {status}'}); "
+        f"{done}; nothing finished is lost, the resume re-queues the trials that were in flight"
+    )
 
 
 def jobs_api_answers(jobs) -> bool:
@@ -124,8 +145,9 @@ def jobs_api_answers(jobs) -> bool:
     return True
 
 
-def close_runs_left_running(tracking_uri: str, experiment: str, state: Path, sweep_id: str,
-                            wait_s: float = DRIVER_END_WAIT_S) -> str:
+def close_runs_left_running(
+    tracking_uri: str, experiment: str, state: Path, sweep_id: str, wait_s: float = DRIVER_END_WAIT_S
+) -> str:
     """Once the sweep's driver has ended (its lease free, waiting up to ``wait_s``), close the sweep's runs it left
     RUNNING as KILLED, holding the lease meanwhile so that no driver starts on the sweep; returns what was done, in
     words.
@@ -146,8 +168,15 @@ def close_runs_left_running(tracking_uri: str, experiment: str, state: Path, swe
     try:
         client = MlflowClient(tracking_uri)
         found = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([found.experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and "
-                                  "attributes.status = 'RUNNING'", max_results=5000) if found else []
+        runs = (
+            client.search_runs(
+                [found.experiment_id],
+                f"tags.`{SWEEP_TAG}` = '{sweep_id}' and attributes.status = 'RUNNING'",
+                max_results=5000,
+            )
+            if found
+            else []
+        )
         for run in runs:
             client.set_terminated(run.info.run_id, "KILLED")
     except (OSError, MlflowException) as error:

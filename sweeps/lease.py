@@ -40,8 +40,12 @@ class DriverIdentity:
     @classmethod
     def current(cls) -> "DriverIdentity":
         job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_ENV) or "{}")
-        return cls(socket.gethostname(), os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S"),
-                   job_config.get("metadata", {}).get("job_submission_id"))
+        return cls(
+            socket.gethostname(),
+            os.getpid(),
+            time.strftime("%Y-%m-%d %H:%M:%S"),
+            job_config.get("metadata", {}).get("job_submission_id"),
+        )
 
     def describe(self, alive: bool = True) -> str:
         """Who the driver is; for a live one, how to stop it (a dead one's Ray job has nothing left to stop)."""
@@ -75,15 +79,20 @@ class SweepLease:
                 holder = self._holder(lease)
                 lease.close()
                 named = holder.describe() if holder else "unknown"
-                raise SweepBusyError(f"sweep {self.sweep_id} is already being run by another driver ({named}); "
-                                     "wait for it or stop it", named) from None
+                raise SweepBusyError(
+                    f"sweep {self.sweep_id} is already being run by another driver ({named}); wait for it or stop it",
+                    named,
+                ) from None
         previous = self._holder(lease)
         if previous is not None and announce:
             # NOTE: nothing is left to stop, and nothing for the user to do: the driver taking over closes what the
             # dead one left open (``TrialLedger.reconcile``).
-            log.warning("sweep %s: taking over the lease of a driver that died (%s); this run closes its runs left "
-                        "RUNNING as KILLED and re-queues its trials in flight", self.sweep_id,
-                        previous.describe(alive=False))
+            log.warning(
+                "sweep %s: taking over the lease of a driver that died (%s); this run closes its runs left "
+                "RUNNING as KILLED and re-queues its trials in flight",
+                self.sweep_id,
+                previous.describe(alive=False),
+            )
         lease.seek(0)
         lease.truncate()
         lease.write(json.dumps(asdict(DriverIdentity.current())))

@@ -25,7 +25,6 @@ class ServiceError(RuntimeError):
     """The local stack or the sweep job failed; the message says where its log is."""
 
 
-
 @dataclass(frozen=True)
 class LocalStack:
     """Ray head and MLflow server on 127.0.0.1, started by ``infra/local/start.sh`` from ``state_dir``."""
@@ -35,17 +34,20 @@ class LocalStack:
     def _script(self, name: str) -> None:
         """Run ``infra/local/<name>``, echoing its progress lines as they come."""
         env = {**os.environ, "GRKV_STATE_DIR": str(self.state_dir)}
-        with subprocess.Popen(["bash", str(LOCAL_INFRA / name)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) as script:
+        with subprocess.Popen(
+            ["bash", str(LOCAL_INFRA / name)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as script:
             for line in script.stdout:
                 if line.startswith("grkv-local:"):
                     print(line, end="", flush=True)
             errors = script.stderr.read()
         if script.returncode:
-            first = next((line for line in errors.splitlines() if "error:" in line),
-                         f"{name} exited {script.returncode}")
-            raise ServiceError(f"{first.removeprefix('grkv-local: error: ')} (logs: {self.state_dir}/ray.log, "
-                               "mlflow.log)")
+            first = next(
+                (line for line in errors.splitlines() if "error:" in line), f"{name} exited {script.returncode}"
+            )
+            raise ServiceError(
+                f"{first.removeprefix('grkv-local: error: ')} (logs: {self.state_dir}/ray.log, mlflow.log)"
+            )
 
     def start(self) -> None:
         """Start what is not running; a healthy stack already running from ``state_dir`` is reused as it is."""
@@ -101,14 +103,29 @@ def _submit(stack: LocalStack, config_path: Path, sweep_id: str):
         if (job.metadata or {}).get(SWEEP_ID_METADATA) == sweep_id and str(job.status.value) in ACTIVE_JOB:
             print(f"sweep {sweep_id}: following its running Ray job {job.submission_id}")
             return jobs, job.submission_id
-    entrypoint = shlex.join([sys.executable, SWEEP_ENTRYPOINT.name, "--config", str(config_path.resolve()),
-                             "--sweep-id", sweep_id, "--tracking-uri", stack.mlflow_url,
-                             "--state-dir", str(stack.sweeps_dir)])
-    job_id = jobs.submit_job(entrypoint=entrypoint, metadata={SWEEP_ID_METADATA: sweep_id},
-                             submission_id=f"grkv-{sweep_id}-{time.strftime('%Y%m%d-%H%M%S')}",
-                             runtime_env={"working_dir": str(REPO_ROOT)})
-    print(f"sweep {sweep_id}: submitted as Ray job {job_id} (logs: ray job logs --address {stack.dashboard_url} "
-          f"{job_id})")
+    entrypoint = shlex.join(
+        [
+            sys.executable,
+            SWEEP_ENTRYPOINT.name,
+            "--config",
+            str(config_path.resolve()),
+            "--sweep-id",
+            sweep_id,
+            "--tracking-uri",
+            stack.mlflow_url,
+            "--state-dir",
+            str(stack.sweeps_dir),
+        ]
+    )
+    job_id = jobs.submit_job(
+        entrypoint=entrypoint,
+        metadata={SWEEP_ID_METADATA: sweep_id},
+        submission_id=f"grkv-{sweep_id}-{time.strftime('%Y%m%d-%H%M%S')}",
+        runtime_env={"working_dir": str(REPO_ROOT)},
+    )
+    print(
+        f"sweep {sweep_id}: submitted as Ray job {job_id} (logs: ray job logs --address {stack.dashboard_url} {job_id})"
+    )
     return jobs, job_id
 
 
@@ -139,10 +156,17 @@ def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
     progress.update()
     if status == "SUCCEEDED":
         return progress.parent_status()
-    if lost := cluster_loss(jobs, status, reason, stack.dashboard_url, stack.mlflow_url, config.tracking.experiment,
-                            stack.sweeps_dir / sweep_id, sweep_id):
+    if lost := cluster_loss(
+        jobs,
+        status,
+        reason,
+        stack.dashboard_url,
+        stack.mlflow_url,
+        config.tracking.experiment,
+        stack.sweeps_dir / sweep_id,
+        sweep_id,
+    ):
         raise lost
     tail = "\n".join(jobs.get_job_logs(job_id).splitlines()[-15:])
     print(tail, file=sys.stderr)
     raise ServiceError(f"Ray job {job_id} of sweep {sweep_id} ended {status} (its last log lines are above)")
-

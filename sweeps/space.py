@@ -78,8 +78,10 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
             if param is None:
                 continue
             if not can_fix(param, value):
-                warnings.warn(f"paper default {name}={value!r} cannot be proposed by the searched {param.type} "
-                              "parameter; left to the sampler")
+                warnings.warn(
+                    f"paper default {name}={value!r} cannot be proposed by the searched {param.type} "
+                    "parameter; left to the sampler"
+                )
                 continue
             params.update(_fixed(name, param, value))
         baselines.append((PAPER_DEFAULT, params))
@@ -135,8 +137,9 @@ def make_sampler(config: SweepConfig, seed: int) -> optuna.samplers.BaseSampler:
     if sampler.type == "tpe":
         # NOTE: a worker's batch asks for several trials before any is told; the constant liar counts the
         # running ones as bad, so they differ.
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=sampler.n_startup_trials, multivariate=True,
-                                          constant_liar=True)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=sampler.n_startup_trials, multivariate=True, constant_liar=True
+        )
     if sampler.type == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed)
     if sampler.type == "gp":

@@ -30,8 +30,7 @@ def promotions(screen: optuna.Study, count: int, min_distance: float = 0.0) -> l
     """The ``count`` best distinct screened configurations (at least ``min_distance`` apart, see
     ``configuration_distance``), best first, as ``(params, user_attrs)`` to enqueue in the main study."""
     ranked = sorted(screen.get_trials(deepcopy=False, states=(COMPLETE,)), key=lambda t: (t.value, t.number))
-    return [(trial.params, {PROMOTED_FROM_TAG: trial.number})
-            for trial in _distinct(ranked, min_distance)[:count]]
+    return [(trial.params, {PROMOTED_FROM_TAG: trial.number}) for trial in _distinct(ranked, min_distance)[:count]]
 
 
 def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.FrozenTrial]:
@@ -39,14 +38,18 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
     objective, the Pareto set for several (ordered by the first objective), distinct configurations only (at least
     ``test.min_distance`` apart)."""
     signs = [1.0 if direction == "minimize" else -1.0 for direction in config.directions]
-    candidates = [trial for trial in study.get_trials(deepcopy=False, states=(COMPLETE,))
-                  if BASELINE_TAG not in trial.user_attrs]
+    candidates = [
+        trial for trial in study.get_trials(deepcopy=False, states=(COMPLETE,)) if BASELINE_TAG not in trial.user_attrs
+    ]
     costs = {trial.number: [sign * value for sign, value in zip(signs, trial.values)] for trial in candidates}
     if len(signs) > 1:
-        candidates = [trial for trial in candidates
-                      if not any(_dominates(costs[other.number], costs[trial.number]) for other in candidates)]
+        candidates = [
+            trial
+            for trial in candidates
+            if not any(_dominates(costs[other.number], costs[trial.number]) for other in candidates)
+        ]
     ranked = sorted(candidates, key=lambda trial: (costs[trial.number], trial.number))
-    return _distinct(ranked, config.test.min_distance)[:config.test.top_k]
+    return _distinct(ranked, config.test.min_distance)[: config.test.top_k]
 
 
 def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
@@ -56,19 +59,28 @@ def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str,
 
     NOTE: a baseline is tested with the press its full trial ran, so both stages compare the same methods.
     """
-    presses = [(str(trial.number), press_of(trial.params, config, trial.user_attrs))
-               for trial in best_trials(study, config)]
+    presses = [
+        (str(trial.number), press_of(trial.params, config, trial.user_attrs)) for trial in best_trials(study, config)
+    ]
     trials = study.get_trials(deepcopy=False)
     for name in config.baselines:
-        runs = sorted((t for t in trials
-                       if t.user_attrs.get(BASELINE_TAG) == name and t.state != optuna.trial.TrialState.WAITING),
-                      key=lambda t: (t.state != COMPLETE, t.number))
+        runs = sorted(
+            (
+                t
+                for t in trials
+                if t.user_attrs.get(BASELINE_TAG) == name and t.state != optuna.trial.TrialState.WAITING
+            ),
+            key=lambda t: (t.state != COMPLETE, t.number),
+        )
         if runs:
             presses.append((name, press_of(runs[0].params, config, runs[0].user_attrs)))
-    presses += [(f"{EVICTION_ONLY}@{ratio:g}", PressConfig(config.press.name, ratio))
-                for ratio in config.test.eviction_ratios]
-    presses += [(merger, PressConfig(config.press.name, config.press.compression_ratio, merger))
-                for merger in config.test.mergers]
+    presses += [
+        (f"{EVICTION_ONLY}@{ratio:g}", PressConfig(config.press.name, ratio)) for ratio in config.test.eviction_ratios
+    ]
+    presses += [
+        (merger, PressConfig(config.press.name, config.press.compression_ratio, merger))
+        for merger in config.test.mergers
+    ]
     return presses
 
 
@@ -99,8 +111,7 @@ def _distinct(trials: list[optuna.trial.FrozenTrial], min_distance: float = 0.0)
     """``trials`` in order, leaving out each one closer than ``min_distance`` to (or a repeat of) one kept before."""
     kept = []
     for trial in trials:
-        if all(trial.params != other.params and configuration_distance(trial, other) >= min_distance
-               for other in kept):
+        if all(trial.params != other.params and configuration_distance(trial, other) >= min_distance for other in kept):
             kept.append(trial)
     return kept
 

@@ -58,8 +58,9 @@ def start_failure(error: Exception) -> WorkerStartError | None:
     if not (isinstance(error, RayActorError) and error.actor_init_failed):
         return None
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    ours = [line.split(f"{WorkerStartError.__name__}: ", 1)[1] for line in lines
-            if f"{WorkerStartError.__name__}: " in line]
+    ours = [
+        line.split(f"{WorkerStartError.__name__}: ", 1)[1] for line in lines if f"{WorkerStartError.__name__}: " in line
+    ]
     return WorkerStartError(ours[-1] if ours else f"a worker could not start: {lines[-1] if lines else error}")
 
 
@@ -72,7 +73,8 @@ def lost_to_cluster(error: Exception) -> bool:
     if isinstance(error, CLUSTER_FAILURES):
         return True
     return isinstance(error, ActorDiedError) and (
-        error.preempted or any(words in str(error) for words in CLUSTER_DEATH_WORDS))
+        error.preempted or any(words in str(error) for words in CLUSTER_DEATH_WORDS)
+    )
 
 
 @dataclass
@@ -115,8 +117,16 @@ class WorkerPool:
         How long a batch waits for the cluster to have a node that can hold its worker again.
     """
 
-    def __init__(self, eval_config: dict, test_samples: int, count: int, num_cpus: float, num_gpus: float,
-                 max_retries: int, node_wait_s: float):
+    def __init__(
+        self,
+        eval_config: dict,
+        test_samples: int,
+        count: int,
+        num_cpus: float,
+        num_gpus: float,
+        max_retries: int,
+        node_wait_s: float,
+    ):
         self.eval_config, self.test_samples = eval_config, test_samples
         self.resources = dict(num_cpus=num_cpus, num_gpus=num_gpus)
         self.max_retries = max_retries
@@ -161,8 +171,10 @@ class WorkerPool:
             The sweep cannot go on; the dispatches in flight stay for ``drain``.
         """
         if not self.size:
-            raise NoWorkerLeftError(f"no trial worker is left: each died more than {self.max_retries} times "
-                                    f"(workers.max_retries), the last running {self.last_death}")
+            raise NoWorkerLeftError(
+                f"no trial worker is left: each died more than {self.max_retries} times "
+                f"(workers.max_retries), the last running {self.last_death}"
+            )
         ended = []
         in_flight = [*self.running, *self.pinging]
         ready = ray.wait(in_flight, num_returns=1, timeout=timeout_s)[0] if in_flight else []
@@ -240,7 +252,8 @@ class WorkerPool:
         """Whether the cluster, not the worker's own work, ended the worker ``dispatch`` failed on."""
         errors = [e for e in (dispatch.failure, error) if e is not None]
         return any(lost_to_cluster(e) for e in errors) or (
-            dispatch.failed_node is not None and dispatch.failed_node not in alive_nodes())
+            dispatch.failed_node is not None and dispatch.failed_node not in alive_nodes()
+        )
 
     def _after_ping(self, reference: ray.ObjectRef, ended: list) -> None:
         dispatch = self.pinging[reference]
@@ -265,8 +278,9 @@ class WorkerPool:
                 return
             self.retired.add(dispatch.worker)
             self.last_death = f"{_trials(dispatch)}: {_first_line(error)}"
-            log.warning("worker %d retired: it died more often than Ray restarts it (%s)", dispatch.worker,
-                        self.last_death)
+            log.warning(
+                "worker %d retired: it died more often than Ray restarts it (%s)", dispatch.worker, self.last_death
+            )
             dispatch.infrastructure = True
             ended.append((dispatch, dispatch.lost(f"worker retired: {self.last_death}")))
             return
@@ -291,8 +305,10 @@ class WorkerPool:
         self.no_node_since = self.no_node_since or time.time()
         if time.time() - self.no_node_since > self.node_wait_s:
             wanted = ", ".join(f"{value:g} {ray_resource(name)}s" for name, value in self.resources.items() if value)
-            raise NoWorkerLeftError(f"no node of the cluster can hold a worker ({wanted}) for "
-                                    f"{self.node_wait_s:g} s (workers.node_wait_s); add one")
+            raise NoWorkerLeftError(
+                f"no node of the cluster can hold a worker ({wanted}) for "
+                f"{self.node_wait_s:g} s (workers.node_wait_s); add one"
+            )
 
     def _check_cluster(self, error: Exception | None = None, timeout_s: float = 3.0) -> None:
         """Raise ``ClusterLostError`` when the cluster's GCS no longer accepts connections.
@@ -306,8 +322,9 @@ class WorkerPool:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
         except OSError as probe:
             seen = f"{type(error).__name__}; " if error is not None else ""
-            raise ClusterLostError(f"the Ray cluster at {self.gcs_address} stopped answering "
-                                   f"({seen}GCS: {probe.strerror or probe})") from None
+            raise ClusterLostError(
+                f"the Ray cluster at {self.gcs_address} stopped answering ({seen}GCS: {probe.strerror or probe})"
+            ) from None
 
 
 def alive_nodes() -> dict[str, dict]:

@@ -20,25 +20,32 @@ TINY_ARCHITECTURES = tuple(TINY_CONFIG_CLASSES)
 # kvpress's own presses that fail on a model family, whatever merges behind them.
 KVPRESS_FAILURES = {
     ("gemma3", "expected_attention"): "kvpress 0.5.5's ExpectedAttentionPress calls the model's rotary embedding "
-                                      "without a layer type, which Gemma 3's (one per layer type) requires",
+    "without a layer type, which Gemma 3's (one per layer type) requires",
 }
 
 
 # Pairs refused in one line before any layer runs (``grkv_core.presses.sliding_layers``).
 REFUSED = {
     ("gemma3", "h2o"): "H2O needs eager attention, which cannot decode over Gemma 3's whole sliding layers beside "
-                       "its compressed global ones",
+    "its compressed global ones",
 }
 
 
 def model_and_press(models, presses):
     """pytest params (model, press name) over both lists; the pairs kvpress itself fails on are strict xfails, and so
     are the pairs refused with a ValueError."""
+
     def marks(model, press):
-        return ([pytest.mark.xfail(strict=True, reason=reason) for (family, failing), reason in KVPRESS_FAILURES.items()
-                 if family in model and failing == press]
-                + [pytest.mark.xfail(strict=True, raises=ValueError, reason=reason)
-                   for (family, refused), reason in REFUSED.items() if family in model and refused == press])
+        return [
+            pytest.mark.xfail(strict=True, reason=reason)
+            for (family, failing), reason in KVPRESS_FAILURES.items()
+            if family in model and failing == press
+        ] + [
+            pytest.mark.xfail(strict=True, raises=ValueError, reason=reason)
+            for (family, refused), reason in REFUSED.items()
+            if family in model and refused == press
+        ]
+
     return [pytest.param(model, press, marks=marks(model, press)) for model in models for press in presses]
 
 
@@ -58,7 +65,9 @@ def tiny_model(name: str = "tiny-llama", attn_implementation: str = "sdpa", dtyp
 
 def needs_package(embedded) -> pytest.MarkDecorator:
     """Skip unless the PyPI package of the embedded real model ``embedded`` (an ``EmbeddedGGUFModel``) is installed."""
-    return pytest.mark.skipif(importlib.util.find_spec(embedded.module) is None, reason=f"needs `{embedded.pip_install}`")
+    return pytest.mark.skipif(
+        importlib.util.find_spec(embedded.module) is None, reason=f"needs `{embedded.pip_install}`"
+    )
 
 
 def free_ports(n: int) -> list[int]:
@@ -85,8 +94,7 @@ def assert_batch_elements_compressed_independently(model, ids, press, tolerance=
         single = prefill(model, ids[b : b + 1], press)
         for layer_batched, layer_single in zip(batched.layers, single.layers):
             torch.testing.assert_close(layer_batched.keys[b], layer_single.keys[0], rtol=tolerance, atol=tolerance)
-            torch.testing.assert_close(layer_batched.values[b], layer_single.values[0], rtol=tolerance,
-                                       atol=tolerance)
+            torch.testing.assert_close(layer_batched.values[b], layer_single.values[0], rtol=tolerance, atol=tolerance)
 
 
 def sqlite_tracking_store(root: Path, experiment: str) -> str:
@@ -105,5 +113,8 @@ def sqlite_tracking_store(root: Path, experiment: str) -> str:
 def mergers_over(press: str) -> list[str]:
     """The merger names that take the eviction press ``press`` as their base: every one, but kvpress's own
     ``kvpress_merging`` takes a ScorerPress only (not AdaKV or CriticalAdaKV)."""
-    return [merge for merge in MERGER_NAMES
-            if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press](0.5), ScorerPress)]
+    return [
+        merge
+        for merge in MERGER_NAMES
+        if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press](0.5), ScorerPress)
+    ]

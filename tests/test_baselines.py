@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, tiny_model
 from kvpress import SnapKVPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
@@ -16,7 +17,6 @@ from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.registry import MERGERS, build_press
-from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, tiny_model
 
 ARCHITECTURES = TINY_ARCHITECTURES
 BASELINES = ["cam", "d2o", "asymkv", "kvmerger"]
@@ -147,8 +147,12 @@ def test_kvmerger_gaussian_weights_with_fixed_and_adaptive_sigma():
             weights = [math.exp(-d / (2 * sigma2_by_set[pivot])) for d in distances]
             total = 1 + sum(weights)
             for rows, source in ((rows_k, KVMERGER_KEYS), (rows_v, values)):
-                rows.append([(source[pivot][i] + sum(w * source[m][i] for w, m in zip(weights, members))) / total
-                             for i in range(2)])
+                rows.append(
+                    [
+                        (source[pivot][i] + sum(w * source[m][i] for w, m in zip(weights, members))) / total
+                        for i in range(2)
+                    ]
+                )
         return rows_k, rows_v
 
     fixed_keys, fixed_values = expected({0: 1.0, 4: 1.0, 7: 1.0})
@@ -225,8 +229,10 @@ def test_cache_is_compacted_to_the_budget_over_snapkv(architecture, merge):
     full = prefill(model, ids)
     merged = prefill(model, ids, build_press("snapkv", RATIO, merge=merge, **MERGE_ALL[merge]))
     sliding = sliding_layer_indices(model)  # left whole (grkv_core.presses.sliding_layers)
-    assert cache_lengths(merged) == [CONTEXT if index in sliding else compute_n_kept(CONTEXT, RATIO)
-                                     for index in range(model.config.num_hidden_layers)]
+    assert cache_lengths(merged) == [
+        CONTEXT if index in sliding else compute_n_kept(CONTEXT, RATIO)
+        for index in range(model.config.num_hidden_layers)
+    ]
     for layer in merged.layers:
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
     # A layer sees the same input either way: plain eviction would keep verbatim rows of its full cache.
@@ -248,8 +254,9 @@ def test_per_head_budgets_merge_in_place_and_leave_masked_rows(merge):
     batch_index, head_index, position_index = attention.masked_key_indices
     layer, reference = merged.layers[0], full.layers[0]
     # Masked (evicted) rows are untouched; some kept rows were merged.
-    assert torch.equal(layer.values[batch_index, head_index, position_index],
-                       reference.values[batch_index, head_index, position_index])
+    assert torch.equal(
+        layer.values[batch_index, head_index, position_index], reference.values[batch_index, head_index, position_index]
+    )
     assert not torch.equal(layer.values, reference.values)
 
 
@@ -276,8 +283,9 @@ def test_gqa_kv_heads_are_merged_independently(merge):
     attention = press.token_attention(module, hidden_states, keys, kwargs)
     for h in range(keys.shape[1]):
         head = slice(h, h + 1)
-        inputs = MergeInputs.from_kept_mask(keys[:, head], values[:, head], kept_mask[:, head],
-                                            None if attention is None else attention[:, head])
+        inputs = MergeInputs.from_kept_mask(
+            keys[:, head], values[:, head], kept_mask[:, head], None if attention is None else attention[:, head]
+        )
         head_keys, head_values = press.merge(inputs)
         torch.testing.assert_close(head_keys, merged_keys[:, head], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(head_values, merged_values[:, head], rtol=1e-5, atol=1e-6)
@@ -300,8 +308,9 @@ def test_cam_token_attention_averages_the_query_heads_of_each_kv_head():
         for t in range(CONTEXT - 8, CONTEXT):
             logits = queries[0, query_head, t] @ keys[0, kv_head, : t + 1].T * module.scaling
             expected[0, kv_head, : t + 1] += torch.softmax(logits, dim=-1) / (8 * groups)
-    torch.testing.assert_close(press.token_attention(module, hidden_states, keys, kwargs), expected,
-                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        press.token_attention(module, hidden_states, keys, kwargs), expected, rtol=1e-4, atol=1e-6
+    )
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -309,7 +318,10 @@ def test_cam_token_attention_averages_the_query_heads_of_each_kv_head():
 
 def test_baselines_are_registered_and_take_their_options_by_name():
     assert {name: MERGERS[name] for name in BASELINES} == {
-        "cam": CaMPress, "d2o": D2OPress, "asymkv": AsymKVPress, "kvmerger": KVMergerPress,
+        "cam": CaMPress,
+        "d2o": D2OPress,
+        "asymkv": AsymKVPress,
+        "kvmerger": KVMergerPress,
     }
     press = build_press("knorm", 0.5, merge="d2o", threshold=0.3, candidate_range=16)
     assert (press.threshold, press.candidate_range, press.compression_ratio) == (0.3, 16, 0.5)
@@ -318,8 +330,12 @@ def test_baselines_are_registered_and_take_their_options_by_name():
 
 
 BAD_OPTIONS = [
-    (CaMPress, "merge_budget", 0), (CaMPress, "window_size", 1.5), (D2OPress, "threshold", 1.5),
-    (D2OPress, "threshold", float("nan")), (D2OPress, "candidate_range", 0), (KVMergerPress, "threshold", -2),
+    (CaMPress, "merge_budget", 0),
+    (CaMPress, "window_size", 1.5),
+    (D2OPress, "threshold", 1.5),
+    (D2OPress, "threshold", float("nan")),
+    (D2OPress, "candidate_range", 0),
+    (KVMergerPress, "threshold", -2),
     (KVMergerPress, "sigma", 0.0),
 ]
 
@@ -354,8 +370,11 @@ def test_a_non_finite_cache_row_leaves_its_head_unmerged_and_merges_the_others(m
     keys[0, 1, evicted, 0] = bad
     # NOTE: GRKV reads the full cache through its regression's target, which the bad entry reaches: its solver hands
     # the head back unmerged, with its own warning (outside the press's context, at once).
-    warning = (r"^grkv_merge: 1 of 2 \(batch, head\) pairs had non-finite inputs" if merge == "grkv"
-               else rf"^{type(press).__name__}: some \(batch, head\) caches hold a NaN")
+    warning = (
+        r"^grkv_merge: 1 of 2 \(batch, head\) pairs had non-finite inputs"
+        if merge == "grkv"
+        else rf"^{type(press).__name__}: some \(batch, head\) caches hold a NaN"
+    )
     with pytest.warns(RuntimeWarning, match=warning):
         merged_keys, merged_values = press.compress(module, hidden_states, keys, values, attentions, kwargs)
     kept = module.kept_positions  # NOTE: the base press's choice for the bad head may change (SnapKV scores it NaN)
@@ -369,6 +388,7 @@ def test_a_non_finite_cache_row_leaves_its_head_unmerged_and_merges_the_others(m
 @pytest.mark.parametrize("press_class", [CaMPress, D2OPress, AsymKVPress, KVMergerPress])
 def test_unsupported_base_press_is_refused(press_class):
     from kvpress import DecodingPress, KnormPress
+
     with pytest.raises(ValueError, match="press must be"):
         press_class(press=DecodingPress(base_press=KnormPress()))
     with pytest.raises(ValueError, match="press must be"):

@@ -14,10 +14,10 @@ from grkv_core.diagnostics.carriers import (
     macro_average,
     span_boundaries,
 )
-from grkv_core.solver.losses import recover_kept_positions
 from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
 from grkv_core.diagnostics.windows import cross_window_similarity, window_output_summaries
 from grkv_core.presses import D2OPress, MergeInputs
+from grkv_core.solver.losses import recover_kept_positions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -81,19 +81,23 @@ def test_per_unit_and_macro_average():
     assert average.gini == pytest.approx(sum(unit.gini for unit in units if unit) / 3)
     # Unit (1, 1) has only boundary carriers: its load ratio is undefined and left out of the mean.
     assert math.isnan(units[3].boundary_interior_load)
-    assert average.boundary_interior_load == pytest.approx((units[0].boundary_interior_load
-                                                            + units[1].boundary_interior_load) / 2)
+    assert average.boundary_interior_load == pytest.approx(
+        (units[0].boundary_interior_load + units[1].boundary_interior_load) / 2
+    )
     assert isinstance(average, CarrierConcentration)
 
 
-@pytest.mark.parametrize("assignment,kept,message", [
-    (long([0, 3]), long([0, 1, 2]), "assignment entries"),
-    (long([0, -2]), long([0, 1, 2]), "assignment entries"),
-    (torch.tensor([0.0, 1.0]), long([0, 1]), "integer"),
-    (long([0, 1]), long([0, 2, 1]), "strictly increasing"),
-    (long([0]), long([]), "non-empty"),
-    (long([-1, -1]), long([0, 1]), "undefined"),
-])
+@pytest.mark.parametrize(
+    "assignment,kept,message",
+    [
+        (long([0, 3]), long([0, 1, 2]), "assignment entries"),
+        (long([0, -2]), long([0, 1, 2]), "assignment entries"),
+        (torch.tensor([0.0, 1.0]), long([0, 1]), "integer"),
+        (long([0, 1]), long([0, 2, 1]), "strictly increasing"),
+        (long([0]), long([]), "non-empty"),
+        (long([-1, -1]), long([0, 1]), "undefined"),
+    ],
+)
 def test_bad_input_raises_value_error(assignment, kept, message):
     with pytest.raises(ValueError, match=message):
         carrier_concentration(assignment, kept)
@@ -140,8 +144,13 @@ def test_merge_map_png(tmp_path):
     keys, kept_mask = span_retention_cache()
     inputs = MergeInputs.from_kept_mask(keys[None, None], keys[None, None], kept_mask[None, None])
     assignment = D2OPress(press=SnapKVPress(), threshold=-1.0).assign_carriers(inputs)[0, 0]
-    path = plot_merge_map(tmp_path / "maps" / "merge_map.png", keys, inputs.kept[0, 0], assignment,
-                          title="D2O-style key matching over three kept spans")
+    path = plot_merge_map(
+        tmp_path / "maps" / "merge_map.png",
+        keys,
+        inputs.kept[0, 0],
+        assignment,
+        title="D2O-style key matching over three kept spans",
+    )
     assert path == tmp_path / "maps" / "merge_map.png"
     assert_png(path)
     with pytest.raises(ValueError, match="one entry per evicted token"):
@@ -181,8 +190,9 @@ def test_kept_positions_are_recovered_from_an_evicted_cache_at_real_cache_shapes
     # shape or layout of the call computing it (a floating-point dot product's rounding does).
     generator = torch.Generator().manual_seed(0)
     full = torch.randn(batch, 3, 1909, 64, generator=generator).to(dtype)
-    kept = torch.stack([torch.stack([torch.randperm(1909, generator=generator)[:190] for _ in range(3)])
-                        for _ in range(batch)])
+    kept = torch.stack(
+        [torch.stack([torch.randperm(1909, generator=generator)[:190] for _ in range(3)]) for _ in range(batch)]
+    )
     evicted = full.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, 64))
     assert torch.equal(recover_kept_positions(evicted, full), kept)
     head_major = evicted.transpose(1, 2).contiguous().transpose(1, 2)

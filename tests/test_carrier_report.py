@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from grkv_core.diagnostics.carrier_report import carrier_report
-from grkv_core.datasets import load_dataset_samples
 from conftest import tiny_model
+
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.diagnostics.carrier_report import carrier_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,8 +23,9 @@ def tiny():
 
 
 def test_carrier_report_covers_every_unit_and_plots(tiny, tmp_path):
-    samples = load_dataset_samples("ruler", tasks=["niah_single_1"], context_length=1024, samples_per_task=2,
-                                   tokenizer=tiny.tokenizer)
+    samples = load_dataset_samples(
+        "ruler", tasks=["niah_single_1"], context_length=1024, samples_per_task=2, tokenizer=tiny.tokenizer
+    )
     report = carrier_report(tiny, samples, "snapkv", 0.8, candidate_range=1024, plot_dir=tmp_path, progress=False)
     config = tiny.model.config
     # With a candidate range covering the whole context every evicted token is assigned: no unit is empty.
@@ -38,10 +39,31 @@ def test_carrier_report_covers_every_unit_and_plots(tiny, tmp_path):
 
 def test_analyze_cli_compares_presses_and_writes_outputs(tmp_path):
     result = subprocess.run(
-        [str(REPO / ".venv/bin/grkv"), "analyze", "--model", "tiny-llama", "--tasks", "niah_single_1",
-         "--context-length", "1024", "--samples", "1", "--press", "snapkv", "--compare", "h2o", "streamingllm",
-         "--output-dir", str(tmp_path), "--no-progress"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            str(REPO / ".venv/bin/grkv"),
+            "analyze",
+            "--model",
+            "tiny-llama",
+            "--tasks",
+            "niah_single_1",
+            "--context-length",
+            "1024",
+            "--samples",
+            "1",
+            "--press",
+            "snapkv",
+            "--compare",
+            "h2o",
+            "streamingllm",
+            "--output-dir",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "carrier_concentration.json").read_text())
     assert [row["press"] for row in rows] == ["snapkv", "h2o", "streamingllm"]

@@ -1,5 +1,6 @@
 """The ``grkv`` command line (``sweeps.cli``): every command's help, the shared flags, the library-only parser, what
-it shares with the driver (``sweeps.entry_points``: environment, exit statuses), and ``grkv demo`` end to end on a tiny model with the real local stack (Ray head + MLflow server on free ports)."""
+it shares with the driver (``sweeps.entry_points``: environment, exit statuses), and ``grkv demo`` end to end on a
+tiny model with the real local stack (Ray head + MLflow server on free ports)."""
 
 import os
 
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_ports
+
 from sweeps.cli import DEMO_CONFIG, build_service_parser, main
 from sweeps.entry_points import (
     COMMAND_MLFLOW_RETRIES,
@@ -33,8 +34,12 @@ from workers.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG, TEST_STAGE
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("eval", "compare", "analyze", "leaderboard", "sweep", "report", "export", "demo")
-SHARED_FLAGS = {"sweep_id": "--sweep-id", "tracking_uri": "--tracking-uri", "config": "--config",
-                "state_dir": "--state-dir"}
+SHARED_FLAGS = {
+    "sweep_id": "--sweep-id",
+    "tracking_uri": "--tracking-uri",
+    "config": "--config",
+    "state_dir": "--state-dir",
+}
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -57,8 +62,12 @@ def test_shared_flags_are_spelled_the_same_in_every_command():
             if action.dest in SHARED_FLAGS:
                 assert action.option_strings == [SHARED_FLAGS[action.dest]], (name, action.option_strings)
                 used.setdefault(action.dest, set()).add(name)
-    assert used == {"sweep_id": {"sweep", "report", "export", "demo"}, "tracking_uri": {"report", "export"},
-                    "config": {"sweep", "demo"}, "state_dir": {"sweep", "demo"}}
+    assert used == {
+        "sweep_id": {"sweep", "report", "export", "demo"},
+        "tracking_uri": {"report", "export"},
+        "config": {"sweep", "demo"},
+        "state_dir": {"sweep", "demo"},
+    }
     assert set(subcommands(build_service_parser())) == set(COMMANDS)
 
 
@@ -71,10 +80,16 @@ def test_a_sweep_keeps_its_state_in_the_users_folder_by_default(tmp_path, monkey
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("GRKV_STATE_DIR", raising=False)
     parser = build_service_parser()
-    defaults = {command: parser.parse_args([command, "--config", "x.yaml"]).state_dir.expanduser()
-                for command in ("sweep", "demo")}
-    shell = subprocess.run(["bash", "-c", f"source {REPO / 'infra/local/common.sh'} && echo \"$STATE_DIR\""],
-                           capture_output=True, text=True, timeout=60)
+    defaults = {
+        command: parser.parse_args([command, "--config", "x.yaml"]).state_dir.expanduser()
+        for command in ("sweep", "demo")
+    }
+    shell = subprocess.run(
+        ["bash", "-c", f'source {REPO / "infra/local/common.sh"} && echo "$STATE_DIR"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shell.returncode == 0, shell.stderr
     assert defaults == {"sweep": home / ".grkv/local", "demo": home / ".grkv/demo"}
     assert Path(shell.stdout.strip()) == defaults["sweep"]
@@ -83,36 +98,52 @@ def test_a_sweep_keeps_its_state_in_the_users_folder_by_default(tmp_path, monkey
 
 def test_the_library_command_line_stands_alone():
     """``grkv_core.cli`` has the library's commands and imports none of the service's packages."""
-    code = ("import sys, grkv_core.cli as cli; parser = cli.build_parser(); "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('service', 'sweeps', 'tracking', 'workers')]; "
-            "print(sorted(parser._subparsers._group_actions[0].choices))")
+    code = (
+        "import sys, grkv_core.cli as cli; parser = cli.build_parser(); "
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('service', 'sweeps', 'tracking', 'workers')]; "
+        "print(sorted(parser._subparsers._group_actions[0].choices))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['analyze', 'compare', 'eval', 'leaderboard']"
 
 
-SERVICE_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled",
-                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+SERVICE_ENVIRONMENT = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "RAY_AUTH_MODE": "disabled",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
 
 
-@pytest.mark.parametrize("entry_point, retries", [("sweep", DRIVER_MLFLOW_RETRIES),
-                                                  ("sweeps.cli", COMMAND_MLFLOW_RETRIES)])
+@pytest.mark.parametrize(
+    "entry_point, retries", [("sweep", DRIVER_MLFLOW_RETRIES), ("sweeps.cli", COMMAND_MLFLOW_RETRIES)]
+)
 def test_both_entry_points_set_the_service_environment_before_ray_and_mlflow(entry_point, retries):
     """The driver and the ``grkv`` command line set the same environment on import, differing only in MLflow's
     client retries, before either has imported Ray or MLflow; what the user set stays (``RAY_AUTH_MODE`` here), but
     not inherited client retries (a driver started under ``grkv sweep`` inherits the command's)."""
     names = [*SERVICE_ENVIRONMENT, "MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
-    code = (f"import json, os, sys, {entry_point}; "
-            f"print(json.dumps([{{name: os.environ.get(name) for name in {names!r}}}, "
-            "sorted(m for m in ('ray', 'mlflow') if m in sys.modules)]))")
+    code = (
+        f"import json, os, sys, {entry_point}; "
+        f"print(json.dumps([{{name: os.environ.get(name) for name in {names!r}}}, "
+        "sorted(m for m in ('ray', 'mlflow') if m in sys.modules)]))"
+    )
     env = {name: value for name, value in os.environ.items() if name not in names} | {
-        "RAY_AUTH_MODE": "token", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+        "RAY_AUTH_MODE": "token",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     environment, imported = json.loads(result.stdout)
-    assert environment == {**SERVICE_ENVIRONMENT, "RAY_AUTH_MODE": "token",
-                           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries)}
+    assert environment == {
+        **SERVICE_ENVIRONMENT,
+        "RAY_AUTH_MODE": "token",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries),
+    }
     assert imported == []
 
 
@@ -146,10 +177,14 @@ def tiny_demo_config(tmp_path: Path) -> Path:
     """The demo on the tiny model: 2 screening trials (1 promoted), the 2 baselines and the promoted one as full
     trials, a test stage on 1 held-out sample."""
     config = yaml.safe_load(DEMO_CONFIG.read_text())
-    config.update(name="tiny-demo", model={"name": "tiny-llama", "dtype": "float32"}, trials=3,
-                  screening={"trials": 2, "promote": 1, "metric": "question_loss"},
-                  test={"top_k": 1, "eviction_ratios": [0.7]},
-                  tracking={"tracking_uri": "http://127.0.0.1:5000", "experiment": "grkv-tiny-demo"})
+    config.update(
+        name="tiny-demo",
+        model={"name": "tiny-llama", "dtype": "float32"},
+        trials=3,
+        screening={"trials": 2, "promote": 1, "metric": "question_loss"},
+        test={"top_k": 1, "eviction_ratios": [0.7]},
+        tracking={"tracking_uri": "http://127.0.0.1:5000", "experiment": "grkv-tiny-demo"},
+    )
     config["data"].update(tasks=["niah_single_1"], context_length=512, samples=1, test={"samples": 1})
     path = tmp_path / "tiny-demo.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -163,12 +198,25 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
     from grkv_core.registry import press_from_file
 
     state = tmp_path / "state"
-    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
-             "GRKV_MLFLOW_PORT")
+    names = (
+        "GRKV_RAY_PORT",
+        "GRKV_RAY_DASHBOARD_PORT",
+        "GRKV_RAY_CLIENT_PORT",
+        "GRKV_RAY_AGENT_PORT",
+        "GRKV_MLFLOW_PORT",
+    )
     ports = dict(zip(names, map(str, free_ports(len(names)))))
     env = {**os.environ, **ports, "GRKV_RAY_CPUS": "2", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "sweeps.cli", "demo", "--config", str(tiny_demo_config(tmp_path)),
-               "--state-dir", str(state)]
+    command = [
+        sys.executable,
+        "-m",
+        "sweeps.cli",
+        "demo",
+        "--config",
+        str(tiny_demo_config(tmp_path)),
+        "--state-dir",
+        str(state),
+    ]
     tracking_uri = f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}"
     try:
         first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -196,18 +244,25 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
         # The chosen press is one the test stage confirmed (the test stage ran: 1 best + 2 baselines + 1 ratio).
         assert sum(run.data.tags.get(STAGE_TAG) == TEST_STAGE for run in runs) == 4
 
-        second = subprocess.run([*command, "--stop"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=600)
+        second = subprocess.run(
+            [*command, "--stop"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
         assert "already running" in second.stdout and "resuming, 9 run(s) already finished" in second.stdout
         assert "local stack stopped" in second.stdout
-        assert len(client_runs := MlflowClient(f"sqlite:///{state}/mlflow.db").search_runs(
-            [experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'tiny-demo'", max_results=100)) == len(runs), \
-            "a resumed finished sweep redoes nothing"
+        assert len(
+            client_runs := MlflowClient(f"sqlite:///{state}/mlflow.db").search_runs(
+                [experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'tiny-demo'", max_results=100
+            )
+        ) == len(runs), "a resumed finished sweep redoes nothing"
         assert all(run.info.status == "FINISHED" for run in client_runs)
     finally:
-        subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)},
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            ["bash", str(REPO / "infra/local/stop.sh")],
+            env={**env, "GRKV_STATE_DIR": str(state)},
+            capture_output=True,
+            timeout=120,
+        )
 
 
 @pytest.mark.parametrize("command", ["eval", "compare"])

@@ -71,10 +71,13 @@ def a_value_other_than_the_default(merge: str, name: str):
 
 
 def test_the_config_modules_load_no_heavy_package():
-    code = ("import sys, grkv_core.config, grkv_core.evaluation.kvpress_layout, sweeps.config; "
-            "print(sorted(m for m in ('torch', 'kvpress', 'transformers') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            check=True)
+    code = (
+        "import sys, grkv_core.config, grkv_core.evaluation.kvpress_layout, sweeps.config; "
+        "print(sorted(m for m in ('torch', 'kvpress', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 
@@ -82,8 +85,11 @@ def test_every_metric_is_defined_once_and_the_metric_tuples_are_views_of_the_tab
     names = [spec.name for spec in METRICS]
     assert len(names) == len(set(names))
     # NOTE: read from the source, so a metric's name typed into a tuple of its own again is caught.
-    literals = Counter(node.value for node in ast.walk(ast.parse((REPO / "grkv_core" / "config.py").read_text()))
-                       if isinstance(node, ast.Constant) and isinstance(node.value, str))
+    literals = Counter(
+        node.value
+        for node in ast.walk(ast.parse((REPO / "grkv_core" / "config.py").read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
     assert {name: literals[name] for name in names} == dict.fromkeys(names, 1)
     assert all(spec.family in (BENCHMARK, ANSWER, RECONSTRUCTION, COST) for spec in METRICS)
     assert all(spec.summary in (SAMPLE_MEAN, TASK_MEAN, None) for spec in METRICS)
@@ -92,8 +98,14 @@ def test_every_metric_is_defined_once_and_the_metric_tuples_are_views_of_the_tab
     assert LOSS_METRICS == ("window_loss", "heldout_loss", "question_loss")
     assert HIGHER_IS_BETTER == {"score", "mean_score", "mean_score_outside_window", "answer_top1"}
     assert SCREENING_METRICS == ("answer_nll", "answer_kl", "window_loss", "question_loss")
-    assert OBJECTIVE_METRICS == ("mean_score", *ANSWER_METRICS, *LOSS_METRICS, "ttft_s", "decode_ms_per_token",
-                                 "kv_bytes")
+    assert OBJECTIVE_METRICS == (
+        "mean_score",
+        *ANSWER_METRICS,
+        *LOSS_METRICS,
+        "ttft_s",
+        "decode_ms_per_token",
+        "kv_bytes",
+    )
 
 
 @pytest.mark.parametrize("metric", OBJECTIVE_METRICS)
@@ -142,8 +154,9 @@ def test_every_option_of_every_merger_is_settable_from_a_sweep_config(merge, nam
     from sweeps.space import suggest_press
 
     value = a_value_other_than_the_default(merge, name)
-    config = SweepConfig(name="walk", trials=1, merge=[merge],
-                         search_space={name: {"type": "categorical", "choices": [value]}})
+    config = SweepConfig(
+        name="walk", trials=1, merge=[merge], search_space={name: {"type": "categorical", "choices": [value]}}
+    )
     study = optuna.create_study()
     press_config = suggest_press(study.ask(), config)
     assert press_config.merge_options == {name: value}
@@ -156,8 +169,9 @@ def test_an_option_the_chosen_merger_does_not_take_is_refused_on_the_command_lin
     with pytest.raises(ValueError, match=r"^--merge d2o takes no --beta \(options of grkv\)$"):
         _merge_options(build_parser().parse_args(["eval", "--merge", "d2o", "--beta", "0.2"]), "d2o")
     with pytest.raises(ValueError, match=r"search_space.sigma: an option of \['kvmerger'\], none of them"):
-        SweepConfig(name="walk", trials=1, merge=["grkv"], search_space={"sigma": {"type": "float", "low": 0.1,
-                                                                                   "high": 1.0}})
+        SweepConfig(
+            name="walk", trials=1, merge=["grkv"], search_space={"sigma": {"type": "float", "low": 0.1, "high": 1.0}}
+        )
 
 
 def test_an_option_two_mergers_share_means_one_kind_of_value():
@@ -173,8 +187,9 @@ def test_every_merger_presses_fields_are_exactly_its_option_specs(merge):
 
     from grkv_core.registry import MERGERS
 
-    press_fields = {item.name: item.default for item in fields(MERGERS[merge])
-                    if item.name not in ("press", "compression_ratio")}
+    press_fields = {
+        item.name: item.default for item in fields(MERGERS[merge]) if item.name not in ("press", "compression_ratio")
+    }
     assert list(press_fields) == list(MERGER_OPTION_SPECS[merge])
     if merge in MERGER_OPTIONS:
         assert press_fields == {item.name: item.default for item in fields(MERGER_OPTIONS[merge])}
@@ -186,14 +201,17 @@ def test_unset_cli_flags_keep_the_press_defaults():
     assert _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"]), "grkv") == {}
 
 
-@pytest.mark.parametrize("name, param, problem", [
-    ("components", {"type": "categorical", "choices": ["kv", "kq"]}, "choice(s) ['kq'] rejected"),
-    ("window_size", {"type": "float", "low": 8.0, "high": 64.0}, "type: float cannot set it"),
-    ("safeguard", {"type": "int", "low": 0, "high": 1}, "type: int cannot set it"),
-    ("beta", {"type": "float", "low": 0.0, "high": 1.5}, "bound(s) [1.5] rejected"),
-    ("max_rel_update_k", {"type": "float", "low": 0.01, "high": 0.1, "include_zero": True}, "bound(s) [0.0]"),
-    ("compression_ratio", {"type": "float", "low": 0.5, "high": 1.0}, "bound(s) [1.0] rejected"),
-])
+@pytest.mark.parametrize(
+    "name, param, problem",
+    [
+        ("components", {"type": "categorical", "choices": ["kv", "kq"]}, "choice(s) ['kq'] rejected"),
+        ("window_size", {"type": "float", "low": 8.0, "high": 64.0}, "type: float cannot set it"),
+        ("safeguard", {"type": "int", "low": 0, "high": 1}, "type: int cannot set it"),
+        ("beta", {"type": "float", "low": 0.0, "high": 1.5}, "bound(s) [1.5] rejected"),
+        ("max_rel_update_k", {"type": "float", "low": 0.01, "high": 0.1, "include_zero": True}, "bound(s) [0.0]"),
+        ("compression_ratio", {"type": "float", "low": 0.5, "high": 1.0}, "bound(s) [1.0] rejected"),
+    ],
+)
 def test_a_search_space_the_options_reject_is_a_one_line_error(tmp_path, name, param, problem):
     path = tmp_path / "sweep.yaml"
     path.write_text(f"name: bad\ntrials: 1\nsearch_space:\n  {name}: {param}\n")
@@ -206,11 +224,15 @@ def test_a_search_space_the_options_reject_is_a_one_line_error(tmp_path, name, p
 def test_the_paper_baseline_skips_what_a_searched_parameter_cannot_express():
     from sweeps.space import baseline_params
 
-    config = SweepConfig(name="caps", trials=1, search_space={
-        "max_rel_update_k": {"type": "float", "low": 0.01, "high": 0.1},
-        "cg_max_iter": {"type": "int", "low": 1, "high": 8},
-        "safeguard": {"type": "categorical", "choices": [True, False]},
-    })
+    config = SweepConfig(
+        name="caps",
+        trials=1,
+        search_space={
+            "max_rel_update_k": {"type": "float", "low": 0.01, "high": 0.1},
+            "cg_max_iter": {"type": "int", "low": 1, "high": 8},
+            "safeguard": {"type": "categorical", "choices": [True, False]},
+        },
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         paper = dict(baseline_params(config))["paper_default"]
@@ -223,8 +245,20 @@ def test_paper_options_are_alg_1_and_build():
     assert press.safeguard is False and press.cg_max_iter >= 100 and press.lambda_k == press.lambda_v == 1e-2
 
 
-@pytest.mark.parametrize("value, accepted", [(0.0, True), (1.0, True), (0.5, True), (1.5, False), (-0.1, False),
-                                             (float("nan"), False), (True, False), ("0.5", False), (None, False)])
+@pytest.mark.parametrize(
+    "value, accepted",
+    [
+        (0.0, True),
+        (1.0, True),
+        (0.5, True),
+        (1.5, False),
+        (-0.1, False),
+        (float("nan"), False),
+        (True, False),
+        ("0.5", False),
+        (None, False),
+    ],
+)
 def test_a_closed_float_range_accepts_exactly_its_numbers(value, accepted):
     assert OptionSpec("", float, low=0.0, high=1.0).accepts(value) is accepted
 
@@ -237,8 +271,9 @@ def test_options_name_the_first_rejected_field():
 
 
 def test_eval_config_round_trips_and_reads_the_loss_window_of_older_result_files():
-    config = EvalConfig(tasks=("niah_single_1",), press=PressConfig("snapkv", 0.8, "grkv", {"window_size": 16}),
-                        loss_window=24)
+    config = EvalConfig(
+        tasks=("niah_single_1",), press=PressConfig("snapkv", 0.8, "grkv", {"window_size": 16}), loss_window=24
+    )
     assert EvalConfig.from_dict(config.to_dict()) == config
     legacy = {key: value for key, value in config.to_dict().items() if key != "loss_window"}
     assert EvalConfig.from_dict({**legacy, "window_size": 24}) == config

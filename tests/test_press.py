@@ -9,20 +9,20 @@ import warnings
 
 import pytest
 import torch
+from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, model_and_press, tiny_model
 from kvpress import ComposedPress
 from kvpress.utils import compute_n_kept
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from grkv_core.config import GRKV_OPTION_SPECS
-from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 from grkv_core.evaluation.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
-from conftest import TINY_ARCHITECTURES, assert_batch_elements_compressed_independently, model_and_press, tiny_model
+from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 
 ARCHITECTURES = TINY_ARCHITECTURES
 CONTEXT = 160
@@ -88,8 +88,9 @@ def capture_window(model, ids, window, layer_index=0):
     captured = {}
 
     def hook(module, args, kwargs, output):
-        captured["queries"] = surrogate_queries(module, kwargs["hidden_states"], kwargs["position_embeddings"],
-                                                n_queries=window)
+        captured["queries"] = surrogate_queries(
+            module, kwargs["hidden_states"], kwargs["position_embeddings"], n_queries=window
+        )
 
     handle = layers_of(model)[layer_index].self_attn.register_forward_hook(hook, with_kwargs=True)
     try:
@@ -99,8 +100,12 @@ def capture_window(model, ids, window, layer_index=0):
     return cache.layers[layer_index].keys, cache.layers[layer_index].values, captured["queries"]
 
 
-@pytest.mark.parametrize("architecture,press_name", model_and_press(
-    ARCHITECTURES, ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention", "criticalkv"]))
+@pytest.mark.parametrize(
+    "architecture,press_name",
+    model_and_press(
+        ARCHITECTURES, ["snapkv", "pyramidkv", "streamingllm", "knorm", "expected_attention", "criticalkv"]
+    ),
+)
 def test_grkv_lowers_the_first_compressed_layers_window_discrepancy_versus_plain_eviction(architecture, press_name):
     # A layer sees the same input with or without compression (the prefill's forward never reads a compressed
     # cache), so both caches keep the same tokens.
@@ -117,8 +122,11 @@ def test_grkv_lowers_the_first_compressed_layers_window_discrepancy_versus_plain
     assert torch.equal(layers_of(model)[layer].self_attn.kept_positions, positions)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
-    args = dict(query_positions=window.positions, compressed_positions=positions,
-                scale=layers_of(model)[layer].self_attn.scaling)
+    args = dict(
+        query_positions=window.positions,
+        compressed_positions=positions,
+        scale=layers_of(model)[layer].self_attn.scaling,
+    )
     plain_loss = reconstruction_loss(window.queries, full_keys, full_values, plain_keys, plain_values, **args)
     merged_loss = reconstruction_loss(window.queries, full_keys, full_values, merged.keys, merged.values, **args)
     assert merged_loss < plain_loss
@@ -150,13 +158,24 @@ def test_batch_elements_are_compressed_independently(architecture):
     assert_batch_elements_compressed_independently(model, ids, press)
 
 
-@pytest.mark.parametrize("options", [
-    dict(components="k"), dict(components="v"), dict(steps=3), dict(lambda_k=0.0, lambda_v=0.0),
-    dict(query_policy="stratified"), dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
-    dict(accept="objective"), dict(accept="validation"), dict(beta=0.0), dict(head_weighting="o_proj"),
-    dict(merged_layers="early"), dict(merged_layers="late"),
-    pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(components="k"),
+        dict(components="v"),
+        dict(steps=3),
+        dict(lambda_k=0.0, lambda_v=0.0),
+        dict(query_policy="stratified"),
+        dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
+        dict(accept="objective"),
+        dict(accept="validation"),
+        dict(beta=0.0),
+        dict(head_weighting="o_proj"),
+        dict(merged_layers="early"),
+        dict(merged_layers="late"),
+        pytest.param(dict(beta=1.0), marks=pytest.mark.filterwarnings("ignore:GRKV refits nothing")),  # all fixed
+    ],
+)
 def test_press_options_run_and_keep_the_budget(options):
     model = tiny_model("tiny-qwen3").model
     ids = context_ids(model.config.vocab_size, seed=4)
@@ -168,7 +187,9 @@ def test_press_options_run_and_keep_the_budget(options):
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("merged_layers", ["early", "late"])
-def test_merged_layers_merges_its_half_of_the_compressed_layers_and_leaves_the_rest_evicted(architecture, merged_layers):
+def test_merged_layers_merges_its_half_of_the_compressed_layers_and_leaves_the_rest_evicted(
+    architecture, merged_layers
+):
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, seed=12)
     full = prefill(model, ids)
@@ -182,12 +203,14 @@ def test_merged_layers_merges_its_half_of_the_compressed_layers_and_leaves_the_r
     for index in compressed:
         # kvpress's SnapKV stores its rows in score order, a merger in position order.
         order = recover_kept_positions(plain.layers[index].keys, full.layers[index].keys).argsort(-1)[..., None]
-        evicted = [rows.gather(2, order.expand_as(rows)) for rows in (plain.layers[index].keys,
-                                                                     plain.layers[index].values)]
+        evicted = [
+            rows.gather(2, order.expand_as(rows)) for rows in (plain.layers[index].keys, plain.layers[index].values)
+        ]
         got = (part.layers[index].keys, part.layers[index].values)
         if index in merged:
-            torch.testing.assert_close(got, (every.layers[index].keys, every.layers[index].values), rtol=1e-5,
-                                       atol=1e-6)
+            torch.testing.assert_close(
+                got, (every.layers[index].keys, every.layers[index].values), rtol=1e-5, atol=1e-6
+            )
             assert not torch.equal(got[0], evicted[0]) or not torch.equal(got[1], evicted[1])
         else:
             assert torch.equal(got[0], evicted[0]) and torch.equal(got[1], evicted[1])
@@ -204,8 +227,13 @@ def test_trust_region_caps_bound_the_update_per_head():
     ids = context_ids(model.config.vocab_size, seed=5)
     full_keys, full_values, _ = capture_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[0]
-    capped = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", lambda_k=0.0, lambda_v=0.0,
-                                             max_rel_update_k=0.025, max_rel_update_v=0.1)).layers[0]
+    capped = prefill(
+        model,
+        ids,
+        build_press(
+            "snapkv", RATIO, merge="grkv", lambda_k=0.0, lambda_v=0.0, max_rel_update_k=0.025, max_rel_update_v=0.1
+        ),
+    ).layers[0]
     positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
@@ -221,22 +249,24 @@ def test_objective_acceptance_never_worsens_the_window_discrepancy():
     ids = context_ids(model.config.vocab_size, seed=6)
     full_keys, full_values, window = capture_window(model, ids, window=32)
     plain = prefill(model, ids, build_press("knorm", RATIO)).layers[0]
-    accepted = prefill(model, ids, build_press("knorm", RATIO, merge="grkv", lambda_k=0.0,
-                                               accept="objective")).layers[0]
+    accepted = prefill(model, ids, build_press("knorm", RATIO, merge="grkv", lambda_k=0.0, accept="objective")).layers[
+        0
+    ]
     positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
     args = dict(query_positions=window.positions, compressed_positions=positions)
-    assert reconstruction_loss(window.queries, full_keys, full_values, accepted.keys, accepted.values, **args) <= \
-        reconstruction_loss(window.queries, full_keys, full_values, plain_keys, plain_values, **args) * (1 + 1e-6)
+    assert reconstruction_loss(
+        window.queries, full_keys, full_values, accepted.keys, accepted.values, **args
+    ) <= reconstruction_loss(window.queries, full_keys, full_values, plain_keys, plain_values, **args) * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(architecture):
-    from grkv_core.solver.losses import discrepancy_per_head
     from grkv_core.solver import grkv_merge
+    from grkv_core.solver.losses import discrepancy_per_head
 
     model = tiny_model(architecture).model
     layer = compressed_layers(model)[0].self_attn.layer_idx
@@ -246,13 +276,15 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     options = dict(lambda_k=0.0, lambda_v=1e-4, target_from_forward=False)  # little ridge: room to overfit
     plain = prefill(model, ids, build_press("snapkv", RATIO)).layers[layer]
     always = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", **options)).layers[layer]
-    validated = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", accept="validation",
-                                                **options)).layers[layer]
+    validated = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", accept="validation", **options)).layers[
+        layer
+    ]
     positions = recover_kept_positions(plain.keys, full_keys)
     order = positions.argsort(-1)
     positions = positions.gather(-1, order)
     plain_keys = plain.keys.gather(2, order[..., None].expand_as(plain.keys))
     plain_values = plain.values.gather(2, order[..., None].expand_as(plain.values))
+
     def same(keys, values):
         return (validated.keys == keys).flatten(2).all(-1) & (validated.values == values).flatten(2).all(-1)
 
@@ -262,35 +294,69 @@ def test_validation_acceptance_merges_only_the_heads_whose_held_out_tokens_gain(
     fixed = ((always.keys == plain_keys) & (always.values == plain_values)).all(-1)
     token = torch.arange(window.queries.shape[2]) % window.token_positions.numel()
     even, odd = token % 2 == 0, token % 2 == 1
-    half_keys, half_values = grkv_merge(window.queries[:, :, even], full_keys, full_values, positions, fixed,
-                                        query_positions=window.positions[even], scale=scale, lambda_k=0.0,
-                                        lambda_v=1e-4)
+    half_keys, half_values = grkv_merge(
+        window.queries[:, :, even],
+        full_keys,
+        full_values,
+        positions,
+        fixed,
+        query_positions=window.positions[even],
+        scale=scale,
+        lambda_k=0.0,
+        lambda_v=1e-4,
+    )
     held_out = dict(query_positions=window.positions[odd], compressed_positions=positions, scale=scale)
-    half_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, half_keys, half_values,
-                                     **held_out)[0]
-    plain_loss = discrepancy_per_head(window.queries[:, :, odd], full_keys, full_values, plain_keys, plain_values,
-                                      **held_out)[0]
+    half_loss = discrepancy_per_head(
+        window.queries[:, :, odd], full_keys, full_values, half_keys, half_values, **held_out
+    )[0]
+    plain_loss = discrepancy_per_head(
+        window.queries[:, :, odd], full_keys, full_values, plain_keys, plain_values, **held_out
+    )[0]
     clear = (half_loss - plain_loss).abs() > 1e-3 * plain_loss
     assert clear.any()
     assert torch.equal((merged & ~kept_plain)[clear], (half_loss < plain_loss)[clear])
 
 
-@pytest.mark.parametrize("field,value", [
-    ("lambda_k", -1.0), ("lambda_v", float("inf")), ("beta", 1.5), ("beta", "0.1"), ("window_size", 0),
-    ("steps", 0), ("steps", True), ("n_sink", -1), ("components", "kq"), ("query_policy", "random"),
-    ("max_rel_update_k", 0.0), ("accept", "sometimes"), ("cg_rtol", -1), ("cg_rtol", "1e-6"),
-    ("safeguard", "yes"), ("ridge_scale", "per-head"), ("target_from_forward", 1), ("head_weighting", "o-proj"),
-    ("merged_layers", "middle"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("lambda_k", -1.0),
+        ("lambda_v", float("inf")),
+        ("beta", 1.5),
+        ("beta", "0.1"),
+        ("window_size", 0),
+        ("steps", 0),
+        ("steps", True),
+        ("n_sink", -1),
+        ("components", "kq"),
+        ("query_policy", "random"),
+        ("max_rel_update_k", 0.0),
+        ("accept", "sometimes"),
+        ("cg_rtol", -1),
+        ("cg_rtol", "1e-6"),
+        ("safeguard", "yes"),
+        ("ridge_scale", "per-head"),
+        ("target_from_forward", 1),
+        ("head_weighting", "o-proj"),
+        ("merged_layers", "middle"),
+    ],
+)
 def test_bad_press_options_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         GRKVPress(press=build_press("snapkv", RATIO), **{field: value})
 
 
-@pytest.mark.parametrize("field,value", [
-    ("window_size", 0), ("max_rel_update_k", -1.0), ("beta", 5), ("n_sink", -3), ("layers_per_solve", -1),
-    ("accept", "best"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("window_size", 0),
+        ("max_rel_update_k", -1.0),
+        ("beta", 5),
+        ("n_sink", -3),
+        ("layers_per_solve", -1),
+        ("accept", "best"),
+    ],
+)
 def test_options_changed_after_construction_are_refused_when_the_press_is_used(field, value):
     model = tiny_model("tiny-llama").model
     ids = context_ids(model.config.vocab_size)
@@ -357,11 +423,13 @@ def test_paper_snapkv_window():
 
 def _snapkv_64():
     from kvpress import SnapKVPress
+
     return SnapKVPress(compression_ratio=RATIO, window_size=64)
 
 
 def _chunked_snapkv_8():
     from kvpress import ChunkPress, SnapKVPress
+
     return ChunkPress(press=SnapKVPress(compression_ratio=RATIO, window_size=8), chunk_length=64)
 
 
@@ -386,8 +454,9 @@ def test_top_beta_ranks_only_genuinely_scored_tokens(base_press, forced_ranges):
     scores = torch.rand(1, 2, length, generator=generator)
     scores[..., forced] = float(scores.max()) + 1
     kept = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
-    selection = TokenSelection(scores=scores, kept_mask=torch.zeros(1, 2, length, dtype=torch.bool),
-                               uniform_budget=budget)
+    selection = TokenSelection(
+        scores=scores, kept_mask=torch.zeros(1, 2, length, dtype=torch.bool), uniform_budget=budget
+    )
     press = GRKVPress(press=base_press(), beta=0.25)
     fixed = press._fixed(selection, kept)
     protected = (kept < press.n_sink) | (kept >= length - press.window_size)
@@ -404,6 +473,7 @@ def test_top_beta_ranks_only_genuinely_scored_tokens(base_press, forced_ranges):
 
 def test_unsupported_base_press_is_refused_clearly():
     from kvpress import DecodingPress, KnormPress
+
     with pytest.raises(ValueError, match="press must be"):
         GRKVPress(press=DecodingPress(base_press=KnormPress()))
     with pytest.raises(ValueError, match="press must be"):
@@ -417,8 +487,16 @@ def test_unsupported_base_press_is_refused_clearly():
 @pytest.fixture(scope="module")
 def five_layer_llama():
     """A 5-layer version of tiny-llama's architecture: enough layers for groups of 2 and 3 to end mid-model."""
-    config = LlamaConfig(vocab_size=256, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         hidden_size=64, intermediate_size=128, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=256,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
@@ -432,17 +510,26 @@ def counting_solves(monkeypatch) -> list[int]:
     batches = []
     solve = press_module.solve_regression
     for module in (press_module, groups_module):
-        monkeypatch.setattr(module, "solve_regression", lambda regression, options, issues=None: (
-            batches.append(regression.batch), solve(regression, options, issues))[1])
+        monkeypatch.setattr(
+            module,
+            "solve_regression",
+            lambda regression, options, issues=None: (
+                batches.append(regression.batch),
+                solve(regression, options, issues),
+            )[1],
+        )
     return batches
 
 
 # Solves' batches (2 prompts per layer) with layers merged alone, then for each layers_per_solve.
-@pytest.mark.parametrize("budgets, groups", [
-    pytest.param("uniform", {1: [2] * 5, 2: [4, 4, 2], 3: [6, 4], 6: [10]}, id="uniform"),
-    # Layer 2 keeps more (a group holds one shape) and layer 4 evicts nothing (the last group ends there anyway).
-    pytest.param("per-layer", {1: [2] * 4, 2: [4, 2, 2], 3: [4, 2, 2], 6: [4, 2, 2]}, id="per-layer"),
-])
+@pytest.mark.parametrize(
+    "budgets, groups",
+    [
+        pytest.param("uniform", {1: [2] * 5, 2: [4, 4, 2], 3: [6, 4], 6: [10]}, id="uniform"),
+        # Layer 2 keeps more (a group holds one shape) and layer 4 evicts nothing (the last group ends there anyway).
+        pytest.param("per-layer", {1: [2] * 4, 2: [4, 2, 2], 3: [4, 2, 2], 6: [4, 2, 2]}, id="per-layer"),
+    ],
+)
 def test_layers_merged_together_equal_layers_merged_alone(five_layer_llama, budgets, groups, monkeypatch):
     from kvpress import PerLayerCompressionPress
 
@@ -503,15 +590,23 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
     ids = context_ids(model.config.vocab_size, batch=2, seed=8)
     supplied = []
     reduce = KeptRegression.of
-    monkeypatch.setattr(KeptRegression, "of", classmethod(lambda cls, *args, **kwargs: (
-        supplied.append(kwargs["full_outputs"] is not None), reduce(*args, **kwargs))[1]))
+    monkeypatch.setattr(
+        KeptRegression,
+        "of",
+        classmethod(
+            lambda cls, *args, **kwargs: (supplied.append(kwargs["full_outputs"] is not None), reduce(*args, **kwargs))[
+                1
+            ]
+        ),
+    )
     converged = dict(cg_max_iter=300, cg_rtol=1e-7)  # capped CG would amplify the targets' rounding differences
     reusing = build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged)
     reused = prefill(model, ids, reusing)
     assert supplied and all(supplied)
     supplied.clear()
-    recomputed = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False,
-                                                 **converged))
+    recomputed = prefill(
+        model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False, **converged)
+    )
     assert supplied and not any(supplied)
     for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
@@ -522,29 +617,38 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")  # AdaKV leaves some heads only fixed rows
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
-def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projection(architecture, press_name,
-                                                                                    monkeypatch):
+def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projection(
+    architecture, press_name, monkeypatch
+):
     from grkv_core.solver.regression import KeptRegression
 
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=10)
     given = []
     reduce = KeptRegression.of
-    monkeypatch.setattr(KeptRegression, "of", classmethod(lambda cls, *args, **kwargs: (
-        given.append(kwargs["row_weights"]), reduce(*args, **kwargs))[1]))
+    monkeypatch.setattr(
+        KeptRegression,
+        "of",
+        classmethod(lambda cls, *args, **kwargs: (given.append(kwargs["row_weights"]), reduce(*args, **kwargs))[1]),
+    )
     weighted = prefill(model, ids, build_press(press_name, RATIO, merge="grkv", head_weighting="o_proj"))
     config, layers = model.config, compressed_layers(model)
     groups = config.num_attention_heads // config.num_key_value_heads
     expected = []  # per layer: (H_kv, groups) query-head weights, ‖W_o^h‖²_F over the layer's mean, in float64
     for layer in layers:
         weight, head_dim = layer.self_attn.o_proj.weight.double(), layer.self_attn.head_dim
-        norms = torch.stack([weight[:, h * head_dim:(h + 1) * head_dim].square().sum()
-                             for h in range(config.num_attention_heads)])
+        norms = torch.stack(
+            [weight[:, h * head_dim : (h + 1) * head_dim].square().sum() for h in range(config.num_attention_heads)]
+        )
         expected.append((norms / norms.mean()).view(config.num_key_value_heads, groups))
     # SnapKV merges a layer at once ((B, H_kv, groups·m) weights); AdaKV head by head ((1, 1, groups·m) each,
     # batch-major then KV heads, as BaseMergerPress visits them).
-    per_head = [(layer, batch, kv_head) for layer in range(len(layers)) for batch in range(2)
-                for kv_head in range(config.num_key_value_heads)]
+    per_head = [
+        (layer, batch, kv_head)
+        for layer in range(len(layers))
+        for batch in range(2)
+        for kv_head in range(config.num_key_value_heads)
+    ]
     assert len(given) == (len(layers) if press_name == "snapkv" else len(per_head))
     for index, row_weights in enumerate(given):
         window = row_weights.shape[-1] // groups
@@ -579,13 +683,17 @@ def test_window_queries_come_from_the_forwards_own_q_proj(architecture, press_na
         module.q_proj(torch.randn_like(kwargs["hidden_states"]))
 
     press.layer_context = recording_layer_context
-    handles = [layer.self_attn.register_forward_hook(projects_other_tokens_too, with_kwargs=True)
-               for layer in layers_of(model)]
+    handles = [
+        layer.self_attn.register_forward_hook(projects_other_tokens_too, with_kwargs=True) for layer in layers_of(model)
+    ]
     projections = queries_module.get_prerope_query_states
     try:
         with monkeypatch.context() as patched:
-            patched.setattr(queries_module, "get_prerope_query_states", lambda *args: pytest.fail(
-                "the press projected the window's hidden states again"))
+            patched.setattr(
+                queries_module,
+                "get_prerope_query_states",
+                lambda *args: pytest.fail("the press projected the window's hidden states again"),
+            )
             prefill(model, ids, press)
     finally:
         for handle in handles:
@@ -616,11 +724,17 @@ def test_the_window_is_held_fixed_unless_fix_window_is_off(fix_window):
     model = tiny_model().model
     ids = context_ids(model.config.vocab_size, seed=13)
     full = prefill(model, ids).layers[0]
-    merged = prefill(model, ids, build_press("snapkv", RATIO, merge="grkv", beta=0.0, n_sink=0, lambda_k=1e-3,
-                                             lambda_v=1e-3, fix_window=fix_window)).layers[0]
+    merged = prefill(
+        model,
+        ids,
+        build_press(
+            "snapkv", RATIO, merge="grkv", beta=0.0, n_sink=0, lambda_k=1e-3, lambda_v=1e-3, fix_window=fix_window
+        ),
+    ).layers[0]
     window = 32
-    same = (merged.keys[:, :, -window:] == full.keys[:, :, -window:]).all(-1) & \
-        (merged.values[:, :, -window:] == full.values[:, :, -window:]).all(-1)
+    same = (merged.keys[:, :, -window:] == full.keys[:, :, -window:]).all(-1) & (
+        merged.values[:, :, -window:] == full.values[:, :, -window:]
+    ).all(-1)
     assert bool(same.all()) == fix_window
 
 
@@ -630,8 +744,12 @@ def test_kept_positions_are_each_heads_kept_positions_in_increasing_order(batch,
     kept = torch.rand(batch, heads, length, generator=generator).argsort(dim=-1)[..., :budget]
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool).scatter_(-1, kept, True)
     selection = TokenSelection(scores=torch.zeros(batch, heads, length), kept_mask=kept_mask, uniform_budget=budget)
-    reference = torch.tensor([[[position for position in range(length) if kept_mask[b, h, position]]
-                               for h in range(heads)] for b in range(batch)])
+    reference = torch.tensor(
+        [
+            [[position for position in range(length) if kept_mask[b, h, position]] for h in range(heads)]
+            for b in range(batch)
+        ]
+    )
     assert torch.equal(selection.kept_positions(), reference)
     assert selection.kept_positions() is selection.kept_positions()  # computed once per selection
     assert torch.equal(selection.kept_positions(), kept_mask.nonzero()[:, 2].view(batch, heads, budget))

@@ -40,14 +40,35 @@ def test_a_request_from_before_stages_reads_as_a_full_trial():
 
 def test_finished_and_lost_outcomes_round_trip_through_json():
     press = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 0.0})
-    finished = TrialOutcome(5, "ok", started_at=10.0, finished_at=12.5, batch_trials=2, worker=WORKER,
-                            resolved_press=resolved(press), summary={"mean_score": 50.0, "tasks": {"a": 50.0}},
-                            samples=[{"sample_id": "a-0", "predictions": ["x"], "scores": [0.5]}])
+    finished = TrialOutcome(
+        5,
+        "ok",
+        started_at=10.0,
+        finished_at=12.5,
+        batch_trials=2,
+        worker=WORKER,
+        resolved_press=resolved(press),
+        summary={"mean_score": 50.0, "tasks": {"a": 50.0}},
+        samples=[{"sample_id": "a-0", "predictions": ["x"], "scores": [0.5]}],
+    )
     lost = TrialOutcome.lost(6, "worker is gone")
-    tested = TrialOutcome.of(TrialRequest(None, press, TEST_STAGE, "5"), "ok", started_at=1.0, finished_at=2.0,
-                             worker=WORKER, resolved_press=resolved(press), summary={"mean_score": 0.0})
-    screened = TrialOutcome.of(TrialRequest(1, press, SCREEN_STAGE), "ok", started_at=1.0, finished_at=2.0,
-                               worker=WORKER, summary={"mean_score": None, "tasks": {}})
+    tested = TrialOutcome.of(
+        TrialRequest(None, press, TEST_STAGE, "5"),
+        "ok",
+        started_at=1.0,
+        finished_at=2.0,
+        worker=WORKER,
+        resolved_press=resolved(press),
+        summary={"mean_score": 0.0},
+    )
+    screened = TrialOutcome.of(
+        TrialRequest(1, press, SCREEN_STAGE),
+        "ok",
+        started_at=1.0,
+        finished_at=2.0,
+        worker=WORKER,
+        summary={"mean_score": None, "tasks": {}},
+    )
     for outcome in (finished, lost, tested, screened):
         assert TrialOutcome.from_dict(through_json(outcome.to_dict())) == outcome
     assert finished.ok and not lost.ok
@@ -60,8 +81,17 @@ def test_finished_and_lost_outcomes_round_trip_through_json():
 
 
 def test_an_outcome_from_before_stages_reads_as_a_full_trial():
-    stored = {"trial_number": 4, "status": "failed", "error": "x", "started_at": None, "finished_at": None,
-              "worker": None, "resolved_press": {}, "summary": None, "samples": []}
+    stored = {
+        "trial_number": 4,
+        "status": "failed",
+        "error": "x",
+        "started_at": None,
+        "finished_at": None,
+        "worker": None,
+        "resolved_press": {},
+        "summary": None,
+        "samples": [],
+    }
     outcome = TrialOutcome.from_dict(stored)
     assert (outcome.stage, outcome.batch_trials, outcome.key) == (FULL_STAGE, 1, "4")
 
@@ -93,5 +123,7 @@ def test_a_configuration_key_names_only_the_options_off_their_defaults():
     assert not set(settings) & {name for name in GRKV_DEFAULTS if name != "beta"}
     weighted = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3, "head_weighting": "o_proj"})
     assert json.loads(configuration_key(weighted))["head_weighting"] == "o_proj"
-    assert TrialRequest(1, implicit, checkpoint_dir="c").checkpoint != TrialRequest(1, weighted,
-                                                                                    checkpoint_dir="c").checkpoint
+    assert (
+        TrialRequest(1, implicit, checkpoint_dir="c").checkpoint
+        != TrialRequest(1, weighted, checkpoint_dir="c").checkpoint
+    )

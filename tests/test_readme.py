@@ -86,12 +86,14 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     module, function = console_scripts()[name].split(":")
     code = f"import sys; from {module} import {function}; sys.exit({function}())"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
-GRKV_COMMANDS = sorted({command for span in code_spans(README)
-                        for command in re.findall(r"(?<![\w-])grkv ([a-z][a-z-]*)", span)})
+GRKV_COMMANDS = sorted(
+    {command for span in code_spans(README) for command in re.findall(r"(?<![\w-])grkv ([a-z][a-z-]*)", span)}
+)
 
 
 def test_the_readme_names_the_main_commands():
@@ -111,11 +113,17 @@ def test_grkv_help_and_an_unknown_command():
     assert unknown.returncode != 0 and "no-such-command" in unknown.stderr
 
 
+# The README's test command: lint and format checks, then the tests.
+TEST_COMMAND = (
+    "bash scripts/install.sh && .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/python -m pytest"
+)
+
+
 def test_the_readme_test_command_is_what_ci_runs():
     commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", README, re.S) for line in block.splitlines()]
     assert "bash scripts/install.sh && .venv/bin/grkv demo" in commands
-    assert "bash scripts/install.sh && .venv/bin/python -m pytest" in commands
-    assert (REPO / ".ci/run").read_text().splitlines()[-1] == "bash scripts/install.sh && .venv/bin/python -m pytest"
+    assert TEST_COMMAND in commands
+    assert (REPO / ".ci/run").read_text().splitlines()[-1] == TEST_COMMAND
 
 
 def test_the_readme_is_at_most_250_lines():

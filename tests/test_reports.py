@@ -15,6 +15,7 @@ import numpy as np
 import optuna
 import pandas as pd
 import pytest
+from conftest import sqlite_tracking_store
 from matplotlib.image import imread
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
@@ -22,7 +23,6 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.study import StudyDirection
 from scipy import stats
 
-from conftest import sqlite_tracking_store
 from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.registry import resolved
 from sweeps.cli import report_main
@@ -30,19 +30,6 @@ from sweeps.config import SweepConfig
 from sweeps.entry_points import SERVICE_LOST, SWEEP_NOT_FOUND
 from sweeps.space import suggest_press
 from tracking.mlflow_tracker import SweepTracker
-from workers.names import (
-    BASELINE_TAG,
-    FULL_STAGE,
-    PARENT_TAG,
-    ROLE_TAG,
-    SAMPLER_PREFIX,
-    SCREEN_STAGE,
-    STAGE_TAG,
-    SWEEP_TAG,
-    TEST_OF_TAG,
-    TEST_STAGE,
-    TRIAL_TAG,
-)
 from tracking.reports import (
     ReportOptions,
     SweepNotFoundError,
@@ -62,6 +49,19 @@ from tracking.reports import (
     significance,
 )
 from tracking.reports.stats import MAX_EXACT_SIGN_FLIP_UNITS
+from workers.names import (
+    BASELINE_TAG,
+    FULL_STAGE,
+    PARENT_TAG,
+    ROLE_TAG,
+    SAMPLER_PREFIX,
+    SCREEN_STAGE,
+    STAGE_TAG,
+    SWEEP_TAG,
+    TEST_OF_TAG,
+    TEST_STAGE,
+    TRIAL_TAG,
+)
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 EXPERIMENT = "grkv-reports-test"
@@ -76,33 +76,58 @@ SEARCH_SPACE = {
     "steps": {"type": "int", "low": 1, "high": 3, "log": False},
     "components": {"type": "categorical", "choices": ["kv", "k", "v"]},
 }
-PAPER_DEFAULTS = {"merge": "grkv", "compression_ratio": 0.9, "lambda_k_is_zero": False, "lambda_k": 0.01,
-                  "lambda_v": 0.01, "beta": 0.1, "window_size": 32, "steps": 1, "components": "kv"}
+PAPER_DEFAULTS = {
+    "merge": "grkv",
+    "compression_ratio": 0.9,
+    "lambda_k_is_zero": False,
+    "lambda_k": 0.01,
+    "lambda_v": 0.01,
+    "beta": 0.1,
+    "window_size": 32,
+    "steps": 1,
+    "components": "kv",
+}
 
 
 def sweep_config(name: str, search_space: dict) -> dict:
     """A sweep config as the driver hands it to the tracker (``SweepConfig.model_dump(mode="json")``)."""
-    return SweepConfig.model_validate({
-            "name": name, "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
-            "data": {"dataset": "ruler", "tasks": list(TASKS), "context_length": 512, "samples": 2, "seed": 7,
-                     "data_dir": None},
-            "press": {"name": "snapkv", "compression_ratio": 0.9}, "merge": ["grkv", "none"],
-            "search_space": search_space, "objectives": [{"metric": "mean_score", "direction": "maximize"}],
-            "sampler": {"type": "tpe", "seed": 0, "n_startup_trials": 4}, "trials": 10,
-            "baselines": ["paper_default", "eviction_only"]}).model_dump(mode="json")
+    return SweepConfig.model_validate(
+        {
+            "name": name,
+            "model": {"name": "tiny-llama", "dtype": "float32", "attn_implementation": None},
+            "data": {
+                "dataset": "ruler",
+                "tasks": list(TASKS),
+                "context_length": 512,
+                "samples": 2,
+                "seed": 7,
+                "data_dir": None,
+            },
+            "press": {"name": "snapkv", "compression_ratio": 0.9},
+            "merge": ["grkv", "none"],
+            "search_space": search_space,
+            "objectives": [{"metric": "mean_score", "direction": "maximize"}],
+            "sampler": {"type": "tpe", "seed": 0, "n_startup_trials": 4},
+            "trials": 10,
+            "baselines": ["paper_default", "eviction_only"],
+        }
+    ).model_dump(mode="json")
 
 
-def log_trial(tracker: SweepTracker, config: dict, number: int, params: dict, scores, costs: dict,
-              baseline=None) -> str:
+def log_trial(
+    tracker: SweepTracker, config: dict, number: int, params: dict, scores, costs: dict, baseline=None
+) -> str:
     """A finished trial, written through the tracker the driver uses (same tags, params and metrics), its
     press resolved from the sampler's ``params`` as a worker resolves it."""
     press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     run_id = tracker.start_trial(number, params, baseline)
     summary = {"mean_score": statistics.fmean(scores), "tasks": dict(zip(TASKS, scores)), "costs": costs}
-    worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=number,
-                            samples=len(TASKS))
-    outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
-                           resolved_press=resolved(press), summary=summary)
+    worker = WorkerIdentity(
+        pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=number, samples=len(TASKS)
+    )
+    outcome = TrialOutcome(
+        number, "ok", started_at=0.0, finished_at=1.0, worker=worker, resolved_press=resolved(press), summary=summary
+    )
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
     return run_id
 
@@ -113,8 +138,15 @@ def store(tmp_path_factory):
 
 
 def costs(kv_bytes: int, ttft_s: float, window_loss: float = 0.01, heldout_loss: float = 0.02) -> dict:
-    return {"kv_bytes": kv_bytes, "full_kv_bytes": 10 * KV_AT_10_PERCENT, "ttft_s": ttft_s, "prefill_s": ttft_s * 0.9,
-            "decode_ms_per_token": 30.0, "window_loss": window_loss, "heldout_loss": heldout_loss}
+    return {
+        "kv_bytes": kv_bytes,
+        "full_kv_bytes": 10 * KV_AT_10_PERCENT,
+        "ttft_s": ttft_s,
+        "prefill_s": ttft_s * 0.9,
+        "decode_ms_per_token": 30.0,
+        "window_loss": window_loss,
+        "heldout_loss": heldout_loss,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +162,34 @@ def ablation_sweep(store):
     d = PAPER_DEFAULTS
     no_lambda_k = {k: v for k, v in d.items() if k != "lambda_k"} | {"lambda_k_is_zero": True}
     log_trial(tracker, config, 0, d, [12, 19, 31], costs(KV_AT_10_PERCENT, 1.10, 0.010, 0.020), "paper_default")
-    log_trial(tracker, config, 1, {"merge": "none", "compression_ratio": 0.9}, [10, 20, 30],
-              costs(KV_AT_10_PERCENT, 1.00, 0.030, 0.040), "eviction_only")
+    log_trial(
+        tracker,
+        config,
+        1,
+        {"merge": "none", "compression_ratio": 0.9},
+        [10, 20, 30],
+        costs(KV_AT_10_PERCENT, 1.00, 0.030, 0.040),
+        "eviction_only",
+    )
     log_trial(tracker, config, 2, d | {"steps": 2}, [13, 21, 29], costs(KV_AT_10_PERCENT, 1.30, 0.008, 0.022))
     log_trial(tracker, config, 3, d | {"components": "k"}, [9, 19, 29], costs(KV_AT_10_PERCENT, 1.20, 0.020, 0.030))
     log_trial(tracker, config, 4, no_lambda_k, [10.5, 20.5, 30.5], costs(KV_AT_10_PERCENT, 1.12, 0.004, 0.035))
-    log_trial(tracker, config, 5, d | {"window_size": 64, "steps": 2}, [15, 18, 27], costs(KV_AT_10_PERCENT, 1.40, 0.015, 0.025))
-    log_trial(tracker, config, 6, {"merge": "none", "compression_ratio": 0.88}, [14, 22, 30],
-              costs(KV_AT_12_PERCENT, 1.15, 0.025, 0.030))
+    log_trial(
+        tracker,
+        config,
+        5,
+        d | {"window_size": 64, "steps": 2},
+        [15, 18, 27],
+        costs(KV_AT_10_PERCENT, 1.40, 0.015, 0.025),
+    )
+    log_trial(
+        tracker,
+        config,
+        6,
+        {"merge": "none", "compression_ratio": 0.88},
+        [14, 22, 30],
+        costs(KV_AT_12_PERCENT, 1.15, 0.025, 0.030),
+    )
     log_trial(tracker, config, 7, d | {"beta": 0.2}, [11, 20, 30], costs(KV_AT_10_PERCENT, 1.11, 0.012, 0.021))
     tracker.start_trial(8, d | {"beta": 0.3}, None)
     tracker.fail_trial(tracker.start_trial(9, d | {"steps": 3}, None), TrialOutcome.lost(9, "CUDA out of memory"))
@@ -154,8 +206,14 @@ def correlation_sweep(store):
     config["objectives"].append({"metric": "heldout_loss", "direction": "minimize"})
     tracker = SweepTracker.open(store, EXPERIMENT, "correlation-sweep", config)
     for number, (score, heldout) in enumerate(zip([50, 40, 30, 10, 20], [1, 2, 3, 4, 5])):
-        log_trial(tracker, config, number, {"merge": "grkv", "lambda_v": 0.01 * (number + 1)}, [score] * 3,
-                  costs(KV_AT_10_PERCENT, 1.0, window_loss=1 - 0.01 * score, heldout_loss=heldout))
+        log_trial(
+            tracker,
+            config,
+            number,
+            {"merge": "grkv", "lambda_v": 0.01 * (number + 1)},
+            [score] * 3,
+            costs(KV_AT_10_PERCENT, 1.0, window_loss=1 - 0.01 * score, heldout_loss=heldout),
+        )
     tracker.close("FINISHED")
     return tracker
 
@@ -165,15 +223,29 @@ def correlation_sweep(store):
 TEST_SAMPLES = [(task, f"{task}-{index}") for task in TASKS for index in range(4)]
 
 
-def log_stage_run(tracker: SweepTracker, config: dict, stage: str, params: dict, metrics: dict, *,
-                  number: int | None = None, test_of: str | None = None, baseline: str | None = None,
-                  correct: set[int] | None = None, tags: dict[str, str] | None = None) -> str:
+def log_stage_run(
+    tracker: SweepTracker,
+    config: dict,
+    stage: str,
+    params: dict,
+    metrics: dict,
+    *,
+    number: int | None = None,
+    test_of: str | None = None,
+    baseline: str | None = None,
+    correct: set[int] | None = None,
+    tags: dict[str, str] | None = None,
+) -> str:
     """A finished child run of one stage, with the tags, params, metrics and predictions the stage contract
     names: ``grkv.stage``, a trial number (screen and full) or ``grkv.test_of`` (test), the resolved press and
-    the sampler's proposals, and any further ``tags``. With ``correct``, the run answered those of ``TEST_SAMPLES`` right; its per-task
-    scores and mean score are derived from them, as the evaluator derives them."""
-    tags = (tags or {}) | {PARENT_TAG: tracker.parent_run_id, SWEEP_TAG: tracker.sweep_id, ROLE_TAG: "trial",
-                           STAGE_TAG: stage}
+    the sampler's proposals, and any further ``tags``. With ``correct``, the run answered those of ``TEST_SAMPLES``
+    right; its per-task scores and mean score are derived from them, as the evaluator derives them."""
+    tags = (tags or {}) | {
+        PARENT_TAG: tracker.parent_run_id,
+        SWEEP_TAG: tracker.sweep_id,
+        ROLE_TAG: "trial",
+        STAGE_TAG: stage,
+    }
     tags |= {TRIAL_TAG: str(number)} if number is not None else {TEST_OF_TAG: test_of}
     tags |= {BASELINE_TAG: baseline} if baseline else {}
     client = tracker.client
@@ -181,14 +253,19 @@ def log_stage_run(tracker: SweepTracker, config: dict, stage: str, params: dict,
     press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     sampler = [Param(SAMPLER_PREFIX + name, str(value)) for name, value in sorted(params.items())]
     if correct is not None:
-        rows = [{"sample_id": sample_id, "task": task, "question": 0, "prediction": "x", "score": float(i in correct)}
-                for i, (task, sample_id) in enumerate(TEST_SAMPLES)]
+        rows = [
+            {"sample_id": sample_id, "task": task, "question": 0, "prediction": "x", "score": float(i in correct)}
+            for i, (task, sample_id) in enumerate(TEST_SAMPLES)
+        ]
         tasks = {task: 100 * statistics.fmean(r["score"] for r in rows if r["task"] == task) for task in TASKS}
         metrics = metrics | {f"score.{task}": value for task, value in tasks.items()}
         metrics["mean_score"] = statistics.fmean(tasks.values())
         client.log_text(run_id, json.dumps(rows), "predictions.json")
-    client.log_batch(run_id, metrics=[Metric(name, float(value), 0, 0) for name, value in metrics.items()],
-                     params=sampler + [Param(name, str(value)) for name, value in sorted(resolved(press).items())])
+    client.log_batch(
+        run_id,
+        metrics=[Metric(name, float(value), 0, 0) for name, value in metrics.items()],
+        params=sampler + [Param(name, str(value)) for name, value in sorted(resolved(press).items())],
+    )
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -197,8 +274,10 @@ def stage_costs(kv_bytes: int, prefill_s: float, **losses) -> dict:
     return {"kv_bytes": kv_bytes, "prefill_s": prefill_s, "ttft_s": 1.1 * prefill_s, **losses}
 
 
-STAGED_SPACE = {"compression_ratio": {"type": "categorical", "choices": [0.88, 0.9]},
-                "lambda_v": SEARCH_SPACE["lambda_v"]}
+STAGED_SPACE = {
+    "compression_ratio": {"type": "categorical", "choices": [0.88, 0.9]},
+    "lambda_v": SEARCH_SPACE["lambda_v"],
+}
 STAGED_FULL = {  # trial: (params, baseline, tuning score, question loss, window loss, promoted from)
     0: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.01}, "paper_default", 60, 0.40, 0.10, None),
     1: ({"merge": "none", "compression_ratio": 0.9}, "eviction_only", 50, 0.50, 0.40, None),
@@ -208,7 +287,9 @@ STAGED_FULL = {  # trial: (params, baseline, tuning score, question loss, window
     5: ({"merge": "grkv", "compression_ratio": 0.88, "lambda_v": 0.05}, None, 72, 0.28, 0.15, None),
 }
 STAGED_SCREEN = {  # screening trial (own numbering): (params, question loss, window loss)
-    0: (STAGED_FULL[2][0], 0.10, 0.20), 1: (STAGED_FULL[3][0], 0.30, 0.10), 2: (STAGED_FULL[5][0], 0.05, 0.30),
+    0: (STAGED_FULL[2][0], 0.10, 0.20),
+    1: (STAGED_FULL[3][0], 0.30, 0.10),
+    2: (STAGED_FULL[5][0], 0.05, 0.30),
     3: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 0.5}, 0.90, 0.50),
     4: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": 1.0}, 1.20, 0.60),
     5: (STAGED_FULL[3][0], 0.25, 0.10),  # screening 1's proposal again; full trial 3 names this one
@@ -236,28 +317,48 @@ def staged_sweep(store):
     tracker = SweepTracker.open(store, EXPERIMENT, "staged-sweep", config)
     for number, (params, question, window) in STAGED_SCREEN.items():
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
-        log_stage_run(tracker, config, SCREEN_STAGE, params, stage_costs(kv, 0.5, question_loss=question,
-                                                                          window_loss=window), number=number)
+        log_stage_run(
+            tracker,
+            config,
+            SCREEN_STAGE,
+            params,
+            stage_costs(kv, 0.5, question_loss=question, window_loss=window),
+            number=number,
+        )
     for number, (params, baseline, score, question, window, promoted_from) in STAGED_FULL.items():
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
         metrics = stage_costs(kv, 1.0, question_loss=question, window_loss=window, heldout_loss=0.1) | {
-            "mean_score": score, **{f"score.{task}": score for task in TASKS}}
-        log_stage_run(tracker, config, FULL_STAGE, params, metrics, number=number, baseline=baseline,
-                      tags={"grkv.promoted_from": promoted_from} if promoted_from else None)
+            "mean_score": score,
+            **{f"score.{task}": score for task in TASKS},
+        }
+        log_stage_run(
+            tracker,
+            config,
+            FULL_STAGE,
+            params,
+            metrics,
+            number=number,
+            baseline=baseline,
+            tags={"grkv.promoted_from": promoted_from} if promoted_from else None,
+        )
     for test_of, (params, prefill_s, correct) in STAGED_TEST.items():
         kv = KV_AT_12_PERCENT if params["compression_ratio"] == 0.88 else KV_AT_10_PERCENT
-        log_stage_run(tracker, config, TEST_STAGE, params, stage_costs(kv, prefill_s), test_of=test_of,
-                      correct=correct)
+        log_stage_run(tracker, config, TEST_STAGE, params, stage_costs(kv, prefill_s), test_of=test_of, correct=correct)
     tracker.close("FINISHED")
     return tracker
 
 
 # ---- statistics on hand-computable cases -----------------------------------------------------------------
 def test_pareto_front_on_known_points():
-    points = [{"score": 50, "kv": 10}, {"score": 60, "kv": 20}, {"score": 55, "kv": 20},  # 2: dominated by 1
-              {"score": 40, "kv": 5}, {"score": 60, "kv": 30},  # 4: same score as 1 at a higher cost
-              {"score": 50, "kv": 10},  # a duplicate of 0: equal points do not dominate each other
-              {"score": np.nan, "kv": 1}]  # missing score: never on the front
+    points = [
+        {"score": 50, "kv": 10},
+        {"score": 60, "kv": 20},
+        {"score": 55, "kv": 20},  # 2: dominated by 1
+        {"score": 40, "kv": 5},
+        {"score": 60, "kv": 30},  # 4: same score as 1 at a higher cost
+        {"score": 50, "kv": 10},  # a duplicate of 0: equal points do not dominate each other
+        {"score": np.nan, "kv": 1},
+    ]  # missing score: never on the front
     assert pareto_front(points, maximize=["score"], minimize=["kv"]) == [0, 1, 3, 5]
     assert pareto_front(pd.DataFrame(points), maximize=["score", "kv"]) == [4]  # (60, 30) beats all
     assert pareto_front([], maximize=["score"]) == []
@@ -265,12 +366,15 @@ def test_pareto_front_on_known_points():
         pareto_front(points)
 
 
-@pytest.mark.parametrize("differences, expected", [
-    ([0.5, 0.5, 0.5], 2 / 8),  # only +++ and --- reach |sum| = 1.5
-    ([1.0] * 5, 2 / 32),
-    ([1.0, -2.0, 3.0], 6 / 8),  # signed sums 6 0 2 -4 4 -2 0 -6: six reach |2|
-    ([0.0, 0.0], 1.0),
-])
+@pytest.mark.parametrize(
+    "differences, expected",
+    [
+        ([0.5, 0.5, 0.5], 2 / 8),  # only +++ and --- reach |sum| = 1.5
+        ([1.0] * 5, 2 / 32),
+        ([1.0, -2.0, 3.0], 6 / 8),  # signed sums 6 0 2 -4 4 -2 0 -6: six reach |2|
+        ([0.0, 0.0], 1.0),
+    ],
+)
 def test_sign_flip_test_is_exact(differences, expected):
     assert sign_flip_test(differences) == pytest.approx(expected, abs=1e-15)
 
@@ -414,15 +518,21 @@ def test_ablation_table_better_counts_and_held_defaults(store, ablation_sweep):
     assert (result.reference_trial, result.base_trial) == (0, 1)
     table = result.table.set_index(["factor", "setting"])
     expected = {  # (factor, setting): (trials, better), others at the paper defaults
-        ("Update steps (S)", "S=1"): ("0", 2), ("Update steps (S)", "S=2"): ("2", 2),
-        ("Optimized cache components", "GRKV"): ("0", 2), ("Optimized cache components", "GRK"): ("3", 0),
+        ("Update steps (S)", "S=1"): ("0", 2),
+        ("Update steps (S)", "S=2"): ("2", 2),
+        ("Optimized cache components", "GRKV"): ("0", 2),
+        ("Optimized cache components", "GRK"): ("3", 0),
         ("Regularization strength (λ = λ_k = λ_v)", "λ=0.01"): ("0", 2),
         ("Regularization strength (λ = λ_k = λ_v)", "λk=0, λv=0.01"): ("4", 3),
-        ("Fixed retained-token ratio (β)", "β=10%"): ("0", 2), ("Fixed retained-token ratio (β)", "β=20%"): ("7", 1),
+        ("Fixed retained-token ratio (β)", "β=10%"): ("0", 2),
+        ("Fixed retained-token ratio (β)", "β=20%"): ("7", 1),
     }
     for key, (trials, better) in expected.items():
-        assert (table.loc[key, "trials"], table.loc[key, "better"], table.loc[key, "held"]) == \
-               (trials, better, "at defaults"), key
+        assert (table.loc[key, "trials"], table.loc[key, "better"], table.loc[key, "held"]) == (
+            trials,
+            better,
+            "at defaults",
+        ), key
     assert table.loc[("Update steps (S)", "S=1"), "default"]
     assert table.loc[("Update steps (S)", "S=2"), "niah_a"] == 13
     # Window size is never varied alone (trial 5 also changes S): its rows average over the rest.
@@ -438,13 +548,24 @@ def test_ablation_rows_are_paired_with_the_paper_default_per_sample(store):
     config = sweep_config("paired-ablation", {"lambda_v": SEARCH_SPACE["lambda_v"]})
     tracker = SweepTracker.open(store, EXPERIMENT, "paired-ablation-sweep", config)
     right = {0: {0, 1, 2, 3, 4, 7}, 2: set(range(12)), 3: None}  # trial: samples answered right (3: no predictions)
-    for number, (params, baseline) in enumerate([({"merge": "grkv", "lambda_v": 0.01}, "paper_default"),
-                                                  ({"merge": "none"}, "eviction_only"),
-                                                  ({"merge": "grkv", "lambda_v": 0.05}, None),
-                                                  ({"merge": "grkv", "lambda_v": 0.2}, None)]):
-        log_stage_run(tracker, config, FULL_STAGE, {"compression_ratio": 0.9, **params},
-                      stage_costs(KV_AT_10_PERCENT, 1.0) | {"mean_score": 50.0, **{f"score.{t}": 50.0 for t in TASKS}},
-                      number=number, baseline=baseline, correct=right.get(number, set()))
+    for number, (params, baseline) in enumerate(
+        [
+            ({"merge": "grkv", "lambda_v": 0.01}, "paper_default"),
+            ({"merge": "none"}, "eviction_only"),
+            ({"merge": "grkv", "lambda_v": 0.05}, None),
+            ({"merge": "grkv", "lambda_v": 0.2}, None),
+        ]
+    ):
+        log_stage_run(
+            tracker,
+            config,
+            FULL_STAGE,
+            {"compression_ratio": 0.9, **params},
+            stage_costs(KV_AT_10_PERCENT, 1.0) | {"mean_score": 50.0, **{f"score.{t}": 50.0 for t in TASKS}},
+            number=number,
+            baseline=baseline,
+            correct=right.get(number, set()),
+        )
     tracker.close("FINISHED")
     result = ablation_table(load_sweep(MlflowClient(store), "paired-ablation-sweep"))
     assert result.paired_metric == "mean_score", "no answer metric logged: the score is paired"
@@ -498,8 +619,11 @@ def test_sampled_sign_flip_beyond_the_exact_size():
     assert p_value == pytest.approx(0.5, abs=0.02)
     # 30 equal differences: only 2 of 2^30 assignments reach the sum, so no sample does; p is never 0.
     assert sign_flip_test([1.0] * 30, n_resamples=999) == pytest.approx(1 / 1000)
-    rows = [{"config": config, "seed": 0, "sample": f"s{i}", "score": 100.0 * (config == "grkv" and i < 20)}
-            for config in ("grkv", "base") for i in range(40)]
+    rows = [
+        {"config": config, "seed": 0, "sample": f"s{i}", "score": 100.0 * (config == "grkv" and i < 20)}
+        for config in ("grkv", "base")
+        for i in range(40)
+    ]
     result = compare_configs(pd.DataFrame(rows), "grkv", "base", unit="sample", n_resamples=2000)
     assert (result.unit, len(result.units), result.p_exact, result.better_units) == ("sample", 40, False, 20)
     assert result.gain == pytest.approx(50.0) and result.p_value == pytest.approx(1 / 2001)
@@ -558,11 +682,13 @@ def test_significance_pairs_held_out_test_samples(store, staged_sweep):
         ("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)"),
         # Eviction at a larger budget, which spends the memory the merge saves (none is larger than 12%).
         ("trial 2 (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)"),
-        ("paper_default (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)")}
+        ("paper_default (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)"),
+    }
     larger_budget = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only@0.88 (snapkv, 12%)")]
     assert len(larger_budget.units) == 12 and larger_budget.treatment_mean == pytest.approx(700 / 12)
     assert larger_budget.control_mean == pytest.approx(
-        by_pair[("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)")].control_mean)
+        by_pair[("trial 5 (snapkv+grkv, 12%)", "eviction_only@0.88 (snapkv, 12%)")].control_mean
+    )
     versus_eviction = by_pair[("trial 2 (snapkv+grkv, 10%)", "eviction_only (snapkv, 10%)")]
     assert versus_eviction.unit == "sample" and len(versus_eviction.units) == 12 and versus_eviction.p_exact
     assert sorted(versus_eviction.differences) == [0.0] * 11 + [100.0]  # only sample 6 differs
@@ -585,8 +711,9 @@ def test_budgets_compare_merging_with_eviction_at_every_larger_budget_on_the_tes
     result = iso_resource(load_sweep(MlflowClient(store), "staged-sweep"), ttft_tolerance=0.10)
     assert result.stage == "test"
     on_lines = result.points[result.points["selected"]].set_index(["method", "budget"])
-    assert on_lines["mean_score"].to_dict() == pytest.approx({
-        ("snapkv", 0.1): 50.0, ("snapkv", 0.12): 800 / 12, ("snapkv+grkv", 0.1): 700 / 12, ("snapkv+grkv", 0.12): 75.0})
+    assert on_lines["mean_score"].to_dict() == pytest.approx(
+        {("snapkv", 0.1): 50.0, ("snapkv", 0.12): 800 / 12, ("snapkv+grkv", 0.1): 700 / 12, ("snapkv+grkv", 0.12): 75.0}
+    )
     assert on_lines.loc[("snapkv+grkv", 0.1), "configuration"] == "trial 2"  # 70 on tuning beats the default's 60
     cross = result.cross_budget.set_index(["merging_configuration", "eviction_configuration"])
     assert len(cross) == 5 and (result.cross_budget["eviction_budget"] >= result.cross_budget["merging_budget"]).all()
@@ -602,17 +729,26 @@ def test_budgets_compare_merging_with_eviction_at_every_larger_budget_on_the_tes
 
 
 def test_staged_report_says_which_samples_decide(store, staged_sweep, tmp_path):
-    report = build_report(MlflowClient(store), "staged-sweep", tmp_path,
-                          options=ReportOptions(bootstrap_resamples=2000), log_artifacts=False)
+    report = build_report(
+        MlflowClient(store),
+        "staged-sweep",
+        tmp_path,
+        options=ReportOptions(bootstrap_resamples=2000),
+        log_artifacts=False,
+    )
     names = {path.name for path in report.files}
     assert {"screening.png", "screening.md", "budgets.png", "sample_differences.png", "cross_budget.md"} <= names
     summary = report.summary
     assert "on 12 held-out test samples (disjoint from the tuning samples that chose these configurations)" in summary
     assert "6 configuration(s) screened on their losses alone (no decoding); 3 promoted" in summary
-    assert ("The tuned winner at 10%, trial 2 (best tuning score of the confirmed merging configurations there, "
-            "70.00), scores 58.33 on the held-out test samples (-11.67): worse on the held-out samples") in summary
-    assert ("trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): mean_score +8.33 (higher is better), 95% CI "
-            "[+0.00, +25.00], exact p = 1, better on 1/12 samples: no significant difference") in summary
+    assert (
+        "The tuned winner at 10%, trial 2 (best tuning score of the confirmed merging configurations there, "
+        "70.00), scores 58.33 on the held-out test samples (-11.67): worse on the held-out samples"
+    ) in summary
+    assert (
+        "trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): mean_score +8.33 (higher is better), 95% CI "
+        "[+0.00, +25.00], exact p = 1, better on 1/12 samples: no significant difference"
+    ) in summary
     assert "snapkv+grkv trial 2 at 10%: 58.33 vs eviction only at 12%: 66.67 (eviction +8.33)" in summary
     assert "selection bias" not in summary
     trials = pd.read_csv(tmp_path / "trials.csv")
@@ -624,11 +760,31 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
     client = MlflowClient(store)
     report = build_report(client, "ablation-sweep", tmp_path, options=ReportOptions(bootstrap_resamples=2000))
     names = {path.name for path in report.files}
-    pngs = ["loss_performance.png", "budgets.png", "tradeoffs.png", "task_differences.png", "param_importances.png",
-            "optimization_history.png"]
-    assert set(pngs) | {"report.html", "summary.txt", "trials.csv", "ablation.md", "ablation.csv", "iso_memory.md",
-                        "budgets.md", "cross_budget.csv", "iso_prefill.csv", "significance.md",
-                        "correlations.csv"} <= names
+    pngs = [
+        "loss_performance.png",
+        "budgets.png",
+        "tradeoffs.png",
+        "task_differences.png",
+        "param_importances.png",
+        "optimization_history.png",
+    ]
+    assert (
+        set(pngs)
+        | {
+            "report.html",
+            "summary.txt",
+            "trials.csv",
+            "ablation.md",
+            "ablation.csv",
+            "iso_memory.md",
+            "budgets.md",
+            "cross_budget.csv",
+            "iso_prefill.csv",
+            "significance.md",
+            "correlations.csv",
+        }
+        <= names
+    )
     for name in pngs:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         image = imread(tmp_path / name)
@@ -638,18 +794,38 @@ def test_report_end_to_end_writes_files_and_logs_artifacts(store, ablation_sweep
     assert "<b>21.00</b>" in page  # the best Avg. of a group, emphasised as in the paper
     ablation = (tmp_path / "ablation.md").read_text()
     assert "| Update steps (S) | S=1† | 1 | 12.00 | 19.00 | 31.00 | 20.67 | 2/3 | – | – | – | – |" in ablation
-    assert "|  | S=2 | 1 | 13.00 | 21.00 | 29.00 | **21.00** | 2/3 | – | – | – | – |" in ablation  # no predictions: unpaired
+    assert (
+        "|  | S=2 | 1 | 13.00 | 21.00 | 29.00 | **21.00** | 2/3 | – | – | – | – |" in ablation
+    )  # no predictions: unpaired
     logged = {a.path for a in client.list_artifacts(ablation_sweep.parent_run_id, "report")}
     assert {f"report/{name}" for name in names} == logged
     assert "best trial 6" in report.summary
-    assert "No test stage: the best trial was selected and evaluated on the same samples (selection bias)" in \
-        report.summary
+    assert (
+        "No test stage: the best trial was selected and evaluated on the same samples (selection bias)"
+        in report.summary
+    )
     assert "Iso-prefill: snapkv+grkv paper default (trial 0) at 10%" in report.summary
 
 
 def test_cli_reports_and_fails_in_one_line(store, ablation_sweep, tmp_path, capsys):
-    assert report_main(["--sweep-id", "ablation-sweep", "--tracking-uri", store, "--experiment", EXPERIMENT,
-                        "--output-dir", str(tmp_path), "--bootstrap-resamples", "500", "--no-log-artifacts"]) == 0
+    assert (
+        report_main(
+            [
+                "--sweep-id",
+                "ablation-sweep",
+                "--tracking-uri",
+                store,
+                "--experiment",
+                EXPERIMENT,
+                "--output-dir",
+                str(tmp_path),
+                "--bootstrap-resamples",
+                "500",
+                "--no-log-artifacts",
+            ]
+        )
+        == 0
+    )
     assert "GRKV sweep ablation-sweep (RUNNING, 8 finished trial(s))" in capsys.readouterr().out
     assert (tmp_path / "report.html").exists()
 
@@ -673,14 +849,32 @@ def test_task_difference_figure_of_identical_scores_has_a_readable_axis(tmp_path
 
     rounding_noise = 1e-17  # what the mean of exact zeros over resamples can come to
     identical = PairedComparison(
-        treatment="paper default", control="eviction_only", unit="task", seeds=(0,), units=("a", "b", "c"),
-        differences=(0.0, 0.0, 0.0), treatment_mean=27.1, treatment_sd=0.0, control_mean=27.1,
-        control_sd=0.0, ci=BootstrapCI(estimate=0.0, low=0.0, high=rounding_noise, confidence=0.95,
-                                       n_resamples=100), p_value=1.0, p_exact=True, better_units=0, better_seeds=0)
+        treatment="paper default",
+        control="eviction_only",
+        unit="task",
+        seeds=(0,),
+        units=("a", "b", "c"),
+        differences=(0.0, 0.0, 0.0),
+        treatment_mean=27.1,
+        treatment_sd=0.0,
+        control_mean=27.1,
+        control_sd=0.0,
+        ci=BootstrapCI(estimate=0.0, low=0.0, high=rounding_noise, confidence=0.95, n_resamples=100),
+        p_value=1.0,
+        p_exact=True,
+        better_units=0,
+        better_seeds=0,
+    )
     limits = []
     original_savefig = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
-        limits.append(figure.axes[0].get_ylim()), original_savefig(figure, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda figure, *args, **kwargs: (
+            limits.append(figure.axes[0].get_ylim()),
+            original_savefig(figure, *args, **kwargs),
+        )[1],
+    )
     assert paired_difference_figure([identical], tmp_path / "differences.png").exists()
     assert limits == [(-1.0, 1.0)]
 
@@ -694,12 +888,25 @@ def test_loss_performance_axis_is_logarithmic_only_when_the_losses_span_decades(
 
     scales = []
     original_savefig = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (
-        scales.append(figure.axes[0].get_xscale()), original_savefig(figure, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda figure, *args, **kwargs: (
+            scales.append(figure.axes[0].get_xscale()),
+            original_savefig(figure, *args, **kwargs),
+        )[1],
+    )
     scores = [29.2, 27.1, 27.1, 0.0]
     for losses, expected in [([0.013, 0.036, 0.156, 5.1], "log"), ([0.02, 0.03, 0.04, 0.05], "linear")]:
-        table = pd.DataFrame({"trial_number": range(4), "configuration": ["trial"] * 4,
-                              "method": ["snapkv+grkv"] * 4, "window_loss": losses, "mean_score": scores})
+        table = pd.DataFrame(
+            {
+                "trial_number": range(4),
+                "configuration": ["trial"] * 4,
+                "method": ["snapkv+grkv"] * 4,
+                "window_loss": losses,
+                "mean_score": scores,
+            }
+        )
         result = LossPerformance(table, [correlate(losses, scores, "window_loss", "mean_score")], "mean_score")
         loss_performance_figure(result, {"snapkv+grkv": "tab:orange"}, tmp_path / f"{expected}.png")
         assert scales[-1] == expected
@@ -722,41 +929,87 @@ ANSWER_FULL = {
 TRIAL_2_NLL_EXCESS = [0.01, 0.02, 0.03, 0.01, 0.02, 0.03, 0.01, 0.02]
 
 
-def sample_result(task: str, sample_id: str, *, decoded: bool, answer_nll: float, window_loss: float,
-                  depth: float, in_window: bool):
+def sample_result(
+    task: str, sample_id: str, *, decoded: bool, answer_nll: float, window_loss: float, depth: float, in_window: bool
+):
     """A ``SampleResult`` of one question answered right (``decoded``) or of a screening run (nothing decoded)."""
     from grkv_core.evaluation.results import SampleResult
 
     return SampleResult(
-        sample_id=sample_id, task=task, predictions=["x"] if decoded else [], scores=[1.0] if decoded else [],
-        score=1.0 if decoded else None, context_tokens=512, ttft_s=0.1, prefill_s=0.09, decode_ms_per_token=30.0,
-        generated_tokens=2 if decoded else 0, kv_bytes=KV_AT_10_PERCENT, full_kv_bytes=10 * KV_AT_10_PERCENT,
-        peak_memory_bytes=1, window_loss=window_loss, heldout_loss=None, wall_s=0.2, question_loss=window_loss,
-        answer_nll=answer_nll, answer_kl=answer_nll / 2, answer_top1=1 - answer_nll / 4, answer_depth=depth,
-        answer_in_window=in_window)
+        sample_id=sample_id,
+        task=task,
+        predictions=["x"] if decoded else [],
+        scores=[1.0] if decoded else [],
+        score=1.0 if decoded else None,
+        context_tokens=512,
+        ttft_s=0.1,
+        prefill_s=0.09,
+        decode_ms_per_token=30.0,
+        generated_tokens=2 if decoded else 0,
+        kv_bytes=KV_AT_10_PERCENT,
+        full_kv_bytes=10 * KV_AT_10_PERCENT,
+        peak_memory_bytes=1,
+        window_loss=window_loss,
+        heldout_loss=None,
+        wall_s=0.2,
+        question_loss=window_loss,
+        answer_nll=answer_nll,
+        answer_kl=answer_nll / 2,
+        answer_top1=1 - answer_nll / 4,
+        answer_depth=depth,
+        answer_in_window=in_window,
+    )
 
 
-def log_outcome(tracker: SweepTracker, config: dict, params: dict, results: list, *, stage: str,
-                number: int | None = None, test_of: str | None = None, baseline: str | None = None) -> str:
+def log_outcome(
+    tracker: SweepTracker,
+    config: dict,
+    params: dict,
+    results: list,
+    *,
+    stage: str,
+    number: int | None = None,
+    test_of: str | None = None,
+    baseline: str | None = None,
+) -> str:
     """A finished run written by ``SweepTracker.finish_trial`` from per-sample results and their real summary."""
     from grkv_core.evaluation.results import summarize
 
     press = suggest_press(optuna.trial.FixedTrial(params), SweepConfig.model_validate(config))
     run_id = tracker.start_trial(number, params, baseline, stage=stage, test_of=test_of)
-    worker = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1,
-                            samples=len(results))
-    outcome = TrialOutcome(number, "ok", started_at=0.0, finished_at=1.0, worker=worker,
-                           resolved_press=resolved(press), summary=summarize(results),
-                           samples=[dataclasses.asdict(result) for result in results], stage=stage, test_of=test_of)
+    worker = WorkerIdentity(
+        pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=len(results)
+    )
+    outcome = TrialOutcome(
+        number,
+        "ok",
+        started_at=0.0,
+        finished_at=1.0,
+        worker=worker,
+        resolved_press=resolved(press),
+        summary=summarize(results),
+        samples=[dataclasses.asdict(result) for result in results],
+        stage=stage,
+        test_of=test_of,
+    )
     tracker.finish_trial(run_id, outcome, outcome.worker_timing())
     return run_id
 
 
 def held_out_results(nll_excess: list[float]) -> list:
     """The held-out samples' results: sample i has its needle at depth i/8, sample 7's in the always-kept window."""
-    return [sample_result(task, sample_id, decoded=True, answer_nll=1.0 + 0.1 * index + excess, window_loss=0.1,
-                          depth=index / 8, in_window=index == 7)
-            for index, ((task, sample_id), excess) in enumerate(zip(HELD_OUT_SAMPLES, nll_excess))]
+    return [
+        sample_result(
+            task,
+            sample_id,
+            decoded=True,
+            answer_nll=1.0 + 0.1 * index + excess,
+            window_loss=0.1,
+            depth=index / 8,
+            in_window=index == 7,
+        )
+        for index, ((task, sample_id), excess) in enumerate(zip(HELD_OUT_SAMPLES, nll_excess))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -768,21 +1021,52 @@ def answer_sweep(store):
     config["objectives"] = [{"metric": "answer_nll", "direction": "minimize"}]
     tracker = SweepTracker.open(store, EXPERIMENT, "answer-sweep", config)
     for number in (0, 1):
-        log_outcome(tracker, config, STAGED_FULL[2 + number][0], [
-            sample_result(task, sample_id, decoded=False, answer_nll=0.5 + number, window_loss=0.1, depth=0.5,
-                          in_window=False) for task, sample_id in TUNING_SAMPLES], stage=SCREEN_STAGE, number=number)
+        log_outcome(
+            tracker,
+            config,
+            STAGED_FULL[2 + number][0],
+            [
+                sample_result(
+                    task, sample_id, decoded=False, answer_nll=0.5 + number, window_loss=0.1, depth=0.5, in_window=False
+                )
+                for task, sample_id in TUNING_SAMPLES
+            ],
+            stage=SCREEN_STAGE,
+            number=number,
+        )
     for number, (params, baseline, nll, window) in ANSWER_FULL.items():
-        log_outcome(tracker, config, params, [
-            sample_result(task, sample_id, decoded=True, answer_nll=1.0 + index + nll, window_loss=window + 0.01 * index,
-                          depth=0.3, in_window=False)
-            for index, (task, sample_id) in enumerate(TUNING_SAMPLES)], stage=FULL_STAGE, number=number,
-            baseline=baseline)
-    log_outcome(tracker, config, STAGED_FULL[2][0], held_out_results(TRIAL_2_NLL_EXCESS), stage=TEST_STAGE,
-                test_of="2")
-    log_outcome(tracker, config, STAGED_FULL[0][0], held_out_results([0.01, -0.01] * 4), stage=TEST_STAGE,
-                test_of="paper_default")
-    log_outcome(tracker, config, STAGED_FULL[1][0], held_out_results([0.0] * 8), stage=TEST_STAGE,
-                test_of="eviction_only")
+        log_outcome(
+            tracker,
+            config,
+            params,
+            [
+                sample_result(
+                    task,
+                    sample_id,
+                    decoded=True,
+                    answer_nll=1.0 + index + nll,
+                    window_loss=window + 0.01 * index,
+                    depth=0.3,
+                    in_window=False,
+                )
+                for index, (task, sample_id) in enumerate(TUNING_SAMPLES)
+            ],
+            stage=FULL_STAGE,
+            number=number,
+            baseline=baseline,
+        )
+    log_outcome(tracker, config, STAGED_FULL[2][0], held_out_results(TRIAL_2_NLL_EXCESS), stage=TEST_STAGE, test_of="2")
+    log_outcome(
+        tracker,
+        config,
+        STAGED_FULL[0][0],
+        held_out_results([0.01, -0.01] * 4),
+        stage=TEST_STAGE,
+        test_of="paper_default",
+    )
+    log_outcome(
+        tracker, config, STAGED_FULL[1][0], held_out_results([0.0] * 8), stage=TEST_STAGE, test_of="eviction_only"
+    )
     tracker.close("FINISHED")
     return tracker
 
@@ -794,14 +1078,29 @@ def test_every_run_logs_its_samples_answer_metrics_and_losses(store, answer_swee
     # A screening run decoded nothing: one row per sample, without question, prediction or score.
     rows = json.loads(Path(client.download_artifacts(screened["run_id"], "predictions.json")).read_text())
     assert len(rows) == len(TUNING_SAMPLES)
-    assert rows[0] == {"sample_id": "tune-0", "task": "niah_a", "question": None, "prediction": None, "score": None,
-                       "answer_nll": 0.5, "answer_kl": 0.25, "answer_top1": 0.875, "answer_in_window": False,
-                       "answer_depth": 0.5, "window_loss": 0.1, "heldout_loss": None, "question_loss": 0.1}
+    assert rows[0] == {
+        "sample_id": "tune-0",
+        "task": "niah_a",
+        "question": None,
+        "prediction": None,
+        "score": None,
+        "answer_nll": 0.5,
+        "answer_kl": 0.25,
+        "answer_top1": 0.875,
+        "answer_in_window": False,
+        "answer_depth": 0.5,
+        "window_loss": 0.1,
+        "heldout_loss": None,
+        "question_loss": 0.1,
+    }
     # Full- and test-stage rows are loaded, one per (sample, question), with the sample's metrics.
     assert len(runs.trial_predictions) == 4 * 4 and len(runs.test_predictions) == 3 * 8
-    trial_2 = runs.test_predictions[runs.test_predictions["run_id"] == runs.test_trials.set_index("test_of").loc[
-        "2", "run_id"]]
-    assert trial_2["answer_nll"].tolist() == pytest.approx([1.0 + 0.1 * i + e for i, e in enumerate(TRIAL_2_NLL_EXCESS)])
+    trial_2 = runs.test_predictions[
+        runs.test_predictions["run_id"] == runs.test_trials.set_index("test_of").loc["2", "run_id"]
+    ]
+    assert trial_2["answer_nll"].tolist() == pytest.approx(
+        [1.0 + 0.1 * i + e for i, e in enumerate(TRIAL_2_NLL_EXCESS)]
+    )
     assert trial_2["answer_in_window"].tolist() == [False] * 7 + [True]
     # The run's metrics: the score outside the window, how many samples lie inside it, and the score per depth.
     test = runs.test_trials.set_index("test_of")
@@ -820,8 +1119,11 @@ def test_correlations_with_a_tied_score_are_finite_on_the_answer_metrics(store, 
     result = loss_performance(load_sweep(MlflowClient(store), "answer-sweep"))
     by_pair = {(c.x, c.y): c for c in result.correlations}
     # heldout_loss was never measured: only the window and question losses are correlated.
-    assert set(by_pair) == {(loss, metric) for loss in ("window_loss", "question_loss")
-                            for metric in ("mean_score", "answer_nll", "answer_kl", "answer_top1")}
+    assert set(by_pair) == {
+        (loss, metric)
+        for loss in ("window_loss", "question_loss")
+        for metric in ("mean_score", "answer_nll", "answer_kl", "answer_top1")
+    }
     tied = by_pair[("window_loss", "mean_score")]
     assert np.isnan(tied.pearson_r) and tied.note == "mean_score is constant (100) over the 4 points"
     nll = by_pair[("window_loss", "answer_nll")]
@@ -830,11 +1132,16 @@ def test_correlations_with_a_tied_score_are_finite_on_the_answer_metrics(store, 
     assert nll.pearson_r == pytest.approx(stats.pearsonr([0.20, 0.50, 0.10, 0.15], [0.05, 0.10, 0.02, 0.04]).statistic)
     assert by_pair[("window_loss", "answer_top1")].spearman_rho == pytest.approx(-1.0)
     within = {(w.x, w.y): w for w in result.within_sample}
-    assert (within[("window_loss", "answer_nll")].samples, within[("window_loss", "answer_nll")].mean_rho) == \
-           (4, pytest.approx(1.0))
+    assert (within[("window_loss", "answer_nll")].samples, within[("window_loss", "answer_nll")].mean_rho) == (
+        4,
+        pytest.approx(1.0),
+    )
     tied_within = within[("window_loss", "mean_score")]
-    assert (tied_within.samples, tied_within.y_constant, tied_within.note) == \
-           (0, 4, "mean_score is constant within 4 sample(s)")
+    assert (tied_within.samples, tied_within.y_constant, tied_within.note) == (
+        0,
+        4,
+        "mean_score is constant within 4 sample(s)",
+    )
 
 
 def test_significance_on_answer_nll_has_an_interval_of_nonzero_width(store, answer_sweep):
@@ -868,26 +1175,47 @@ def test_the_finding_states_the_tuned_pick_against_eviction_on_held_out_samples(
     # The score ties on the tuning samples; the answer NLL there picks trial 2 over the paper default.
     assert finding(runs, n_resamples=2000) == (
         f"snapkv+grkv (trial 2) vs snapkv at 10% on 8 held-out samples: answer NLL +0.01875 "
-        f"[{ci.low:+.4g}, {ci.high:+.4g}] (p = 0.00781), worse")
+        f"[{ci.low:+.4g}, {ci.high:+.4g}] (p = 0.00781), worse"
+    )
     assert finding(runs, "mean_score", n_resamples=2000) == (
         "snapkv+grkv (trial 2) vs snapkv at 10% on 8 held-out samples: mean score identical on every sample, "
-        "no difference.")
+        "no difference."
+    )
 
 
 def test_a_finding_whose_interval_holds_zero_says_no_significant_difference():
     from tracking.reports.stats import BootstrapCI, PairedComparison
 
     comparison = PairedComparison(
-        treatment="t", control="c", unit="sample", seeds=(0,), units=("a", "b"), differences=(0.1, -0.05),
-        treatment_mean=1.0, treatment_sd=float("nan"), control_mean=1.0, control_sd=float("nan"),
-        ci=BootstrapCI(0.025, -0.05, 0.1, 0.95, 100), p_value=1.0, p_exact=True, better_units=1, better_seeds=0,
-        metric="answer_nll", higher_is_better=False)
+        treatment="t",
+        control="c",
+        unit="sample",
+        seeds=(0,),
+        units=("a", "b"),
+        differences=(0.1, -0.05),
+        treatment_mean=1.0,
+        treatment_sd=float("nan"),
+        control_mean=1.0,
+        control_sd=float("nan"),
+        ci=BootstrapCI(0.025, -0.05, 0.1, 0.95, 100),
+        p_value=1.0,
+        p_exact=True,
+        better_units=1,
+        better_seeds=0,
+        metric="answer_nll",
+        higher_is_better=False,
+    )
     assert comparison.verdict == "no significant difference"
 
 
 def test_answer_report_says_ties_in_one_line_and_reports_depth(store, answer_sweep, tmp_path):
-    report = build_report(MlflowClient(store), "answer-sweep", tmp_path,
-                          options=ReportOptions(bootstrap_resamples=2000), log_artifacts=False)
+    report = build_report(
+        MlflowClient(store),
+        "answer-sweep",
+        tmp_path,
+        options=ReportOptions(bootstrap_resamples=2000),
+        log_artifacts=False,
+    )
     summary = report.summary
     assert "nan" not in summary.replace("nans", "") and "[+0.00, +0.00]" not in summary
     # The finding comes right after the headline, before the sections.
@@ -897,22 +1225,32 @@ def test_answer_report_says_ties_in_one_line_and_reports_depth(store, answer_swe
     assert [line.split(",")[0].strip() for line in tie_lines] == [
         "mean_score ties over the 4 configurations (100.00 each)",
         "mean_score ties within each of the 4 tuning samples across configurations",
-        "mean_score ties on every sample in each of the 3 comparisons (every paired difference is 0)"]
+        "mean_score ties on every sample in each of the 3 comparisons (every paired difference is 0)",
+    ]
     assert all("the continuous answer metrics (answer_nll, answer_kl, answer_top1) can" in line for line in tie_lines)
-    assert "window_loss vs answer_nll within samples: mean Spearman ρ = +1.000, median +1.000 over 4 sample(s)" \
-        in summary
-    assert ("trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): answer_nll +0.01875 (lower is better)"
-            in summary)
+    assert (
+        "window_loss vs answer_nll within samples: mean Spearman ρ = +1.000, median +1.000 over 4 sample(s)" in summary
+    )
+    assert "trial 2 (snapkv+grkv, 10%) vs eviction_only (snapkv, 10%): answer_nll +0.01875 (lower is better)" in summary
     assert "trial 2 (snapkv+grkv, 10%): 100.00 overall, 100.00 outside the window (1 sample(s) inside it)" in summary
     # The sweep's own objective names its winner too (trial 2: 2.52 on the tuning samples, 1.369 held out).
     winner = next(line for line in lines if "best tuning answer_nll" in line)
-    assert winner.strip().startswith("The tuned winner at 10%, trial 2 (best tuning answer_nll of the confirmed merging")
+    assert winner.strip().startswith(
+        "The tuned winner at 10%, trial 2 (best tuning answer_nll of the confirmed merging"
+    )
     assert "no worse on the held-out samples than on the samples that selected it" in winner
-    assert "Scored samples per needle depth (position / prefill length): 0.0-0.2: 2, 0.2-0.4: 2, 0.4-0.6: 1, " \
-           "0.6-0.8: 2, 0.8-1.0: 1" in summary
+    assert (
+        "Scored samples per needle depth (position / prefill length): 0.0-0.2: 2, 0.2-0.4: 2, 0.4-0.6: 1, "
+        "0.6-0.8: 2, 0.8-1.0: 1" in summary
+    )
     names = {path.name for path in report.files}
-    assert {"depth.md", "within_sample_correlations.md", "iso_memory_answer_nll.md", "sample_differences_answer_nll.png",
-            "significance.md"} <= names
+    assert {
+        "depth.md",
+        "within_sample_correlations.md",
+        "iso_memory_answer_nll.md",
+        "sample_differences_answer_nll.png",
+        "significance.md",
+    } <= names
     assert "sample_differences.png" not in names  # the tied score has no difference to draw
 
 
@@ -920,16 +1258,38 @@ def test_the_ablation_display_emphasises_each_metrics_best_in_its_own_direction(
     from tracking.reports.render import ablation_display
 
     row = dict(factor="Update steps (S)", held="at defaults", n=1, better=1)
-    paired = dict(vs_default=-0.1, vs_default_low=-0.15, vs_default_high=-0.0625, vs_default_p=0.0123,
-                  vs_default_samples=60)
-    table = pd.DataFrame([
-        {**row, "setting": "S=1", "default": True, "trials": "0", "niah_a": 10.0, "avg": 2.5, "answer_top1": 0.4},
-        {**row, **paired, "setting": "S=2", "default": False, "trials": "1", "niah_a": 20.0, "avg": 2.4,
-         "answer_top1": 0.3},
-    ])
+    paired = dict(
+        vs_default=-0.1, vs_default_low=-0.15, vs_default_high=-0.0625, vs_default_p=0.0123, vs_default_samples=60
+    )
+    table = pd.DataFrame(
+        [
+            {**row, "setting": "S=1", "default": True, "trials": "0", "niah_a": 10.0, "avg": 2.5, "answer_top1": 0.4},
+            {
+                **row,
+                **paired,
+                "setting": "S=2",
+                "default": False,
+                "trials": "1",
+                "niah_a": 20.0,
+                "avg": 2.4,
+                "answer_top1": 0.3,
+            },
+        ]
+    )
     shown = ablation_display(table, ["niah_a"], lambda text: f"*{text}*", score="answer_nll", metrics=("answer_top1",))
-    assert list(shown.columns) == ["Factor", "Setting", "n", "niah_a", "Avg.", "answer_top1", "Better",
-                                   "Δ Avg. vs † [95% CI]", "p", "Δ Avg. vs base [95% CI]", "p vs base"]
+    assert list(shown.columns) == [
+        "Factor",
+        "Setting",
+        "n",
+        "niah_a",
+        "Avg.",
+        "answer_top1",
+        "Better",
+        "Δ Avg. vs † [95% CI]",
+        "p",
+        "Δ Avg. vs base [95% CI]",
+        "p vs base",
+    ]
     assert list(shown["Δ Avg. vs † [95% CI]"]) == ["–", "-0.100 [-0.150, -0.062] (60)"]
     assert list(shown["p"]) == ["–", "0.012"]
     assert list(shown["Avg."]) == ["2.5", "*2.4*"], "a lower answer NLL is better"
@@ -945,11 +1305,26 @@ def test_without_a_test_stage_the_tuning_samples_are_paired_per_sample(store, ab
     tracker = SweepTracker.open(store, EXPERIMENT, "tuning-answer-sweep", config)
     excess = {0: [0.03, 0.01, 0.04, 0.02], 1: [0.0] * 4, 2: [-0.02, 0.01, -0.03, -0.01]}  # NLL over 1 + index
     for number, nll in excess.items():
-        log_outcome(tracker, config, ANSWER_FULL[number][0], [
-            sample_result(task, sample_id, decoded=True, answer_nll=1.0 + index + nll[index], window_loss=0.1,
-                          depth=0.3, in_window=False)
-            for index, (task, sample_id) in enumerate(TUNING_SAMPLES)], stage=FULL_STAGE, number=number,
-            baseline=ANSWER_FULL[number][1])
+        log_outcome(
+            tracker,
+            config,
+            ANSWER_FULL[number][0],
+            [
+                sample_result(
+                    task,
+                    sample_id,
+                    decoded=True,
+                    answer_nll=1.0 + index + nll[index],
+                    window_loss=0.1,
+                    depth=0.3,
+                    in_window=False,
+                )
+                for index, (task, sample_id) in enumerate(TUNING_SAMPLES)
+            ],
+            stage=FULL_STAGE,
+            number=number,
+            baseline=ANSWER_FULL[number][1],
+        )
     tracker.close("FINISHED")
     result = significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), "answer_nll", n_resamples=2000)
     assert result.stage == FULL_STAGE and not result.notes
@@ -968,15 +1343,23 @@ def test_without_a_test_stage_the_tuning_samples_are_paired_per_sample(store, ab
     # The score per sample ties (every question right in every run).
     assert significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), n_resamples=2000).tied
     # A best trial that logged no predictions cannot be paired: a note says so, the paper default is still paired.
-    log_stage_run(tracker, config, FULL_STAGE, ANSWER_FULL[3][0], stage_costs(KV_AT_10_PERCENT, 1.0) | {
-        "answer_nll": 0.1}, number=3)
+    log_stage_run(
+        tracker,
+        config,
+        FULL_STAGE,
+        ANSWER_FULL[3][0],
+        stage_costs(KV_AT_10_PERCENT, 1.0) | {"answer_nll": 0.1},
+        number=3,
+    )
     result = significance(load_sweep(MlflowClient(store), "tuning-answer-sweep"), "answer_nll", n_resamples=2000)
     assert [c.treatment for c in result.comparisons] == ["paper default (trial 0)"]
-    assert result.notes == ["best of 3 (trial 3) vs eviction_only (trial 1): no scores for configuration(s) "
-                            "['best of 3 (trial 3)']"]
+    assert result.notes == [
+        "best of 3 (trial 3) vs eviction_only (trial 1): no scores for configuration(s) ['best of 3 (trial 3)']"
+    ]
     # A sweep whose runs logged no predictions pairs the score per task, and has no answer metric to pair.
     old = load_sweep(MlflowClient(store), "ablation-sweep")
     per_task = significance(old, n_resamples=2000)
     assert {c.unit for c in per_task.comparisons} == {"task"} and len(per_task.comparisons[0].units) == len(TASKS)
     assert significance(old, "answer_nll", n_resamples=2000).notes == [
-        "no test stage, and the trials logged no per-sample answer_nll to pair"]
+        "no test stage, and the trials logged no per-sample answer_nll to pair"
+    ]

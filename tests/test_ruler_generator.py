@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from grkv_core.datasets import DATASETS, load_dataset_samples
-from grkv_core.datasets.ruler import corpora
 from grkv_core.datasets.ruler import (
     HOTPOTQA_FILE,
     RULER_TASK_SPECS,
     RULER_TASKS,
     SQUAD_FILE,
+    corpora,
     estimate_tokens,
     find_data_dir,
     generate_ruler_sample,

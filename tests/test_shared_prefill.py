@@ -14,18 +14,18 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from conftest import mergers_over, tiny_model
 from kvpress import SnapKVPress
 from transformers import DynamicCache
 
-from conftest import mergers_over, tiny_model
-from grkv_core.evaluation.batched_decoding import answer_batch
 from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
 from grkv_core.datasets import load_dataset_samples
+from grkv_core.evaluation.batched_decoding import answer_batch
 from grkv_core.evaluation.evaluator import Evaluator
-from grkv_core.evaluation.results import summarize
 from grkv_core.evaluation.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
-from grkv_core.registry import build, required_attention
+from grkv_core.evaluation.results import summarize
 from grkv_core.evaluation.shared_prefill import prefill_shared, shares_prefill
+from grkv_core.registry import build, required_attention
 
 RATIO = 0.75
 MASKING = {"adakv", "criticaladakv"}
@@ -34,15 +34,19 @@ MASKING = {"adakv", "criticaladakv"}
 @pytest.fixture(scope="module")
 def sample():
     tokenizer = tiny_model("tiny-llama").tokenizer
-    return load_dataset_samples("ruler", tasks=["niah_single_1"], context_length=768, samples_per_task=1,
-                                tokenizer=tokenizer)[0]
+    return load_dataset_samples(
+        "ruler", tasks=["niah_single_1"], context_length=768, samples_per_task=1, tokenizer=tokenizer
+    )[0]
 
 
 def configs_of(press: str) -> list[PressConfig]:
     """The full cache, the press alone, behind every merger, and behind GRKVs that differ in window, ridge, budget."""
-    return [PressConfig("full", 0.0), *(PressConfig(press, RATIO, merge) for merge in mergers_over(press)),
-            PressConfig(press, RATIO, "grkv", {"window_size": 16, "lambda_k": 1.0, "safeguard": False}),
-            PressConfig(press, 0.5, "grkv", {"steps": 2})]
+    return [
+        PressConfig("full", 0.0),
+        *(PressConfig(press, RATIO, merge) for merge in mergers_over(press)),
+        PressConfig(press, RATIO, "grkv", {"window_size": 16, "lambda_k": 1.0, "safeguard": False}),
+        PressConfig(press, 0.5, "grkv", {"steps": 2}),
+    ]
 
 
 def model_for(press: str):
@@ -60,7 +64,10 @@ def test_one_prefill_gives_every_press_the_cache_it_gives_alone(press, sample):
         alone_press = build(config)
         alone = prefill(loaded.model, context_ids, alone_press)
         for layer, (ours, theirs) in enumerate(zip(pressed.cache.layers, alone.layers)):
-            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), (config.label, layer)
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), (
+                config.label,
+                layer,
+            )
             attention = loaded.model.model.layers[layer].self_attn
             for name, value in pressed.module_state[layer].items():
                 expected = getattr(attention, name, None)
@@ -98,8 +105,12 @@ def test_masking_presses_decode_in_a_batch_with_their_own_masks(press, sample):
     loaded = model_for(press)
     context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
     question = torch.tensor([[loaded.tokenizer.encode(" the", add_special_tokens=False)[-1]]])
-    configs = [PressConfig(press, RATIO), PressConfig(press, RATIO, "grkv"), PressConfig(press, 0.5, "cam"),
-               PressConfig("full", 0.0)]
+    configs = [
+        PressConfig(press, RATIO),
+        PressConfig(press, RATIO, "grkv"),
+        PressConfig(press, 0.5, "cam"),
+        PressConfig("full", 0.0),
+    ]
     shared = prefill_shared(loaded.model, context_ids, [build(config) for config in configs])
     assert all(state["masked_key_indices"] is not None for state in shared.pressed[0].module_state)
     stops = stop_token_ids(loaded)
@@ -166,14 +177,18 @@ def capturing_queries(model):
     """Post-RoPE queries of every layer of the next forward, per layer (1, H, L, d), computed in float64."""
     captured, handles = {}, []
     for layer in model.model.layers:
+
         def hook(module, args, kwargs, output):
             hidden = kwargs["hidden_states"].double()
             cos, sin = (table.double() for table in kwargs["position_embeddings"])
             batch, length, _ = hidden.shape
-            queries = (hidden @ module.q_proj.weight.double().T).view(batch, length, -1, module.head_dim).transpose(1, 2)
+            queries = (
+                (hidden @ module.q_proj.weight.double().T).view(batch, length, -1, module.head_dim).transpose(1, 2)
+            )
             half = module.head_dim // 2
             rotated = torch.cat([-queries[..., half:], queries[..., :half]], dim=-1)
             captured[module.layer_idx] = queries * cos[:, None] + rotated * sin[:, None]
+
         handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
     try:
         yield captured
@@ -227,8 +242,11 @@ def test_a_question_reaches_caches_whose_layers_keep_different_lengths(sample):
     def one_token_at_a_time(cache):
         with torch.inference_mode():
             for offset in range(questions[0].shape[1]):
-                logits = model(input_ids=questions[0][:, offset:offset + 1], past_key_values=cache,
-                               position_ids=torch.tensor([[n + offset]])).logits
+                logits = model(
+                    input_ids=questions[0][:, offset : offset + 1],
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[n + offset]]),
+                ).logits
         return logits[0, -1]
 
     pyramid = prefill(model, context_ids, build(PressConfig("pyramidkv", 0.5)))
@@ -241,5 +259,9 @@ def test_a_question_reaches_caches_whose_layers_keep_different_lengths(sample):
     uniform = prefill(model, context_ids, build(PressConfig("snapkv", 0.5)))
     with torch.inference_mode():
         at_once = append_question(model, uniform, questions[0], n)[0]
-    torch.testing.assert_close(at_once, one_token_at_a_time(prefill(model, context_ids, build(PressConfig("snapkv", 0.5)))),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        at_once,
+        one_token_at_a_time(prefill(model, context_ids, build(PressConfig("snapkv", 0.5)))),
+        rtol=1e-4,
+        atol=1e-4,
+    )

@@ -5,16 +5,16 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_model
 from kvpress.utils import compute_n_kept
+from test_kvpress_compat import OUR_MERGERS
 from transformers import DynamicCache
 
 from grkv_core.config import MERGER_NAMES
 from grkv_core.evaluation.generation import cache_lengths, prefill
+from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.presses.sliding_layers import compressing, sliding_layer_indices
 from grkv_core.registry import build_press
-from grkv_core.evaluation.shared_prefill import prefill_shared
-from conftest import tiny_model
-from test_kvpress_compat import OUR_MERGERS
 
 RATIO = 0.75
 CONTEXT = 160  # longer than tiny-gemma3's window of 64
@@ -58,7 +58,10 @@ def test_a_merger_entered_as_kvpress_enters_presses_leaves_sliding_layers_whole_
     model = tiny_model("tiny-gemma3").model
     ids = prompt(model, seed=1)
     caches = {}
-    for name, press in (("merger", build_press("snapkv", RATIO, merge=merge)), ("kvpress", build_press("snapkv", RATIO))):
+    for name, press in (
+        ("merger", build_press("snapkv", RATIO, merge=merge)),
+        ("kvpress", build_press("snapkv", RATIO)),
+    ):
         caches[name] = cache = DynamicCache()
         with torch.inference_mode(), press(model):
             model.model(input_ids=ids, past_key_values=cache)
@@ -105,6 +108,7 @@ def test_a_model_of_sliding_layers_only_is_refused_in_one_line():
 
 def test_eager_attention_on_a_model_with_sliding_layers_is_refused_in_one_line():
     loaded = tiny_model("tiny-gemma3", attn_implementation="eager")
-    with pytest.raises(ValueError, match="^Gemma3ForCausalLM mixes sliding-window and global layers[^\n]*load it "
-                                         "with sdpa[^\n]*$"):
+    with pytest.raises(
+        ValueError, match="^Gemma3ForCausalLM mixes sliding-window and global layers[^\n]*load it with sdpa[^\n]*$"
+    ):
         prefill(loaded.model, prompt(loaded.model), build_press("h2o", RATIO, merge="grkv"))

@@ -18,20 +18,38 @@ from grkv_core.solver.regression import KeptRegression
 from grkv_core.solver.value_step import _ridge_solve
 
 
-def random_problem(seed, batch=2, heads=2, n_queries=12, length=48, budget=12, head_dim=8, causal=False,
-                   fixed_fraction=0.25, dtype=torch.float32):
+def random_problem(
+    seed,
+    batch=2,
+    heads=2,
+    n_queries=12,
+    length=48,
+    budget=12,
+    head_dim=8,
+    causal=False,
+    fixed_fraction=0.25,
+    dtype=torch.float32,
+):
     generator = torch.Generator().manual_seed(seed)
     queries = torch.randn(batch, heads, n_queries, head_dim, generator=generator)
     keys = torch.randn(batch, heads, length, head_dim, generator=generator)
     values = torch.randn(batch, heads, length, head_dim, generator=generator)
-    kept = torch.stack([
-        torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
-        for _ in range(batch)
-    ])
+    kept = torch.stack(
+        [
+            torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
+            for _ in range(batch)
+        ]
+    )
     fixed = torch.rand(batch, heads, budget, generator=generator) < fixed_fraction
     positions = torch.randint(length // 2, length, (n_queries,), generator=generator) if causal else None
-    return dict(queries=queries.to(dtype), keys=keys.to(dtype), values=values.to(dtype), kept=kept, fixed=fixed,
-                query_positions=positions)
+    return dict(
+        queries=queries.to(dtype),
+        keys=keys.to(dtype),
+        values=values.to(dtype),
+        kept=kept,
+        fixed=fixed,
+        query_positions=positions,
+    )
 
 
 def gather(tensor, kept):
@@ -52,8 +70,14 @@ def relative_update_error(fast, reference, start):
 def test_matches_float64_reference(causal, components, steps, safeguard):
     for trial in range(3):
         problem = random_problem(seed=1000 * steps + 100 * trial + 10 * causal + len(components), causal=causal)
-        options = dict(lambda_k=0.05, lambda_v=1e-2, steps=steps, components=components,
-                       query_positions=problem["query_positions"], safeguard=safeguard)
+        options = dict(
+            lambda_k=0.05,
+            lambda_v=1e-2,
+            steps=steps,
+            components=components,
+            query_positions=problem["query_positions"],
+            safeguard=safeguard,
+        )
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
         as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
@@ -78,8 +102,16 @@ def test_weighted_rows_match_the_float64_reference(causal, components, safeguard
         generator = torch.Generator().manual_seed(trial)
         weights = torch.rand(2, 2, 12, generator=generator) * 3
         weights[0, 0, :4] = 0.0  # rows that count for nothing
-        options = dict(lambda_k=0.05, lambda_v=1e-2, steps=2, components=components, ridge_scale=ridge_scale,
-                       query_positions=problem["query_positions"], safeguard=safeguard, row_weights=weights)
+        options = dict(
+            lambda_k=0.05,
+            lambda_v=1e-2,
+            steps=2,
+            components=components,
+            ridge_scale=ridge_scale,
+            query_positions=problem["query_positions"],
+            safeguard=safeguard,
+            row_weights=weights,
+        )
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
         as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
@@ -91,8 +123,9 @@ def test_weighted_rows_match_the_float64_reference(causal, components, safeguard
 @pytest.mark.parametrize("ridge", [1e-2, 0.0], ids=["ridge", "no-ridge"])
 @pytest.mark.parametrize("ridge_scale", ["absolute", "relative"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [dict(n_queries=6, budget=20), dict(n_queries=40, budget=12)],
-                         ids=["fewer-queries", "more-queries"])
+@pytest.mark.parametrize(
+    "shape", [dict(n_queries=6, budget=20), dict(n_queries=40, budget=12)], ids=["fewer-queries", "more-queries"]
+)
 def test_both_routes_of_each_step_match_the_float64_reference(shape, causal, ridge_scale, ridge):
     """M = 6 query rows against F ≥ 6 free rows and 2d = 16: the dual value step and the key step through the query
     Gram matrix; M = 40 against F ≤ 12 and 16: the primal value step and the key step through two products. Without
@@ -101,9 +134,16 @@ def test_both_routes_of_each_step_match_the_float64_reference(shape, causal, rid
     for trial in range(2):
         problem = random_problem(seed=9000 + 100 * trial + 10 * causal + shape["n_queries"], causal=causal, **shape)
         weights = torch.rand(2, 2, shape["n_queries"], generator=torch.Generator().manual_seed(trial)) * 3
-        options = dict(lambda_k=0.05, lambda_v=ridge, steps=2 if ridge else 1, components="kv" if ridge else "v",
-                       ridge_scale=ridge_scale, row_weights=weights, query_positions=problem["query_positions"],
-                       safeguard=True)
+        options = dict(
+            lambda_k=0.05,
+            lambda_v=ridge,
+            steps=2 if ridge else 1,
+            components="kv" if ridge else "v",
+            ridge_scale=ridge_scale,
+            row_weights=weights,
+            query_positions=problem["query_positions"],
+            safeguard=True,
+        )
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
         as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
@@ -123,8 +163,7 @@ def test_unit_row_weights_are_the_unweighted_merge_and_weights_change_it():
     assert not torch.allclose(weighted[1], unweighted[1], atol=1e-4)
     # Weighting every row alike by w is the unweighted problem with the ridges divided by w.
     scaled = grkv_merge(**problem, steps=2, lambda_k=0.5, lambda_v=0.5, row_weights=torch.full((2, 2, 12), 5.0))
-    torch.testing.assert_close(scaled, grkv_merge(**problem, steps=2, lambda_k=0.1, lambda_v=0.1),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scaled, grkv_merge(**problem, steps=2, lambda_k=0.1, lambda_v=0.1), rtol=1e-4, atol=1e-4)
 
 
 def test_value_step_with_zero_ridge_matches_minimum_norm_reference():
@@ -133,7 +172,9 @@ def test_value_step_with_zero_ridge_matches_minimum_norm_reference():
     fast_k, fast_v = grkv_merge(**tensors, lambda_v=0.0, components="v")
     ref_k, ref_v = grkv_merge_reference(
         **{name: t.double() if t.is_floating_point() else t for name, t in tensors.items()},
-        lambda_v=0.0, components="v")
+        lambda_v=0.0,
+        components="v",
+    )
     start_v = gather(problem["values"].double(), problem["kept"])
     assert relative_update_error(fast_v, ref_v, start_v) < 1e-3
 
@@ -144,25 +185,33 @@ def test_zero_ridge_gives_finite_output(components):
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the non-finite fallback must not be what saves lambda = 0
-        merged_k, merged_v = grkv_merge(**tensors, lambda_k=0.0, lambda_v=0.0, components=components,
-                                        query_positions=problem["query_positions"])
+        merged_k, merged_v = grkv_merge(
+            **tensors, lambda_k=0.0, lambda_v=0.0, components=components, query_positions=problem["query_positions"]
+        )
     assert torch.isfinite(merged_k).all() and torch.isfinite(merged_v).all()
     if components == "v":
         # The value step is an exact least-squares fit, so without a ridge it can only lower the loss.
         loss_args = dict(query_positions=problem["query_positions"], compressed_positions=problem["kept"])
-        evicted = reconstruction_loss(problem["queries"], problem["keys"], problem["values"],
-                                      gather(problem["keys"], problem["kept"]),
-                                      gather(problem["values"], problem["kept"]), **loss_args)
-        merged = reconstruction_loss(problem["queries"], problem["keys"], problem["values"], merged_k, merged_v,
-                                     **loss_args)
+        evicted = reconstruction_loss(
+            problem["queries"],
+            problem["keys"],
+            problem["values"],
+            gather(problem["keys"], problem["kept"]),
+            gather(problem["values"], problem["kept"]),
+            **loss_args,
+        )
+        merged = reconstruction_loss(
+            problem["queries"], problem["keys"], problem["values"], merged_k, merged_v, **loss_args
+        )
         assert merged < evicted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fixed_rows_are_bit_identical_and_dtype_is_kept(dtype):
     problem = random_problem(seed=3, dtype=dtype, fixed_fraction=0.5)
-    merged_k, merged_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],
-                                    problem["fixed"], steps=2)
+    merged_k, merged_v = grkv_merge(
+        problem["queries"], problem["keys"], problem["values"], problem["kept"], problem["fixed"], steps=2
+    )
     assert merged_k.dtype == dtype and merged_v.dtype == dtype
     fixed = problem["fixed"]
     assert torch.equal(merged_k[fixed], gather(problem["keys"], problem["kept"])[fixed])
@@ -173,8 +222,9 @@ def test_fixed_rows_are_bit_identical_and_dtype_is_kept(dtype):
 def test_huge_ridge_returns_the_evicted_cache():
     problem = random_problem(seed=5, causal=True)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
-    merged_k, merged_v = grkv_merge(**tensors, lambda_k=1e9, lambda_v=1e9, steps=3,
-                                    query_positions=problem["query_positions"])
+    merged_k, merged_v = grkv_merge(
+        **tensors, lambda_k=1e9, lambda_v=1e9, steps=3, query_positions=problem["query_positions"]
+    )
     evicted_k, evicted_v = gather(problem["keys"], problem["kept"]), gather(problem["values"], problem["kept"])
     assert (merged_k - evicted_k).norm() / evicted_k.norm() < 1e-6
     assert (merged_v - evicted_v).norm() / evicted_v.norm() < 1e-6
@@ -183,16 +233,23 @@ def test_huge_ridge_returns_the_evicted_cache():
 def test_window_discrepancy_drops_below_evicted_on_every_random_problem():
     for seed in range(25):
         causal = seed % 2 == 0
-        problem = random_problem(seed=500 + seed, causal=causal, batch=1, heads=3, n_queries=24, length=96,
-                                 budget=16, head_dim=16)
+        problem = random_problem(
+            seed=500 + seed, causal=causal, batch=1, heads=3, n_queries=24, length=96, budget=16, head_dim=16
+        )
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         merged_k, merged_v = grkv_merge(**tensors, query_positions=problem["query_positions"])
         loss_args = dict(query_positions=problem["query_positions"], compressed_positions=problem["kept"])
-        evicted = reconstruction_loss(problem["queries"], problem["keys"], problem["values"],
-                                      gather(problem["keys"], problem["kept"]),
-                                      gather(problem["values"], problem["kept"]), **loss_args)
-        merged = reconstruction_loss(problem["queries"], problem["keys"], problem["values"], merged_k, merged_v,
-                                     **loss_args)
+        evicted = reconstruction_loss(
+            problem["queries"],
+            problem["keys"],
+            problem["values"],
+            gather(problem["keys"], problem["kept"]),
+            gather(problem["values"], problem["kept"]),
+            **loss_args,
+        )
+        merged = reconstruction_loss(
+            problem["queries"], problem["keys"], problem["values"], merged_k, merged_v, **loss_args
+        )
         assert merged < evicted, f"seed {seed}: merged {merged} >= evicted {evicted}"
 
 
@@ -204,14 +261,15 @@ def test_heads_are_solved_independently():
     # iterations amplifies mere float32 roundoff differences on these ill-conditioned heads.
     problem["keys"][1, 2] *= 30.0
     generator = torch.Generator().manual_seed(0)
-    problem["fixed"] = torch.stack([torch.stack([torch.randperm(12, generator=generator) < 3 for _ in range(3)])
-                                    for _ in range(2)])
+    problem["fixed"] = torch.stack(
+        [torch.stack([torch.randperm(12, generator=generator) < 3 for _ in range(3)]) for _ in range(2)]
+    )
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     options = dict(query_positions=problem["query_positions"], steps=2)
     batched_k, batched_v = grkv_merge(**tensors, **options)
     for b in range(2):
         for h in range(3):
-            single = {name: t[b:b + 1, h:h + 1] for name, t in tensors.items()}
+            single = {name: t[b : b + 1, h : h + 1] for name, t in tensors.items()}
             single_k, single_v = grkv_merge(**single, **options)
             torch.testing.assert_close(batched_k[b, h], single_k[0, 0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(batched_v[b, h], single_v[0, 0], rtol=1e-5, atol=1e-5)
@@ -226,17 +284,28 @@ def test_stacked_regressions_are_solved_as_if_alone():
     positions = problems[0]["query_positions"]
     problems[2]["keys"][0, 1, 5, 0] = float("nan")
     weights = [torch.rand(1, 2, 12, generator=torch.Generator().manual_seed(layer)) + 0.5 for layer in range(4)]
-    regressions = [KeptRegression.of(p["queries"], p["keys"], p["values"], p["kept"], p["fixed"],
-                                     query_positions=positions, row_weights=w) for p, w in zip(problems, weights)]
+    regressions = [
+        KeptRegression.of(
+            p["queries"], p["keys"], p["values"], p["kept"], p["fixed"], query_positions=positions, row_weights=w
+        )
+        for p, w in zip(problems, weights)
+    ]
     options = dict(steps=2, lambda_k=1e-3)
     stacked_k, stacked_v = solve_regression(KeptRegression.stack(regressions), SolverOptions(**options))
     assert stacked_k.shape == (4, 2, 12, 8)
     for layer, problem in enumerate(problems):
-        alone_k, alone_v = grkv_merge(problem["queries"], problem["keys"], problem["values"], problem["kept"],
-                                      problem["fixed"], query_positions=positions, row_weights=weights[layer],
-                                      **options)
-        torch.testing.assert_close(stacked_k[layer:layer + 1], alone_k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(stacked_v[layer:layer + 1], alone_v, rtol=1e-5, atol=1e-5)
+        alone_k, alone_v = grkv_merge(
+            problem["queries"],
+            problem["keys"],
+            problem["values"],
+            problem["kept"],
+            problem["fixed"],
+            query_positions=positions,
+            row_weights=weights[layer],
+            **options,
+        )
+        torch.testing.assert_close(stacked_k[layer : layer + 1], alone_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stacked_v[layer : layer + 1], alone_v, rtol=1e-5, atol=1e-5)
     evicted = gather(problems[2]["keys"], problems[2]["kept"])[0]
     torch.testing.assert_close(stacked_k[2, 1], evicted[1], rtol=0, atol=0, equal_nan=True)
     assert not torch.equal(stacked_k[2, 0], evicted[0])
@@ -248,13 +317,18 @@ def test_only_regressions_of_one_shape_positions_and_scale_stack():
     base = KeptRegression.of(*tensors, query_positions=problem["query_positions"])
     assert base.stacks_with(KeptRegression.of(*tensors, query_positions=problem["query_positions"]))
     others = {
-        "budget": KeptRegression.of(*tensors[:3], problem["kept"][..., :-1], problem["fixed"][..., :-1],
-                                    query_positions=problem["query_positions"]),
+        "budget": KeptRegression.of(
+            *tensors[:3],
+            problem["kept"][..., :-1],
+            problem["fixed"][..., :-1],
+            query_positions=problem["query_positions"],
+        ),
         "positions": KeptRegression.of(*tensors, query_positions=problem["query_positions"] - 1),
         "causality": KeptRegression.of(*tensors),
         "scale": KeptRegression.of(*tensors, query_positions=problem["query_positions"], scale=0.5),
-        "row weights": KeptRegression.of(*tensors, query_positions=problem["query_positions"],
-                                         row_weights=torch.ones(1, 2, 12)),
+        "row weights": KeptRegression.of(
+            *tensors, query_positions=problem["query_positions"], row_weights=torch.ones(1, 2, 12)
+        ),
     }
     for name, other in others.items():
         assert not base.stacks_with(other), name
@@ -297,10 +371,14 @@ def evicted_position(kept):
     return next(p for p in range(10**6) if p not in kept.tolist())
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda p: p["values"][0, 1, p["kept"][0, 1, 0]].fill_(float("nan")),  # a kept value
-    lambda p: p["keys"][0, 1, evicted_position(p["kept"][0, 1])].fill_(float("inf")),  # an evicted key
-], ids=["kept-value-nan", "evicted-key-inf"])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p["values"][0, 1, p["kept"][0, 1, 0]].fill_(float("nan")),  # a kept value
+        lambda p: p["keys"][0, 1, evicted_position(p["kept"][0, 1])].fill_(float("inf")),  # an evicted key
+    ],
+    ids=["kept-value-nan", "evicted-key-inf"],
+)
 def test_non_finite_head_falls_back_to_evicted_cache_with_warning(corrupt):
     problem = random_problem(seed=9)
     corrupt(problem)
@@ -340,8 +418,11 @@ BAD_ARGUMENTS = [
     ("kept", lambda p: p.update(kept=p["kept"] + 1000), "kept positions"),
     ("kept", lambda p: p.update(kept=-p["kept"] - 1), "kept positions"),
     ("kept", lambda p: p.update(kept=torch.zeros_like(p["kept"])), "kept must not repeat"),
-    ("kept", lambda p: p.update(kept=torch.arange(49).expand(2, 2, 49), fixed=torch.zeros(2, 2, 49, dtype=torch.bool)),
-     "c=49"),
+    (
+        "kept",
+        lambda p: p.update(kept=torch.arange(49).expand(2, 2, 49), fixed=torch.zeros(2, 2, 49, dtype=torch.bool)),
+        "c=49",
+    ),
     ("fixed", lambda p: p.update(fixed=p["fixed"].long()), "fixed must be a bool"),
     ("fixed", lambda p: p.update(fixed=p["fixed"][..., :-1]), "fixed shape"),
     ("lambda_k", lambda p: p.update(lambda_k=-1.0), "lambda_k"),
@@ -361,7 +442,9 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize("argument,corrupt,message", BAD_ARGUMENTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_ARGUMENTS)])
+@pytest.mark.parametrize(
+    "argument,corrupt,message", BAD_ARGUMENTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(BAD_ARGUMENTS)]
+)
 def test_bad_input_gets_a_value_error_naming_the_argument(argument, corrupt, message):
     problem = random_problem(seed=2)
     corrupt(problem)
@@ -392,13 +475,15 @@ def test_discrepancy_compares_against_a_supplied_full_cache_pass(causal):
     expected_error = (full64 - compressed64).square().sum(dim=(-2, -1))
     args = dict(query_positions=positions, compressed_positions=kept)
     for supplied in (None, full):
-        error, reference = discrepancy_per_head(queries, keys, values, compressed_keys, compressed_values,
-                                                full_outputs=supplied, **args)
+        error, reference = discrepancy_per_head(
+            queries, keys, values, compressed_keys, compressed_values, full_outputs=supplied, **args
+        )
         torch.testing.assert_close(error.double(), expected_error, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(reference.double(), full64.square().sum(dim=(-2, -1)), rtol=1e-5, atol=1e-6)
     # The supplied outputs are really what the compressed cache is compared against.
-    shifted_error, _ = discrepancy_per_head(queries, keys, values, compressed_keys, compressed_values,
-                                            full_outputs=full + 1.0, **args)
+    shifted_error, _ = discrepancy_per_head(
+        queries, keys, values, compressed_keys, compressed_values, full_outputs=full + 1.0, **args
+    )
     assert (shifted_error > expected_error.float() + 1.0).all()
 
 
@@ -408,8 +493,9 @@ def test_supplied_full_outputs_are_the_regression_target(causal):
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     options = dict(query_positions=problem["query_positions"], cg_max_iter=400, cg_rtol=1e-7)
     # The float64 full-cache outputs, as a caller that already holds them (the model's forward) passes them.
-    full_outputs = float64_attention_outputs(problem["queries"], problem["keys"], problem["values"],
-                                             torch.arange(48), problem["query_positions"])
+    full_outputs = float64_attention_outputs(
+        problem["queries"], problem["keys"], problem["values"], torch.arange(48), problem["query_positions"]
+    )
     supplied_k, supplied_v = grkv_merge(**tensors, full_outputs=full_outputs.float(), **options)
     computed_k, computed_v = grkv_merge(**tensors, **options)
     torch.testing.assert_close(supplied_k, computed_k, rtol=1e-4, atol=1e-4)
@@ -421,8 +507,15 @@ def test_supplied_full_outputs_are_the_regression_target(causal):
 
 def window_errors(problem, merged_keys, merged_values):
     """(B, H) Σ‖Y_full − Y_comp‖² of the problem's queries for a compressed cache on its kept positions."""
-    return discrepancy_per_head(problem["queries"], problem["keys"], problem["values"], merged_keys, merged_values,
-                                query_positions=problem["query_positions"], compressed_positions=problem["kept"])[0]
+    return discrepancy_per_head(
+        problem["queries"],
+        problem["keys"],
+        problem["values"],
+        merged_keys,
+        merged_values,
+        query_positions=problem["query_positions"],
+        compressed_positions=problem["kept"],
+    )[0]
 
 
 def overshooting_problem(seed, sharpness=3.0, **shape):
@@ -436,16 +529,20 @@ SMOLLM2_HEADS = dict(batch=1, heads=3, n_queries=96, length=1024, budget=102, he
 
 
 @pytest.mark.parametrize("sharpness", [1.0, 3.0, 6.0])
-@pytest.mark.parametrize("shape", [dict(batch=2, heads=3, n_queries=24, length=128, budget=24, head_dim=16),
-                                   SMOLLM2_HEADS], ids=["small", "smollm2"])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(batch=2, heads=3, n_queries=24, length=128, budget=24, head_dim=16), SMOLLM2_HEADS],
+    ids=["small", "smollm2"],
+)
 def test_safeguard_orders_window_losses_per_head(sharpness, shape):
     """Per head: window loss after GRKV <= after the value step (GRV) <= plain eviction."""
     for seed in range(3):
         problem = overshooting_problem(seed, sharpness, **shape)
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         positions = problem["query_positions"]
-        evicted = window_errors(problem, gather(problem["keys"], problem["kept"]),
-                                gather(problem["values"], problem["kept"]))
+        evicted = window_errors(
+            problem, gather(problem["keys"], problem["kept"]), gather(problem["values"], problem["kept"])
+        )
         value_step = window_errors(problem, *grkv_merge(**tensors, components="v", query_positions=positions))
         merged = window_errors(problem, *grkv_merge(**tensors, query_positions=positions))
         assert (value_step <= evicted * (1 + 1e-5)).all()
@@ -464,8 +561,9 @@ def test_paper_step_overshoots_where_the_safeguard_holds():
 
 def test_safeguard_leaves_steps_that_already_lower_the_loss_unchanged():
     for seed in range(5):
-        problem = overshooting_problem(seed, sharpness=0.5, batch=2, heads=3, n_queries=24, length=128, budget=24,
-                                       head_dim=16)
+        problem = overshooting_problem(
+            seed, sharpness=0.5, batch=2, heads=3, n_queries=24, length=128, budget=24, head_dim=16
+        )
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
         options = dict(query_positions=problem["query_positions"], cg_max_iter=4)
         paper_k, paper_v = grkv_merge(**tensors, safeguard=False, **options)
@@ -499,8 +597,15 @@ def test_merge_update_does_not_depend_on_the_scale_of_the_values(ridge_scale, la
     comes from a decision (preconditioner, curvature guard) that depends on the units of the problem."""
     problem = random_problem(seed=41, causal=True, n_queries=24, length=96, budget=20, head_dim=16)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
-    options = dict(query_positions=problem["query_positions"], lambda_k=lambda_k, lambda_v=lambda_v,
-                   ridge_scale=ridge_scale, safeguard=False, cg_max_iter=64, cg_rtol=1e-7)
+    options = dict(
+        query_positions=problem["query_positions"],
+        lambda_k=lambda_k,
+        lambda_v=lambda_v,
+        ridge_scale=ridge_scale,
+        safeguard=False,
+        cg_max_iter=64,
+        cg_rtol=1e-7,
+    )
     keys, values = grkv_merge(**tensors, **options)
     scale = 2.0**-17
     scaled_keys, scaled_values = grkv_merge(**{**tensors, "values": tensors["values"] * scale}, **options)
@@ -514,8 +619,14 @@ def test_relative_ridge_matches_the_float64_reference():
     for seed in range(3):
         problem = random_problem(seed=70 + seed, causal=True)
         tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
-        options = dict(query_positions=problem["query_positions"], lambda_k=0.3, lambda_v=0.1, steps=2,
-                       ridge_scale="relative", safeguard=False)
+        options = dict(
+            query_positions=problem["query_positions"],
+            lambda_k=0.3,
+            lambda_v=0.1,
+            steps=2,
+            ridge_scale="relative",
+            safeguard=False,
+        )
         fast_k, fast_v = grkv_merge(**tensors, cg_max_iter=400, cg_rtol=1e-7, **options)
         as64 = {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
         ref_k, ref_v = grkv_merge_reference(**as64, **options)
@@ -528,8 +639,9 @@ def test_relative_ridge_matches_the_float64_reference():
 def test_zero_ridge_key_step_survives_rows_whose_free_attention_underflows():
     """A query row held by a fixed key (its attention over the free rows underflows to 0) must not stop the key
     step of its head: before the scale-invariant guards the 1/0 Jacobi weight ended CG at iteration 1."""
-    problem = random_problem(seed=17, batch=1, heads=2, n_queries=12, length=64, budget=24, head_dim=8,
-                             fixed_fraction=0.0)
+    problem = random_problem(
+        seed=17, batch=1, heads=2, n_queries=12, length=64, budget=24, head_dim=8, fixed_fraction=0.0
+    )
     problem["fixed"][..., 0] = True
     anchor = torch.stack([problem["keys"][0, h, problem["kept"][0, h, 0]] for h in range(2)])  # each head's fixed key
     problem["queries"][0, :, 0] = 60.0 * anchor / anchor.norm(dim=-1, keepdim=True)
@@ -551,8 +663,11 @@ def test_zero_ridge_key_step_survives_rows_whose_free_attention_underflows():
 def test_a_stalled_key_step_is_reported(monkeypatch):
     import grkv_core.solver.key_step as key_step
 
-    monkeypatch.setattr(key_step, "_conjugate_gradients", lambda operator, rhs, *args: (
-        torch.zeros_like(rhs), torch.ones(rhs.shape[0], dtype=torch.bool)))
+    monkeypatch.setattr(
+        key_step,
+        "_conjugate_gradients",
+        lambda operator, rhs, *args: (torch.zeros_like(rhs), torch.ones(rhs.shape[0], dtype=torch.bool)),
+    )
     problem = random_problem(seed=4)
     tensors = {name: problem[name] for name in ("queries", "keys", "values", "kept", "fixed")}
     with pytest.warns(RuntimeWarning, match="key step made no progress on 4 of 4"):
@@ -580,8 +695,11 @@ def test_the_whole_solve_compiles_as_one_graph_and_matches_eager(policy):
     causal = policy == "window"
     problem = random_problem(seed=77, n_queries=12 if causal else 40, head_dim=8, causal=causal)
     weights = None if causal else torch.rand(2, 2, 40, generator=torch.Generator().manual_seed(1))
-    regression = KeptRegression.of(*(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
-                                   query_positions=problem["query_positions"], row_weights=weights)
+    regression = KeptRegression.of(
+        *(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
+        query_positions=problem["query_positions"],
+        row_weights=weights,
+    )
     options = SolverOptions()
     torch._dynamo.reset()
     compiled = torch.compile(merge_heads, fullgraph=True)(regression, options)
@@ -601,8 +719,10 @@ def test_a_budget_padded_for_a_cuda_graph_leaves_the_real_rows_merge_unchanged(c
     from grkv_core.solver.merge import merge_heads
 
     problem = random_problem(seed=78, causal=causal)
-    regression = KeptRegression.of(*(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
-                                   query_positions=problem["query_positions"])
+    regression = KeptRegression.of(
+        *(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
+        query_positions=problem["query_positions"],
+    )
     padded = pad_budget(regression, 20)
     assert padded.kept.shape[-1] == regression.kept.shape[-1] + 20 and padded.query_positions is not None
     alone, with_padding = merge_heads(regression, SolverOptions()), merge_heads(padded, SolverOptions())
@@ -622,9 +742,10 @@ def test_a_captured_solve_replays_what_the_eager_solve_returns():
     graphs = CapturedSolves(capacity=2)
     for seed in (80, 81, 82):  # the second and third replay the graph the first captured (one budget bucket)
         problem = random_problem(seed=seed, causal=True)
-        regression = KeptRegression.of(*(problem[name].cuda() for name in ("queries", "keys", "values", "kept",
-                                                                           "fixed")),
-                                       query_positions=problem["query_positions"].cuda())
+        regression = KeptRegression.of(
+            *(problem[name].cuda() for name in ("queries", "keys", "values", "kept", "fixed")),
+            query_positions=problem["query_positions"].cuda(),
+        )
         replayed = graphs(merge_heads, regression, SolverOptions())
         eager = merge_heads(regression, SolverOptions())
         for fast, slow in zip(replayed, eager):

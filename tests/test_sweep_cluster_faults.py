@@ -16,10 +16,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from conftest import free_ports
 from ray_stop import ray_stop
-from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
 from test_sweep_faults import (
     EXPERIMENT,
     a_trial_running,
@@ -41,14 +39,17 @@ from test_sweep_service import (
     wait_for,
 )
 
+from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
+
 WORKER_NODE = dict(num_cpus=2, node_ip_address="127.0.0.1")
 
 
 def failed_trials(study) -> set[int]:
     """Trials failed other than to be re-queued (a trial the sweep runs again) or as a reused proposal."""
     requeued = {t.user_attrs[REQUEUE_OF_ATTR] for t in study.trials if REQUEUE_OF_ATTR in t.user_attrs}
-    return {t.number for t in study.trials
-            if t.state == optuna.trial.TrialState.FAIL and REUSES_ATTR not in t.user_attrs} - requeued
+    return {
+        t.number for t in study.trials if t.state == optuna.trial.TrialState.FAIL and REUSES_ATTR not in t.user_attrs
+    } - requeued
 
 
 def newest_checkpoint_write(state, sweep_id) -> float:
@@ -62,8 +63,11 @@ def cluster():
     """A head with no CPUs (so no worker can run there) and one 2-CPU worker node, all on 127.0.0.1."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args=dict(num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False))
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args=dict(num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False),
+    )
     cluster.add_node(**WORKER_NODE)
     cluster.wait_for_nodes()
     try:
@@ -146,8 +150,9 @@ def small_tmpfs(tmp_path):
 
     def mount(where):
         where.mkdir(parents=True)
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
-                          capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True
+        ).returncode:
             pytest.skip("cannot mount a tmpfs here")
         mounted.append(where)
 
@@ -169,8 +174,7 @@ def small_tmpfs(tmp_path):
             subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_trial(services, tmp_path,
-                                                                                     small_tmpfs):
+def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_trial(services, tmp_path, small_tmpfs):
     mount, fill, empty = small_tmpfs
     sweep_id, state, trials = "checkpoints-full", tmp_path / "state", 4
     checkpoints = state / sweep_id / "checkpoints"
@@ -227,11 +231,13 @@ def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(tm
     logging.getLogger("ray._private.worker").addHandler(handler)  # NOTE: where Ray logs an unhandled error
     config = load_config(slow_config(tmp_path, trials=2))
     # NOTE: a local instance of its own (never the latest cluster of the machine), with its own temp dir
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp")
+    )
     try:
-        pool = WorkerPool(config.eval_config().to_dict(), 0, count=2, num_cpus=1, num_gpus=0, max_retries=0,
-                          node_wait_s=60)
+        pool = WorkerPool(
+            config.eval_config().to_dict(), 0, count=2, num_cpus=1, num_gpus=0, max_retries=0, node_wait_s=60
+        )
         for number in (0, 1):
             pool.submit([TrialRequest(number, PressConfig("snapkv", 0.75), checkpoint_dir=str(checkpoints))])
         with pytest.raises(WorkerStorageError):
@@ -283,10 +289,34 @@ def test_no_test_runs_the_real_ray_stop():
 def ray_job_submit(stack, config, sweep_id, state, submission_id) -> subprocess.Popen:
     """The README's command by hand: ``ray job submit ... -- python sweep.py ...``, its output as the user sees it."""
     return subprocess.Popen(
-        ["ray", "job", "submit", "--address", stack["dashboard"], "--working-dir", str(REPO), "--submission-id",
-         submission_id, "--", "python", "sweep.py", "--config", str(config), "--sweep-id", sweep_id,
-         "--tracking-uri", stack["tracking_uri"], "--state-dir", str(state)],
-        cwd=REPO, env=stack["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            stack["dashboard"],
+            "--working-dir",
+            str(REPO),
+            "--submission-id",
+            submission_id,
+            "--",
+            "python",
+            "sweep.py",
+            "--config",
+            str(config),
+            "--sweep-id",
+            sweep_id,
+            "--tracking-uri",
+            stack["tracking_uri"],
+            "--state-dir",
+            str(state),
+        ],
+        cwd=REPO,
+        env=stack["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -317,8 +347,9 @@ def test_ray_stop_under_ray_job_submit_leaves_the_client_at_0_and_the_resume_fin
         assert [parent.info.status for parent in parents] == ["RUNNING"], "closed by nothing until the resume"
         assert of_stage(runs, FULL_STAGE, "RUNNING") and not of_stage(runs, FULL_STAGE, "FAILED")
 
-        restart = subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=stack["env"], capture_output=True,
-                                 text=True, timeout=300)
+        restart = subprocess.run(
+            ["bash", str(REPO / "infra/local/start.sh")], env=stack["env"], capture_output=True, text=True, timeout=300
+        )
         assert restart.returncode == 0, restart.stdout + restart.stderr
         assert "does not answer" in restart.stdout, "`ray stop` leaves the `ray start --block` leader running"
         resumed = ray_job_submit(stack, config, sweep_id, state, f"{sweep_id}-2")
@@ -336,19 +367,31 @@ def test_ray_stop_under_grkv_sweep_stops_it_in_one_line_and_the_same_command_res
     in one line, exit 3, once the driver has ended with the cluster, with the runs the driver left RUNNING closed
     KILLED; the same command again restarts Ray and finishes the sweep with nothing lost."""
     stack_dir = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
-    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
-             "GRKV_MLFLOW_PORT")
+    names = (
+        "GRKV_RAY_PORT",
+        "GRKV_RAY_DASHBOARD_PORT",
+        "GRKV_RAY_CLIENT_PORT",
+        "GRKV_RAY_AGENT_PORT",
+        "GRKV_MLFLOW_PORT",
+    )
     ports = dict(zip(names, free_ports(len(names))))
     # NOTE: PYTHONPATH: the console script runs this checkout, wherever the virtual environment was installed from
     env = child_env(GRKV_RAY_CPUS=2, GRKV_STOP_TIMEOUT=5, PYTHONPATH=REPO, **ports)
     tracking_uri = f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}"
     sweep_id, state, trials = "grkv-ray-stopped", stack_dir / "sweeps", 4
     config = slow_config(tmp_path, trials=trials, **{"data.samples": 6})
-    command = [str(VENV_BIN / "grkv"), "sweep", "--config", str(config), "--sweep-id", sweep_id, "--state-dir",
-               str(stack_dir)]
+    command = [
+        str(VENV_BIN / "grkv"),
+        "sweep",
+        "--config",
+        str(config),
+        "--sweep-id",
+        sweep_id,
+        "--state-dir",
+        str(stack_dir),
+    ]
     try:
-        sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)
+        sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ray_stop_mid_batch(stack_dir, state, sweep_id)
             stdout, stderr = sweep.communicate(timeout=300)
@@ -359,8 +402,10 @@ def test_ray_stop_under_grkv_sweep_stops_it_in_one_line_and_the_same_command_res
         assert "Traceback" not in stderr, stderr[-3000:]
         last = stderr.rstrip().splitlines()[-1]
         print(last)
-        assert last.startswith(f"sweep {sweep_id}: stopped: the Ray cluster stopped answering (Jobs API "
-                               f"http://127.0.0.1:{ports['GRKV_RAY_DASHBOARD_PORT']}: "), last
+        assert last.startswith(
+            f"sweep {sweep_id}: stopped: the Ray cluster stopped answering (Jobs API "
+            f"http://127.0.0.1:{ports['GRKV_RAY_DASHBOARD_PORT']}: "
+        ), last
         assert "the driver ended with it and its " in last and " run(s) left RUNNING are closed KILLED" in last, last
         assert last.endswith(f"resume with: {shlex.join(['grkv', *command[1:]])}"), last
         assert not lease_held(state / sweep_id)
@@ -374,5 +419,9 @@ def test_ray_stop_under_grkv_sweep_stops_it_in_one_line_and_the_same_command_res
         assert "does not answer" in resumed.stdout and f"sweep {sweep_id}: FINISHED" in resumed.stdout
         assert_sweep_complete(tracking_uri, state, sweep_id, trials)
     finally:
-        subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=dict(env, GRKV_STATE_DIR=str(stack_dir)),
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            ["bash", str(REPO / "infra/local/stop.sh")],
+            env=dict(env, GRKV_STATE_DIR=str(stack_dir)),
+            capture_output=True,
+            timeout=300,
+        )

@@ -16,8 +16,14 @@ import yaml
 from grkv_core.config import GRKV_DEFAULTS, PAPER_GRKV_OPTIONS, EvalConfig
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
-from sweeps.space import (baseline_params, make_sampler, one_at_a_time_params, press_of, proposing_at_random,
-                          suggest_press)
+from sweeps.space import (
+    baseline_params,
+    make_sampler,
+    one_at_a_time_params,
+    press_of,
+    proposing_at_random,
+    suggest_press,
+)
 from sweeps.stages import best_trials, configuration_distance, presses_to_test, promotions
 from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
 
@@ -42,26 +48,32 @@ def smoke_with(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("changes, drop, field", [
-    ({"screening.promote": 5}, (), "screening.promote"),
-    ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 2 baselines > 8 trials
-    ({"screening.metric": "mean_score"}, (), "screening.metric"),
-    ({"screening.trials": -1}, (), "screening.trials"),
-    ({"screening.min_distance": 1.5}, (), "screening.min_distance"),
-    ({"test.min_distance": -0.1}, (), "test.min_distance"),
-    ({"data.test.samples": -1}, (), "data.test.samples"),
-    ({"workers.batch_size": 0}, (), "workers.batch_size"),
-    ({"test.top_k": 0}, (), "test.top_k"),
-    ({"test.eviction_ratios": [0.8]}, (), "test.eviction_ratios"),  # not a larger budget than 0.75
-    ({"test.eviction_ratios": [1.5]}, (), "test.eviction_ratios"),
-    ({"test.eviction_ratios": [0.5, 0.5]}, (), "test.eviction_ratios"),
-    ({}, ("data.test",), "test.eviction_ratios"),  # eviction ratios but no held-out samples
-    ({"test.mergers": ["none"]}, (), "test.mergers"),
-    ({"test.mergers": ["cam", "cam"]}, (), "test.mergers"),
-    ({"test.eviction_ratios": []}, ("data.test",), "test.mergers"),  # other mergers but no held-out samples
-    ({"search_space.compression_ratio": {"type": "categorical", "choices": [0.5, 0.6]}}, (),
-     "press.compression_ratio"),
-])
+@pytest.mark.parametrize(
+    "changes, drop, field",
+    [
+        ({"screening.promote": 5}, (), "screening.promote"),
+        ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 2 baselines > 8 trials
+        ({"screening.metric": "mean_score"}, (), "screening.metric"),
+        ({"screening.trials": -1}, (), "screening.trials"),
+        ({"screening.min_distance": 1.5}, (), "screening.min_distance"),
+        ({"test.min_distance": -0.1}, (), "test.min_distance"),
+        ({"data.test.samples": -1}, (), "data.test.samples"),
+        ({"workers.batch_size": 0}, (), "workers.batch_size"),
+        ({"test.top_k": 0}, (), "test.top_k"),
+        ({"test.eviction_ratios": [0.8]}, (), "test.eviction_ratios"),  # not a larger budget than 0.75
+        ({"test.eviction_ratios": [1.5]}, (), "test.eviction_ratios"),
+        ({"test.eviction_ratios": [0.5, 0.5]}, (), "test.eviction_ratios"),
+        ({}, ("data.test",), "test.eviction_ratios"),  # eviction ratios but no held-out samples
+        ({"test.mergers": ["none"]}, (), "test.mergers"),
+        ({"test.mergers": ["cam", "cam"]}, (), "test.mergers"),
+        ({"test.eviction_ratios": []}, ("data.test",), "test.mergers"),  # other mergers but no held-out samples
+        (
+            {"search_space.compression_ratio": {"type": "categorical", "choices": [0.5, 0.6]}},
+            (),
+            "press.compression_ratio",
+        ),
+    ],
+)
 def test_a_bad_stage_or_batch_field_is_one_line_naming_it(tmp_path, changes, drop, field):
     with pytest.raises(ConfigError) as raised:
         load_config(smoke_with(tmp_path, drop, **changes))
@@ -71,8 +83,9 @@ def test_a_bad_stage_or_batch_field_is_one_line_naming_it(tmp_path, changes, dro
 
 def test_the_command_line_reports_a_bad_screening_field_on_one_line(tmp_path):
     path = smoke_with(tmp_path, **{"screening.promote": 5})
-    result = subprocess.run([sys.executable, "sweep.py", "--config", str(path)], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "sweep.py", "--config", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1 and "screening.promote" in lines[0], result.stderr
 
@@ -99,8 +112,9 @@ def test_a_sweep_left_at_its_defaults_evaluates_the_librarys_defaults():
 
 
 def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_path):
-    config = load_config(smoke_with(tmp_path, **{
-        "search_space.compression_ratio": {"type": "float", "low": 0.5, "high": 0.9}}))
+    config = load_config(
+        smoke_with(tmp_path, **{"search_space.compression_ratio": {"type": "float", "low": 0.5, "high": 0.9}})
+    )
     baselines = dict(baseline_params(config))
     assert baselines[EVICTION_ONLY] == {"compression_ratio": 0.75}
     assert baselines[PAPER_DEFAULT]["compression_ratio"] == 0.75
@@ -115,15 +129,23 @@ def test_the_baselines_run_at_the_sweeps_budget_when_the_ratio_is_searched(tmp_p
 
 
 def add(study: optuna.Study, params: dict, values, **user_attrs) -> None:
-    distributions = {name: optuna.distributions.CategoricalDistribution([value])
-                     for name, value in params.items()}
-    study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, values=values,
-                                              user_attrs=user_attrs))
+    distributions = {name: optuna.distributions.CategoricalDistribution([value]) for name, value in params.items()}
+    study.add_trial(
+        optuna.trial.create_trial(params=params, distributions=distributions, values=values, user_attrs=user_attrs)
+    )
 
 
 def grkv(lambda_k: float) -> dict:
-    return {"merge": "grkv", "lambda_k_is_zero": False, "lambda_k": lambda_k, "lambda_v": 0.1, "beta": 0.1,
-            "window_size": 16, "steps": 1, "components": "kv"}
+    return {
+        "merge": "grkv",
+        "lambda_k_is_zero": False,
+        "lambda_k": lambda_k,
+        "lambda_v": 0.1,
+        "beta": 0.1,
+        "window_size": 16,
+        "steps": 1,
+        "components": "kv",
+    }
 
 
 def test_the_best_distinct_screened_configurations_are_promoted():
@@ -137,15 +159,25 @@ def test_the_best_distinct_screened_configurations_are_promoted():
 
 def test_a_minimum_distance_keeps_near_copies_of_a_better_configuration_out():
     screen = optuna.create_study(direction="minimize")
-    distributions = {"lambda_k": optuna.distributions.FloatDistribution(1e-4, 1.0, log=True),
-                     "beta": optuna.distributions.FloatDistribution(0.0, 0.5),
-                     "query_policy": optuna.distributions.CategoricalDistribution(["window", "stratified"])}
-    for lambda_k, beta, policy, loss in [(1e-2, 0.1, "window", 0.1), (1.1e-2, 0.11, "window", 0.2),
-                                         (1e-2, 0.1, "stratified", 0.3), (1e-2, 0.2, "window", 0.4),
-                                         (1e-3, 0.1, "window", 0.5)]:
-        screen.add_trial(optuna.trial.create_trial(
-            params={"lambda_k": lambda_k, "beta": beta, "query_policy": policy}, distributions=distributions,
-            values=[loss]))
+    distributions = {
+        "lambda_k": optuna.distributions.FloatDistribution(1e-4, 1.0, log=True),
+        "beta": optuna.distributions.FloatDistribution(0.0, 0.5),
+        "query_policy": optuna.distributions.CategoricalDistribution(["window", "stratified"]),
+    }
+    for lambda_k, beta, policy, loss in [
+        (1e-2, 0.1, "window", 0.1),
+        (1.1e-2, 0.11, "window", 0.2),
+        (1e-2, 0.1, "stratified", 0.3),
+        (1e-2, 0.2, "window", 0.4),
+        (1e-3, 0.1, "window", 0.5),
+    ]:
+        screen.add_trial(
+            optuna.trial.create_trial(
+                params={"lambda_k": lambda_k, "beta": beta, "query_policy": policy},
+                distributions=distributions,
+                values=[loss],
+            )
+        )
     trials = screen.get_trials()
     # log10(1.1) / 4 decades = 0.010 for lambda_k, 0.01 / 0.5 = 0.02 for beta: the larger counts.
     assert configuration_distance(trials[0], trials[1]) == pytest.approx(0.02)
@@ -172,12 +204,26 @@ def test_the_test_stage_tests_the_best_trials_the_baselines_and_larger_budgets(t
     assert (presses["eviction_only@0.5"].merge, presses["eviction_only@0.5"].compression_ratio) == ("none", 0.5)
     merging = presses["kvpress_merging"]
     assert (merging.press, merging.compression_ratio, merging.merge, merging.merge_options) == (
-        "snapkv", 0.75, "kvpress_merging", {})
+        "snapkv",
+        0.75,
+        "kvpress_merging",
+        {},
+    )
 
 
 def test_several_objectives_test_the_pareto_set(tmp_path):
-    config = load_config(smoke_with(tmp_path, **{"test.top_k": 5, "objectives": [
-        {"metric": "mean_score", "direction": "maximize"}, {"metric": "window_loss", "direction": "minimize"}]}))
+    config = load_config(
+        smoke_with(
+            tmp_path,
+            **{
+                "test.top_k": 5,
+                "objectives": [
+                    {"metric": "mean_score", "direction": "maximize"},
+                    {"metric": "window_loss", "direction": "minimize"},
+                ],
+            },
+        )
+    )
     study = optuna.create_study(directions=["maximize", "minimize"])
     for lambda_k, values in [(0.1, [50.0, 0.01]), (0.2, [70.0, 0.3]), (0.3, [40.0, 0.2]), (0.4, [60.0, 0.05])]:
         add(study, grkv(lambda_k), values)
@@ -194,8 +240,10 @@ def proposals_of_eviction_only(study: optuna.Study, config: SweepConfig, asks: i
             press = suggest_press(trial, config)
         if press.merge == "none":
             count += 1
-            evaluated = any(t.params.get("merge") == "none" and t.state == optuna.trial.TrialState.COMPLETE
-                            for t in study.get_trials(deepcopy=False))
+            evaluated = any(
+                t.params.get("merge") == "none" and t.state == optuna.trial.TrialState.COMPLETE
+                for t in study.get_trials(deepcopy=False)
+            )
             if evaluated:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 continue
@@ -224,9 +272,20 @@ def test_the_ablation_config_is_the_papers_table_one_factor_at_a_time():
     config = load_config(REPO / "sweeps/configs/ablation.yaml")
     changes = config.one_at_a_time_rows()
     assert changes == [
-        {"lambda_k": 0.0, "lambda_v": 0.0}, {"lambda_k": 0.1, "lambda_v": 0.1}, {"lambda_k": 1.0, "lambda_v": 1.0},
-        {"beta": 0.0}, {"beta": 0.2}, {"beta": 0.3}, {"steps": 2}, {"steps": 3}, {"window_size": 48},
-        {"window_size": 64}, {"n_sink": 0}, {"fix_window": False}, {"components": "k"}, {"components": "v"},
+        {"lambda_k": 0.0, "lambda_v": 0.0},
+        {"lambda_k": 0.1, "lambda_v": 0.1},
+        {"lambda_k": 1.0, "lambda_v": 1.0},
+        {"beta": 0.0},
+        {"beta": 0.2},
+        {"beta": 0.3},
+        {"steps": 2},
+        {"steps": 3},
+        {"window_size": 48},
+        {"window_size": 64},
+        {"n_sink": 0},
+        {"fix_window": False},
+        {"components": "k"},
+        {"components": "v"},
     ]
     paper = resolved(press_of(dict(baseline_params(config))[PAPER_DEFAULT], config, {BASELINE_TAG: PAPER_DEFAULT}))
     assert {name: paper[name] for name in PAPER_GRKV_OPTIONS} == PAPER_GRKV_OPTIONS
@@ -239,9 +298,15 @@ def test_the_paper_baseline_runs_alg_1_in_every_option_the_sweep_does_not_search
     """A sweep searching only the ridges: its paper-default trial runs them at the paper's values and the rest of
     Alg. 1 (no safeguard, CG to convergence) as well, where an ordinary trial keeps GRKVPress's defaults; a
     categorical choice of ``null`` lets the baseline run the paper's uncapped step."""
-    config = load_config(smoke_with(tmp_path, search_space={
-        "lambda_k": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
-        "max_rel_update_k": {"type": "categorical", "choices": [0.025, None]}}))
+    config = load_config(
+        smoke_with(
+            tmp_path,
+            search_space={
+                "lambda_k": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
+                "max_rel_update_k": {"type": "categorical", "choices": [0.025, None]},
+            },
+        )
+    )
     paper_params = dict(baseline_params(config))[PAPER_DEFAULT]
     paper = resolved(press_of(paper_params, config, {BASELINE_TAG: PAPER_DEFAULT}))
     assert {name: paper[name] for name in PAPER_GRKV_OPTIONS} == PAPER_GRKV_OPTIONS
@@ -252,13 +317,19 @@ def test_the_paper_baseline_runs_alg_1_in_every_option_the_sweep_does_not_search
     assert eviction.merge == "none" and not eviction.merge_options
 
 
-@pytest.mark.parametrize("changes, problem", [
-    ({"trials": 15}, "the one-at-a-time design has 14 rows plus 2 baseline(s); set trials: 16"),
-    ({"search_space.steps.choices": [2, 3]}, "search_space.steps: one_at_a_time holds it at the paper default 1"),
-    ({"search_space.lambda_v.choices": [0.01, 0.1]}, "sampler.together: ['lambda_k', 'lambda_v'] are varied together"),
-    ({"baselines": ["eviction_only"]}, "it needs merge grkv, the paper_default baseline"),
-    ({"search_space.beta": {"type": "float", "low": 0.0, "high": 0.3}}, "one_at_a_time needs every search_space"),
-])
+@pytest.mark.parametrize(
+    "changes, problem",
+    [
+        ({"trials": 15}, "the one-at-a-time design has 14 rows plus 2 baseline(s); set trials: 16"),
+        ({"search_space.steps.choices": [2, 3]}, "search_space.steps: one_at_a_time holds it at the paper default 1"),
+        (
+            {"search_space.lambda_v.choices": [0.01, 0.1]},
+            "sampler.together: ['lambda_k', 'lambda_v'] are varied together",
+        ),
+        ({"baselines": ["eviction_only"]}, "it needs merge grkv, the paper_default baseline"),
+        ({"search_space.beta": {"type": "float", "low": 0.0, "high": 0.3}}, "one_at_a_time needs every search_space"),
+    ],
+)
 def test_a_one_at_a_time_design_that_cannot_be_run_is_refused_in_one_line(tmp_path, changes, problem):
     raw = yaml.safe_load((REPO / "sweeps/configs/ablation.yaml").read_text())
     for dotted, value in changes.items():
@@ -293,6 +364,10 @@ def test_the_query_aware_answer_sweep_differs_from_the_agnostic_one_only_in_prot
     agnostic = yaml.safe_load((REPO / "sweeps/configs/ruler-snapkv-answer.yaml").read_text())
     query_aware = yaml.safe_load((REPO / "sweeps/configs/ruler-snapkv-answer-query-aware.yaml").read_text())
     assert query_aware["data"] == {**agnostic["data"], "protocol": "query_aware"}
-    assert {key for key in agnostic.keys() | query_aware.keys()
-            if agnostic.get(key) != query_aware.get(key)} == {"name", "data", "screening", "trials"}
+    assert {key for key in agnostic.keys() | query_aware.keys() if agnostic.get(key) != query_aware.get(key)} == {
+        "name",
+        "data",
+        "screening",
+        "trials",
+    }
     assert query_aware["screening"]["metric"] == "answer_nll" and query_aware["screening"]["trials"] >= 48

@@ -16,13 +16,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-from mlflow.tracking import MlflowClient
-
 from conftest import free_ports
-from sweeps.lease import SweepBusyError, SweepLease
-from sweeps.state.optuna_storage import repair_journal
-from sweeps.state.state_dir import StateDirError
-from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, TRIAL_TAG
+from mlflow.tracking import MlflowClient
 from test_sweep_service import (
     REPO,
     assert_one_finished_child_per_complete_trial,
@@ -36,8 +31,13 @@ from test_sweep_service import (
     study_of,
     wait_for,
 )
+
+from sweeps.lease import SweepBusyError, SweepLease
+from sweeps.state.optuna_storage import repair_journal
+from sweeps.state.state_dir import StateDirError
 from tracking.mlflow_tracker import check_tracking_server
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
+from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, TRIAL_TAG
 
 EXPERIMENT = "grkv-faults"
 
@@ -52,15 +52,31 @@ def one_line(stderr: str) -> str:
 
 
 def sweep_command(config, sweep_id, state, tracking_uri, *extra):
-    return [sys.executable, "sweep.py", "--config", str(config), "--sweep-id", sweep_id, "--tracking-uri",
-            tracking_uri, "--state-dir", str(state), *extra]
+    return [
+        sys.executable,
+        "sweep.py",
+        "--config",
+        str(config),
+        "--sweep-id",
+        sweep_id,
+        "--tracking-uri",
+        tracking_uri,
+        "--state-dir",
+        str(state),
+        *extra,
+    ]
 
 
 def start(services, config, sweep_id, state, tracking_uri=None, *extra):
     """A driver whose stderr (the user's one-line messages) is kept apart from its log on stdout."""
-    return subprocess.Popen(sweep_command(config, sweep_id, state, tracking_uri or services["tracking_uri"], *extra),
-                            cwd=REPO, env=dict(services["env"], RAY_ADDRESS=services["ray_address"]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        sweep_command(config, sweep_id, state, tracking_uri or services["tracking_uri"], *extra),
+        cwd=REPO,
+        env=dict(services["env"], RAY_ADDRESS=services["ray_address"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def children_of(tracking_uri, sweep_id):
@@ -109,11 +125,19 @@ def test_a_torn_journal_tail_is_cut_with_a_backup_and_the_study_loads(tmp_path):
     (backup,) = tmp_path.glob("optuna.journal.torn-*")
     assert backup.read_bytes() == whole + last[: len(last) // 2]
     # Appending after the repair starts a line of its own: the study loads and takes new trials.
-    reopened = optuna.load_study(study_name="s", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(journal))))
+    reopened = optuna.load_study(
+        study_name="s", storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    )
     reopened.enqueue_trial({"x": 2.0})
-    assert len(optuna.load_study(study_name="s", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(journal)))).trials) == 2
+    assert (
+        len(
+            optuna.load_study(
+                study_name="s",
+                storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal))),
+            ).trials
+        )
+        == 2
+    )
     repair_journal(journal)  # a whole journal is left as it is
     assert len(list(tmp_path.glob("optuna.journal.torn-*"))) == 1
 
@@ -140,8 +164,13 @@ time.sleep(600)
 def test_a_live_drivers_lease_is_refused_naming_it_and_a_dead_ones_taken_over_at_once(tmp_path, caplog):
     # NOTE: the metadata `ray job submit` hands its driver, so the lease names the driver's Ray job
     job = json.dumps({"metadata": {"job_submission_id": "sweep-job-1"}})
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, PYTHONPATH=str(REPO), RAY_JOB_CONFIG_JSON_ENV_VAR=job))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LEASE, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), RAY_JOB_CONFIG_JSON_ENV_VAR=job),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(SweepBusyError, match=f"pid {holder.pid} on {socket.gethostname()}") as refused:
@@ -194,10 +223,32 @@ def test_an_unwritable_state_dir_fails_the_ray_job_with_one_line(services, tmp_p
     blocker.write_text("not a directory")
     config = slow_config(tmp_path, trials=2)
     submit = subprocess.run(
-        ["ray", "job", "submit", "--address", services["dashboard"], "--working-dir", str(REPO), "--",
-         "python", "sweep.py", "--config", str(config),
-         "--sweep-id", "unwritable", "--tracking-uri", services["tracking_uri"], "--state-dir", str(blocker / "state")],
-        cwd=REPO, env=services["env"], capture_output=True, text=True, timeout=300)
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            services["dashboard"],
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "sweep.py",
+            "--config",
+            str(config),
+            "--sweep-id",
+            "unwritable",
+            "--tracking-uri",
+            services["tracking_uri"],
+            "--state-dir",
+            str(blocker / "state"),
+        ],
+        cwd=REPO,
+        env=services["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert submit.returncode == 1, submit.stdout[-3000:]
     # The job's status message repeats the driver's last log lines: the one line shows twice, alone each time.
     assert "Traceback" not in submit.stdout
@@ -237,14 +288,24 @@ def test_a_full_state_dir_is_one_line_and_leaves_nothing(services, tmp_path, ful
     assert_nothing_of_the_sweep(services, "full")
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("sqlite:////no/such/dir/optuna.db", "sqlite:////no/such/dir/optuna.db"),
-    ("postgresql://grkv:s3cret@127.0.0.1:{port}/optuna", "postgresql://grkv:***@127.0.0.1:{port}/optuna"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("sqlite:////no/such/dir/optuna.db", "sqlite:////no/such/dir/optuna.db"),
+        ("postgresql://grkv:s3cret@127.0.0.1:{port}/optuna", "postgresql://grkv:***@127.0.0.1:{port}/optuna"),
+    ],
+)
 def test_an_unreachable_storage_url_is_one_line_and_leaves_nothing(services, tmp_path, url, shown):
     port = free_ports(1)[0]
-    driver = start(services, slow_config(tmp_path, trials=2), "no-storage", tmp_path / "state", None,
-                   "--storage-url", url.format(port=port))
+    driver = start(
+        services,
+        slow_config(tmp_path, trials=2),
+        "no-storage",
+        tmp_path / "state",
+        None,
+        "--storage-url",
+        url.format(port=port),
+    )
     _, stderr = driver.communicate(timeout=300)
     assert driver.returncode == 3
     line = one_line(stderr)
@@ -305,11 +366,25 @@ def test_second_driver_refused_then_a_torn_journal_and_stale_lock_resume_promptl
 
 def mlflow_server(state: Path, port: int) -> subprocess.Popen:
     server = subprocess.Popen(
-        [str(REPO / ".venv" / "bin" / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{state}/mlflow.db", "--artifacts-destination", str(state / "artifacts"),
-         "--workers", "1"],
-        env=child_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(REPO / ".venv" / "bin" / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{state}/mlflow.db",
+            "--artifacts-destination",
+            str(state / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        env=child_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
     def answers():
         try:
@@ -317,6 +392,7 @@ def mlflow_server(state: Path, port: int) -> subprocess.Popen:
             return True
         except TrackingUnavailableError:
             return False
+
     wait_for(answers, 120, "the MLflow server")
     return server
 
@@ -325,16 +401,16 @@ def mlflow_server(state: Path, port: int) -> subprocess.Popen:
 def test_mlflow_lost_mid_sweep_stops_in_one_line_and_the_resume_loses_nothing(services, tmp_path):
     sweep_id, state, trials = "mlflow-down", tmp_path / "state", 4
     config = slow_config(tmp_path, trials=trials)
-    text = config.read_text().replace("experiment: grkv-faults", "experiment: grkv-faults\n  retries: 2\n"
-                                      "  retry_backoff_s: 0.5")
+    text = config.read_text().replace(
+        "experiment: grkv-faults", "experiment: grkv-faults\n  retries: 2\n  retry_backoff_s: 0.5"
+    )
     config.write_text(text)
     port = free_ports(1)[0]
     tracking_uri = f"http://127.0.0.1:{port}"
     server = mlflow_server(tmp_path, port)
     try:
         driver = start(services, config, sweep_id, state, tracking_uri)
-        wait_for(lambda: of_stage(children_of(tracking_uri, sweep_id), FULL_STAGE, "FINISHED"), 600,
-                 "a finished trial")
+        wait_for(lambda: of_stage(children_of(tracking_uri, sweep_id), FULL_STAGE, "FINISHED"), 600, "a finished trial")
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         lost = time.monotonic()
@@ -357,8 +433,9 @@ def test_mlflow_lost_mid_sweep_stops_in_one_line_and_the_resume_loses_nothing(se
         assert resumed.returncode == 0, stdout[-3000:] + stderr[-3000:]
         assert_sweep_complete(tracking_uri, state, sweep_id, trials)
         finished = {int(p.stem) for p in (state / sweep_id / "trials").glob("*.json")}
-        assert {int(r.data.tags[TRIAL_TAG]) for r in of_stage(children_of(tracking_uri, sweep_id), FULL_STAGE,
-                                                               "FINISHED")} <= finished
+        assert {
+            int(r.data.tags[TRIAL_TAG]) for r in of_stage(children_of(tracking_uri, sweep_id), FULL_STAGE, "FINISHED")
+        } <= finished
     finally:
         os.killpg(server.pid, signal.SIGKILL)
 
@@ -369,15 +446,21 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
     leader left behind (what `ray stop` leaves), the driver stops in one line and re-queues its in-flight trials;
     start.sh sees a Ray that does not answer, restarts it, and the resume finishes the sweep."""
     state_root = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
-    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
-             "GRKV_MLFLOW_PORT")
+    names = (
+        "GRKV_RAY_PORT",
+        "GRKV_RAY_DASHBOARD_PORT",
+        "GRKV_RAY_CLIENT_PORT",
+        "GRKV_RAY_AGENT_PORT",
+        "GRKV_MLFLOW_PORT",
+    )
     ports = dict(zip(names, free_ports(len(names))))
     env = child_env(GRKV_STATE_DIR=state_root, GRKV_RAY_CPUS=2, GRKV_STOP_TIMEOUT=5, **ports)
-    subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300,
-                   capture_output=True)
-    own = {"env": dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled"),
-           "tracking_uri": f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}",
-           "ray_address": f"127.0.0.1:{ports['GRKV_RAY_PORT']}"}
+    subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300, capture_output=True)
+    own = {
+        "env": dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled"),
+        "tracking_uri": f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}",
+        "ray_address": f"127.0.0.1:{ports['GRKV_RAY_PORT']}",
+    }
     sweep_id, state, trials = "cluster-lost", tmp_path / "state", 4
     config = slow_config(tmp_path, trials=trials)
     try:
@@ -409,8 +492,9 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
         requeued = {t.user_attrs[REQUEUE_OF_ATTR] for t in study.trials if REQUEUE_OF_ATTR in t.user_attrs}
         assert {int(r.data.tags[TRIAL_TAG]) for r in killed} <= requeued
 
-        restart = subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, capture_output=True,
-                                 text=True, timeout=300)
+        restart = subprocess.run(
+            ["bash", str(REPO / "infra/local/start.sh")], env=env, capture_output=True, text=True, timeout=300
+        )
         assert restart.returncode == 0, restart.stdout + restart.stderr
         assert "does not answer" in restart.stdout and "already running and answering" not in restart.stdout
         resumed = start(own, config, sweep_id, state)
@@ -424,15 +508,15 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
 def test_a_cluster_without_room_for_a_worker_stops_the_sweep_in_one_line_naming_the_resources(monkeypatch):
     from sweeps import worker_pool
 
-    pool = worker_pool.WorkerPool({}, test_samples=0, count=1, num_cpus=2, num_gpus=1, max_retries=0,
-                                  node_wait_s=0.5)
+    pool = worker_pool.WorkerPool({}, test_samples=0, count=1, num_cpus=2, num_gpus=1, max_retries=0, node_wait_s=0.5)
     monkeypatch.setattr(worker_pool, "alive_nodes", lambda: {"node": {"CPU": 1.0}})
     pool._check_capacity()  # the first look only starts the wait
     pool.no_node_since -= 1.0
     with pytest.raises(worker_pool.NoWorkerLeftError) as raised:
         pool._check_capacity()
-    assert str(raised.value) == ("no node of the cluster can hold a worker (2 CPUs, 1 GPUs) for 0.5 s "
-                                 "(workers.node_wait_s); add one")
+    assert str(raised.value) == (
+        "no node of the cluster can hold a worker (2 CPUs, 1 GPUs) for 0.5 s (workers.node_wait_s); add one"
+    )
     monkeypatch.setattr(worker_pool, "alive_nodes", lambda: {"node": {"CPU": 2.0, "GPU": 1.0}})
     pool._check_capacity()
     assert pool.no_node_since is None

@@ -22,9 +22,9 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from conftest import free_ports
 from mlflow.tracking import MlflowClient
 
-from conftest import free_ports
 from grkv_core.config import QUERY_AWARE
 from grkv_core.evaluation.kvpress_layout import read_runs
 from grkv_core.registry import build, load_press_file, press_from_file, resolved
@@ -54,8 +54,18 @@ from workers.names import (
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
-REQUIRED_METRICS = {"mean_score", "score.niah_single_1", "ttft_s", "decode_ms_per_token", "peak_memory_bytes",
-                    "kv_bytes", "window_loss", "trial_eval_s", "batch_trials", "service_overhead_s"}
+REQUIRED_METRICS = {
+    "mean_score",
+    "score.niah_single_1",
+    "ttft_s",
+    "decode_ms_per_token",
+    "peak_memory_bytes",
+    "kv_bytes",
+    "window_loss",
+    "trial_eval_s",
+    "batch_trials",
+    "service_overhead_s",
+}
 # Screening generates nothing: losses and costs, no score.
 SCREEN_METRICS = {"question_loss", "window_loss", "kv_bytes", "trial_eval_s", "batch_trials", "service_overhead_s"}
 
@@ -70,8 +80,13 @@ def child_env(**extra) -> dict:
 @contextlib.contextmanager
 def local_stack(state: Path, **settings):
     """``infra/local/start.sh`` on free ports in ``state`` (more ``GRKV_*`` settings as keywords), stopped after."""
-    names = ("GRKV_RAY_PORT", "GRKV_RAY_DASHBOARD_PORT", "GRKV_RAY_CLIENT_PORT", "GRKV_RAY_AGENT_PORT",
-             "GRKV_MLFLOW_PORT")
+    names = (
+        "GRKV_RAY_PORT",
+        "GRKV_RAY_DASHBOARD_PORT",
+        "GRKV_RAY_CLIENT_PORT",
+        "GRKV_RAY_AGENT_PORT",
+        "GRKV_MLFLOW_PORT",
+    )
     ports = dict(zip(names, free_ports(len(names))))
     env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports, **settings)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
@@ -129,7 +144,8 @@ def runs_of(tracking_uri: str, experiment: str, sweep_id: str):
 def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE) -> optuna.Study:
     """The sweep's main study, or its screening study (``<sweep_id>.screen``), from the journal."""
     storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(state_dir / sweep_id / "optuna.journal")))
+        optuna.storages.journal.JournalFileBackend(str(state_dir / sweep_id / "optuna.journal"))
+    )
     return optuna.load_study(study_name=sweep_id if stage == FULL_STAGE else f"{sweep_id}.{stage}", storage=storage)
 
 
@@ -148,15 +164,19 @@ def assert_each_configuration_evaluated_once(children, study, config_path: Path,
     """No two finished runs of a stage ran the same press; every reused proposal proposed the press of the
     evaluated trial it names; every other trial was evaluated to the end."""
     config = load_config(config_path)
-    configurations = [frozenset((k, v) for k, v in r.data.params.items() if not k.startswith("optuna."))
-                      for r in of_stage(children, stage, "FINISHED")]
+    configurations = [
+        frozenset((k, v) for k, v in r.data.params.items() if not k.startswith("optuna."))
+        for r in of_stage(children, stage, "FINISHED")
+    ]
     assert len(set(configurations)) == len(configurations)
     trials = {t.number: t for t in study.get_trials()}
     reused = reused_trials(study)
     for trial in reused:
         original = trials[trial.user_attrs[REUSES_ATTR]]
         assert original.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in original.user_attrs
-        assert press_of(trial.params, config, trial.user_attrs) == press_of(original.params, config, original.user_attrs)
+        assert press_of(trial.params, config, trial.user_attrs) == press_of(
+            original.params, config, original.user_attrs
+        )
     assert {t.number for t in complete_trials(study)} == set(trials) - {t.number for t in reused}
 
 
@@ -171,7 +191,8 @@ def assert_one_finished_child_per_complete_trial(children, study, stage: str = F
     for run in finished:
         # A trial recovered after a driver crash has no driver-side timing: nobody watched it finish.
         required = (REQUIRED_METRICS if stage == FULL_STAGE else SCREEN_METRICS) - (
-            {"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else set())
+            {"service_overhead_s"} if run.data.tags.get(RECOVERED_TAG) else set()
+        )
         assert required <= set(run.data.metrics), sorted(required - set(run.data.metrics))
         assert "compression_ratio" in run.data.params
 
@@ -181,15 +202,20 @@ def expected_tests(config_path: Path, study: optuna.Study) -> set[str]:
     objective, maximised; distinct configurations), the baselines, eviction-only at each larger budget, the other
     mergers."""
     config = load_config(config_path)
-    ranked = sorted((t for t in complete_trials(study) if BASELINE_TAG not in t.user_attrs),
-                    key=lambda t: (-t.value, t.number))
+    ranked = sorted(
+        (t for t in complete_trials(study) if BASELINE_TAG not in t.user_attrs), key=lambda t: (-t.value, t.number)
+    )
     best, seen = [], []
     for trial in ranked:
         if trial.params not in seen and len(best) < config.test.top_k:
             seen.append(trial.params)
             best.append(str(trial.number))
-    return {*best, *config.baselines, *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios),
-            *config.test.mergers}
+    return {
+        *best,
+        *config.baselines,
+        *(f"{EVICTION_ONLY}@{ratio:g}" for ratio in config.test.eviction_ratios),
+        *config.test.mergers,
+    }
 
 
 def assert_one_finished_test_run_each(children, expected: set[str], state: Path, tracking_uri: str):
@@ -209,8 +235,14 @@ def assert_one_finished_test_run_each(children, expected: set[str], state: Path,
 
 def test_invalid_config_gives_one_line_error_naming_the_field(tmp_path):
     path = write_config(tmp_path, **{"workers.count": 0})
-    result = subprocess.run([sys.executable, "sweep.py", "--config", str(path)], cwd=REPO, env=child_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "sweep.py", "--config", str(path)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "workers.count" in lines[0], result.stderr
@@ -233,9 +265,24 @@ def test_safeguard_and_ridge_scale_are_searched_and_the_paper_default_trial_is_t
 def test_mlflow_down_at_start_is_a_clear_error_and_writes_nothing(tmp_path):
     state = tmp_path / "state"
     result = subprocess.run(
-        [sys.executable, "sweep.py", "--config", str(SMOKE), "--sweep-id", "down",
-         "--tracking-uri", f"http://127.0.0.1:{free_ports(1)[0]}", "--state-dir", str(state)],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "sweep.py",
+            "--config",
+            str(SMOKE),
+            "--sweep-id",
+            "down",
+            "--tracking-uri",
+            f"http://127.0.0.1:{free_ports(1)[0]}",
+            "--state-dir",
+            str(state),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 3
     assert "not reachable" in result.stderr and "Traceback" not in result.stderr
     assert not state.exists(), "nothing may be written when the tracking server is down"
@@ -247,10 +294,34 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     sweep_id = "e2e"
     state = services["state"] / "sweeps"
     submit = subprocess.run(
-        ["ray", "job", "submit", "--address", services["dashboard"], "--working-dir", str(REPO), "--",
-         "python", "sweep.py", "--config", "sweeps/configs/smoke.yaml", "--sweep-id", sweep_id,
-         "--tracking-uri", services["tracking_uri"], "--state-dir", str(state), "--protocol", QUERY_AWARE],
-        cwd=REPO, env=services["env"], capture_output=True, text=True, timeout=900)
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            services["dashboard"],
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "sweep.py",
+            "--config",
+            "sweeps/configs/smoke.yaml",
+            "--sweep-id",
+            sweep_id,
+            "--tracking-uri",
+            services["tracking_uri"],
+            "--state-dir",
+            str(state),
+            "--protocol",
+            QUERY_AWARE,
+        ],
+        cwd=REPO,
+        env=services["env"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
     assert "FINISHED" in submit.stdout
     parents, children = runs_of(services["tracking_uri"], "grkv-smoke", sweep_id)
@@ -263,8 +334,9 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert_each_configuration_evaluated_once(children, screen, SMOKE, SCREEN_STAGE)
     assert_one_finished_child_per_complete_trial(children, study)
     assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
-    assert_one_finished_test_run_each(children, expected_tests(SMOKE, study), state / sweep_id,
-                                      services["tracking_uri"])
+    assert_one_finished_test_run_each(
+        children, expected_tests(SMOKE, study), state / sweep_id, services["tracking_uri"]
+    )
     assert len(children) == 8 + 4 + 6  # the test stage: 2 best, 2 baselines, 1 larger budget, kvpress's merger
     # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
     first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
@@ -283,7 +355,9 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     # A test-stage run logs its predictions per held-out sample and question.
     client = MlflowClient(services["tracking_uri"])
     tested = of_stage(children, TEST_STAGE)[0]
-    rows = json.loads(Path(client.download_artifacts(tested.info.run_id, "predictions.json", str(tmp_path))).read_text())
+    rows = json.loads(
+        Path(client.download_artifacts(tested.info.run_id, "predictions.json", str(tmp_path))).read_text()
+    )
     assert rows and {"sample_id", "question", "prediction", "score"} <= set(rows[0])
     # Each worker loaded its model exactly once for the whole sweep.
     assert {r.data.metrics["worker_model_loads"] for r in children} == {1.0}
@@ -306,8 +380,14 @@ def test_a_configuration_is_evaluated_once_and_an_exhausted_space_ends_the_stage
     proposal of either reuses its result (told at once, or when the in-flight one finishes) until the sampler
     has proposed nothing new ``EXHAUSTED_AFTER_DUPLICATES`` times in a row, and the stage ends."""
     sweep_id, state = "reuse", tmp_path / "state"
-    config = write_config(tmp_path, drop=("screening", "test", "data.test"), merge=["none", "cam"], trials=4,
-                          search_space={}, **{"tracking.experiment": "grkv-reuse"})
+    config = write_config(
+        tmp_path,
+        drop=("screening", "test", "data.test"),
+        merge=["none", "cam"],
+        trials=4,
+        search_space={},
+        **{"tracking.experiment": "grkv-reuse"},
+    )
     driver = start_driver(services, config, sweep_id, state)
     output, _ = driver.communicate(timeout=600)
     assert driver.returncode == 0, output[-3000:]
@@ -333,11 +413,17 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
 
     sweep_id, state = "one-at-a-time", tmp_path / "state"
     config = write_config(
-        tmp_path, drop=("screening", "test", "data.test"), trials=4, objectives=[{"metric": "answer_nll"}],
-        sampler={"type": "one_at_a_time"}, search_space={
+        tmp_path,
+        drop=("screening", "test", "data.test"),
+        trials=4,
+        objectives=[{"metric": "answer_nll"}],
+        sampler={"type": "one_at_a_time"},
+        search_space={
             "steps": {"type": "categorical", "choices": [1, 2]},
-            "components": {"type": "categorical", "choices": ["kv", "v"]}},
-        **{"tracking.experiment": "grkv-one-at-a-time"})
+            "components": {"type": "categorical", "choices": ["kv", "v"]},
+        },
+        **{"tracking.experiment": "grkv-one-at-a-time"},
+    )
     driver = start_driver(services, config, sweep_id, state)
     output, _ = driver.communicate(timeout=600)
     assert driver.returncode == 0, output[-3000:]
@@ -347,10 +433,14 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
     assert sorted((t.params["steps"], t.params["components"]) for t in trials[2:]) == [(1, "v"), (2, "kv")]
     client = MlflowClient(services["tracking_uri"])
     sweep = load_sweep(client, sweep_id)
-    ran = [resolved(press_of_run(client, run_id))
-           for run_id, baseline in zip(sweep.trials["run_id"], sweep.trials["baseline"]) if baseline != EVICTION_ONLY]
-    assert len(ran) == 3 and all(press["safeguard"] is False and press["cg_max_iter"] == 200 for press in ran), \
+    ran = [
+        resolved(press_of_run(client, run_id))
+        for run_id, baseline in zip(sweep.trials["run_id"], sweep.trials["baseline"])
+        if baseline != EVICTION_ONLY
+    ]
+    assert len(ran) == 3 and all(press["safeguard"] is False and press["cg_max_iter"] == 200 for press in ran), (
         "the paper default and its rows run Alg. 1's unsearched options"
+    )
     result = ablation_table(sweep, score="answer_nll")
     table = result.table.set_index(["factor", "setting"])
     for factor, settings in (("Update steps (S)", ["S=1", "S=2"]), ("Optimized cache components", ["GRKV", "GRV"])):
@@ -358,8 +448,11 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
     assert not any("no trials vary it alone" in note for note in result.notes)
     assert table["avg"].notna().all() and {"answer_kl", "answer_top1"} <= set(result.metrics)
     # Each row against the paper default, paired per sample; float64 reference from the runs' predictions.
-    per_sample = (sweep.trial_predictions.astype({"answer_nll": "float64"})
-                  .groupby(["run_id", "task", "sample_id"])["answer_nll"].mean())
+    per_sample = (
+        sweep.trial_predictions.astype({"answer_nll": "float64"})
+        .groupby(["run_id", "task", "sample_id"])["answer_nll"]
+        .mean()
+    )
     run_of = dict(zip(sweep.trials["trial_number"], sweep.trials["run_id"]))
     row = table.loc[("Update steps (S)", "S=2")]
     (trial,) = [int(n) for n in row["trials"].split(", ")]
@@ -370,27 +463,55 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
     # The report's default score is the needle's, which ties: the rows are still paired on the answer NLL.
     by_score = ablation_table(sweep)
     assert by_score.paired_metric == "answer_nll"
-    assert by_score.table.set_index(["factor", "setting"]).loc[("Update steps (S)", "S=2"), "vs_default"] == \
-        row["vs_default"]
+    assert (
+        by_score.table.set_index(["factor", "setting"]).loc[("Update steps (S)", "S=2"), "vs_default"]
+        == row["vs_default"]
+    )
 
 
 def slow_config(tmp_path, trials, stages=False, **changes):
     """Enough work per trial (about seconds) to interrupt one while it runs; with ``stages``, the smoke config's
     screening and a test stage of 2 held-out samples, else full trials only; more dotted ``changes`` on top."""
     if stages:
-        return write_config(tmp_path, trials=trials, **{"data.samples": 4, "data.context_length": 1536,
-                                                       "data.test.samples": 2, "tracking.experiment": "grkv-faults",
-                                                       **changes})
-    return write_config(tmp_path, drop=("screening", "test", "data.test"), trials=trials, **{
-        "data.samples": 4, "data.context_length": 1536, "tracking.experiment": "grkv-faults", **changes})
+        return write_config(
+            tmp_path,
+            trials=trials,
+            **{
+                "data.samples": 4,
+                "data.context_length": 1536,
+                "data.test.samples": 2,
+                "tracking.experiment": "grkv-faults",
+                **changes,
+            },
+        )
+    return write_config(
+        tmp_path,
+        drop=("screening", "test", "data.test"),
+        trials=trials,
+        **{"data.samples": 4, "data.context_length": 1536, "tracking.experiment": "grkv-faults", **changes},
+    )
 
 
 def start_driver(services, config, sweep_id, state):
     return subprocess.Popen(
-        [sys.executable, "sweep.py", "--config", str(config), "--sweep-id", sweep_id,
-         "--tracking-uri", services["tracking_uri"], "--state-dir", str(state)],
-        cwd=REPO, env=dict(services["env"], RAY_ADDRESS=services["ray_address"]),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "sweep.py",
+            "--config",
+            str(config),
+            "--sweep-id",
+            sweep_id,
+            "--tracking-uri",
+            services["tracking_uri"],
+            "--state-dir",
+            str(state),
+        ],
+        cwd=REPO,
+        env=dict(services["env"], RAY_ADDRESS=services["ray_address"]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(predicate, timeout, what):
@@ -408,15 +529,20 @@ def test_killed_worker_mid_trial_is_retried_and_the_sweep_completes(services, tm
     sweep_id, state = "worker-kill", tmp_path / "state"
     driver = start_driver(services, slow_config(tmp_path, trials=4), sweep_id, state)
     try:
+
         def running_worker_pids():
             # The state API is asked over the dashboard's HTTP address: this process joins no Ray cluster.
-            actors = list_actors(address=services["dashboard"],
-                                 filters=[("class_name", "=", "TrialWorker"), ("state", "=", "ALIVE")])
+            actors = list_actors(
+                address=services["dashboard"], filters=[("class_name", "=", "TrialWorker"), ("state", "=", "ALIVE")]
+            )
             return [a.pid for a in actors if a.pid]
 
         def a_trial_is_running():
-            _, children = runs_of(services["tracking_uri"], "grkv-faults", sweep_id) if \
-                MlflowClient(services["tracking_uri"]).get_experiment_by_name("grkv-faults") else (None, [])
+            _, children = (
+                runs_of(services["tracking_uri"], "grkv-faults", sweep_id)
+                if MlflowClient(services["tracking_uri"]).get_experiment_by_name("grkv-faults")
+                else (None, [])
+            )
             return bool(running_worker_pids()) and any(r.info.status == "RUNNING" for r in children)
 
         wait_for(a_trial_is_running, 300, "a running trial")
@@ -458,18 +584,29 @@ def test_sigkilled_driver_resumes_every_stage_with_one_finished_run_each(service
         return runs_of(services["tracking_uri"], "grkv-faults", sweep_id)[1]
 
     def finished_runs():
-        return {(r.data.tags[STAGE_TAG], r.data.tags.get(TRIAL_TAG) or r.data.tags[TEST_OF_TAG]): r.info.run_id
-                for r in children() if r.info.status == "FINISHED"}
+        return {
+            (r.data.tags[STAGE_TAG], r.data.tags.get(TRIAL_TAG) or r.data.tags[TEST_OF_TAG]): r.info.run_id
+            for r in children()
+            if r.info.status == "FINISHED"
+        }
 
     def a_full_batch_in_flight():
         runs = children()
         return of_stage(runs, FULL_STAGE, "FINISHED") and of_stage(runs, FULL_STAGE, "RUNNING")
 
-    sigkill_when(start_driver(services, config, sweep_id, state), a_full_batch_in_flight, 600,
-                 "a batch of full trials in flight after one finished")
+    sigkill_when(
+        start_driver(services, config, sweep_id, state),
+        a_full_batch_in_flight,
+        600,
+        "a batch of full trials in flight after one finished",
+    )
     before_first_kill = finished_runs()
-    sigkill_when(start_driver(services, config, sweep_id, state),
-                 lambda: of_stage(children(), TEST_STAGE, "RUNNING"), 900, "a test-stage run in flight")
+    sigkill_when(
+        start_driver(services, config, sweep_id, state),
+        lambda: of_stage(children(), TEST_STAGE, "RUNNING"),
+        900,
+        "a test-stage run in flight",
+    )
     before_second_kill = finished_runs()
 
     resumed = start_driver(services, config, sweep_id, state)

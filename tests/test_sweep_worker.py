@@ -14,8 +14,15 @@ from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, split_samples
 
-CONFIG = EvalConfig(model="tiny-llama", dataset="ruler", tasks=("niah_single_1", "niah_single_2"), context_length=512,
-                    samples=1, dtype="float32", device="cpu")
+CONFIG = EvalConfig(
+    model="tiny-llama",
+    dataset="ruler",
+    tasks=("niah_single_1", "niah_single_2"),
+    context_length=512,
+    samples=1,
+    dtype="float32",
+    device="cpu",
+)
 GRKV = PressConfig("snapkv", 0.75, "grkv", {"lambda_k": 0.1})
 EVICTION = PressConfig("snapkv", 0.75)
 
@@ -85,9 +92,14 @@ def test_a_batch_of_mixed_stages_is_refused(worker):
 
 
 def test_the_tuning_samples_are_those_of_a_sweep_without_a_test_stage(worker):
-    alone = load_dataset_samples(CONFIG.dataset, tasks=CONFIG.tasks, context_length=CONFIG.context_length,
-                                 samples_per_task=CONFIG.samples, seed=CONFIG.seed,
-                                 tokenizer=worker.setup.loaded.tokenizer)
+    alone = load_dataset_samples(
+        CONFIG.dataset,
+        tasks=CONFIG.tasks,
+        context_length=CONFIG.context_length,
+        samples_per_task=CONFIG.samples,
+        seed=CONFIG.seed,
+        tokenizer=worker.setup.loaded.tokenizer,
+    )
     assert alone == worker.samples[FULL_STAGE]
 
 
@@ -95,8 +107,9 @@ def test_a_trial_asked_again_resumes_from_its_checkpoint_at_the_sample_it_had_re
     """An interrupted batch leaves each trial's finished samples in the checkpoint directory; the same press,
     asked again under another number, evaluates only the samples missing there."""
     checkpoints = str(tmp_path / "checkpoints")
-    first = worker.evaluate_batch([TrialRequest(5, GRKV, checkpoint_dir=checkpoints),
-                                   TrialRequest(6, EVICTION, checkpoint_dir=checkpoints)])
+    first = worker.evaluate_batch(
+        [TrialRequest(5, GRKV, checkpoint_dir=checkpoints), TrialRequest(6, EVICTION, checkpoint_dir=checkpoints)]
+    )
     stored = sorted((tmp_path / "checkpoints" / FULL_STAGE).glob("*.json"))
     assert len(stored) == 2
     # The interruption: GRKV's file keeps only its first sample, marked so that a recomputation would show.

@@ -16,8 +16,12 @@ def random_cache(seed: int, batch=2, heads=4, rows=8, length=64, budget=32, dim=
     generator = torch.Generator().manual_seed(seed)
     queries = 2 * torch.randn(batch, heads, rows, dim, generator=generator)
     keys, values = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(2))
-    kept = torch.stack([torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
-                        for _ in range(batch)])
+    kept = torch.stack(
+        [
+            torch.stack([torch.randperm(length, generator=generator)[:budget] for _ in range(heads)])
+            for _ in range(batch)
+        ]
+    )
     return queries, keys, values, kept, torch.zeros(batch, heads, budget, dtype=torch.bool)
 
 
@@ -41,14 +45,22 @@ def test_the_validation_rule_passes_exactly_the_heads_whose_held_out_loss_falls(
     queries, keys, values, kept, fixed = random_cache(0)
     options = SolverOptions(lambda_k=0.0, lambda_v=0.0)
     regression = KeptRegression.of(queries, keys, values, kept, fixed)
-    passes = passes_validation(regression, options, solve_regression, keys, values,
-                               full_cache_outputs(queries, keys, values), window=8)
+    passes = passes_validation(
+        regression, options, solve_regression, keys, values, full_cache_outputs(queries, keys, values), window=8
+    )
     even, odd = torch.arange(8) % 2 == 0, torch.arange(8) % 2 == 1
     half = grkv_merge(queries[:, :, even], keys, values, kept, fixed, lambda_k=0.0, lambda_v=0.0)
     evicted = (regression.kept_keys, regression.kept_values)
-    half_loss, evicted_loss = (discrepancy_per_head(queries[:, :, odd].double(), keys.double(), values.double(),
-                                                    *(part.double() for part in cache), compressed_positions=kept)[0]
-                               for cache in (half, evicted))
+    half_loss, evicted_loss = (
+        discrepancy_per_head(
+            queries[:, :, odd].double(),
+            keys.double(),
+            values.double(),
+            *(part.double() for part in cache),
+            compressed_positions=kept,
+        )[0]
+        for cache in (half, evicted)
+    )
     assert torch.equal(passes, half_loss < evicted_loss)
     assert passes.any() and not passes.all()
 
@@ -63,10 +75,17 @@ def test_the_objective_rule_takes_each_heads_candidate_of_lowest_window_loss():
     noise = torch.randn(merged[1].shape, generator=torch.Generator().manual_seed(3))
     merged = (merged[0], merged[1] + spoiled * noise)
     candidates = [evicted, (evicted[0], values_only[1]), merged]
-    chosen = lowest_window_loss(candidates, queries, keys, values, kept, None, 8 ** -0.5,
-                                full_cache_outputs(queries, keys, values))
-    losses = torch.stack([discrepancy_per_head(queries.double(), keys.double(), values.double(), k.double(),
-                                               v.double(), compressed_positions=kept)[0] for k, v in candidates])
+    chosen = lowest_window_loss(
+        candidates, queries, keys, values, kept, None, 8**-0.5, full_cache_outputs(queries, keys, values)
+    )
+    losses = torch.stack(
+        [
+            discrepancy_per_head(
+                queries.double(), keys.double(), values.double(), k.double(), v.double(), compressed_positions=kept
+            )[0]
+            for k, v in candidates
+        ]
+    )
     best = losses.argmin(dim=0)
     for index, (k, v) in enumerate(candidates):
         heads = best == index

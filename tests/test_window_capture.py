@@ -80,11 +80,23 @@ def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
     model = tiny_model().model
     language_model = model.model
     ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
-    hooks_before = [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),
-                     len(layer.self_attn.o_proj._forward_pre_hooks)) for layer in language_model.layers]
+    hooks_before = [
+        (
+            len(layer.self_attn._forward_pre_hooks),
+            len(layer.self_attn.q_proj._forward_hooks),
+            len(layer.self_attn.o_proj._forward_pre_hooks),
+        )
+        for layer in language_model.layers
+    ]
     capture = WindowCapture(WINDOW, keep_outputs=True)
     with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
         language_model(input_ids=ids)
     assert capture.take(0) == (None, None)
-    assert hooks_before == [(len(layer.self_attn._forward_pre_hooks), len(layer.self_attn.q_proj._forward_hooks),
-                             len(layer.self_attn.o_proj._forward_pre_hooks)) for layer in language_model.layers]
+    assert hooks_before == [
+        (
+            len(layer.self_attn._forward_pre_hooks),
+            len(layer.self_attn.q_proj._forward_hooks),
+            len(layer.self_attn.o_proj._forward_pre_hooks),
+        )
+        for layer in language_model.layers
+    ]

@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.config import MERGER_OPTION_SPECS, QUESTION_AGNOSTIC, PressConfig
 from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD
-from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
+from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,9 @@ def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
     """The press configuration a finished trial or test run ran, from its params (every field of its merger)."""
     params = {name: parse_param(text) for name, text in client.get_run(run_id).data.params.items()}
     merge = params["merge"]
-    return PressConfig(params["press"], params["compression_ratio"], merge,
-                       {name: params[name] for name in MERGER_OPTION_SPECS[merge]})
+    return PressConfig(
+        params["press"], params["compression_ratio"], merge, {name: params[name] for name in MERGER_OPTION_SPECS[merge]}
+    )
 
 
 def _ranked(frame: pd.DataFrame, metric: str, maximize: bool, tie_break: pd.Series | None = None) -> pd.DataFrame:
@@ -55,9 +56,14 @@ def _ranked(frame: pd.DataFrame, metric: str, maximize: bool, tie_break: pd.Seri
         return frame.iloc[:0]
     frame = frame[frame[metric].notna()]
     sign = -1.0 if maximize else 1.0
-    keys = pd.DataFrame({"value": sign * frame[metric].astype(float),
-                         "tie": sign * (tie_break.astype(float) if tie_break is not None else 0.0),
-                         "order": range(len(frame))}, index=frame.index).fillna(math.inf)
+    keys = pd.DataFrame(
+        {
+            "value": sign * frame[metric].astype(float),
+            "tie": sign * (tie_break.astype(float) if tie_break is not None else 0.0),
+            "order": range(len(frame)),
+        },
+        index=frame.index,
+    ).fillna(math.inf)
     return frame.loc[keys.sort_values(["value", "tie", "order"]).index]
 
 
@@ -85,8 +91,10 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
         ranked = _ranked(tests, objective.metric, objective.maximize, tie)
         if not ranked.empty:
             row = ranked.iloc[0]
-            how = (f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
-                   f"{runs.test_sample_count} held-out sample(s)")
+            how = (
+                f"best of the test stage: {objective.metric} {row[objective.metric]:.4g} on "
+                f"{runs.test_sample_count} held-out sample(s)"
+            )
             is_eviction = tests["test_of"].astype(str) == EVICTION_ONLY
             if not is_eviction[row.name] and (tests.loc[is_eviction, objective.metric] == row[objective.metric]).any():
                 how += "; eviction-only scores the same there: no merging configuration beat the base press"
@@ -95,8 +103,11 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
     if ranked.empty:
         raise ValueError(f"sweep {runs.sweep_id!r} has no finished trial with {objective.metric} yet")
     row = ranked.iloc[0]
-    return Choice(row["run_id"], row["configuration"],
-                  f"best trial of the main study: {objective.metric} {row[objective.metric]:.4g} on the tuning samples")
+    return Choice(
+        row["run_id"],
+        row["configuration"],
+        f"best trial of the main study: {objective.metric} {row[objective.metric]:.4g} on the tuning samples",
+    )
 
 
 def press_file_text(press: PressConfig, comments: list[str], protocol: str = QUESTION_AGNOSTIC) -> str:
@@ -107,8 +118,15 @@ def press_file_text(press: PressConfig, comments: list[str], protocol: str = QUE
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(body, sort_keys=False)
 
 
-def export_press(client: MlflowClient, sweep_id: str, output: str | Path | None = None, *, trial: int | None = None,
-                 experiment: str | None = None, log_artifact: bool = True) -> Export:
+def export_press(
+    client: MlflowClient,
+    sweep_id: str,
+    output: str | Path | None = None,
+    *,
+    trial: int | None = None,
+    experiment: str | None = None,
+    log_artifact: bool = True,
+) -> Export:
     """Write the chosen run's press file (``choose``) to ``output`` (default ``./grkv-press-<sweep_id>.yaml``) and,
     with ``log_artifact``, to the sweep's parent run as ``press.yaml``.
 
@@ -124,15 +142,19 @@ def export_press(client: MlflowClient, sweep_id: str, output: str | Path | None 
     press = press_of_run(client, choice.run_id)
     stage = TEST_STAGE if choice.run_id in set(runs.test_trials["run_id"]) else FULL_STAGE
     path = Path(output or f"grkv-press-{sweep_id}.yaml")
-    text = press_file_text(press, [
-        f"GRKV press configuration: {press.label}, exported by `grkv export` from sweep {sweep_id}",
-        f"chosen: {choice.configuration} ({choice.how})",
-        f"from: {stage}-stage run {choice.run_id} of parent run {runs.parent_run_id} "
-        f"(experiment id {runs.experiment_id}, {client.tracking_uri})",
-        f"exported: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-        f"use: press = grkv_core.registry.press_from_file(\"{path.name}\"); with press(model): ...",
-        f"or:  grkv eval --press-config {path.name}",
-    ], runs.protocol)
+    text = press_file_text(
+        press,
+        [
+            f"GRKV press configuration: {press.label}, exported by `grkv export` from sweep {sweep_id}",
+            f"chosen: {choice.configuration} ({choice.how})",
+            f"from: {stage}-stage run {choice.run_id} of parent run {runs.parent_run_id} "
+            f"(experiment id {runs.experiment_id}, {client.tracking_uri})",
+            f"exported: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+            f'use: press = grkv_core.registry.press_from_file("{path.name}"); with press(model): ...',
+            f"or:  grkv eval --press-config {path.name}",
+        ],
+        runs.protocol,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     artifact_uri = None

@@ -24,6 +24,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, OPTION_SYMBOLS, PressConfig
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER
+from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.names import (
     BASELINE_TAG,
     BEST_TRIALS_TAG,
@@ -39,7 +40,6 @@ from workers.names import (
     TRIAL_TAG,
     WORKER_PID_TAG,
 )
-from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.protocol import TrialOutcome, WorkerIdentity
 
 log = logging.getLogger("grkv.tracking")
@@ -74,11 +74,14 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as response:
             if response.status != 200:
-                raise TrackingUnavailableError(f"MLflow tracking server {uri} answered HTTP {response.status} on /health")
+                raise TrackingUnavailableError(
+                    f"MLflow tracking server {uri} answered HTTP {response.status} on /health"
+                )
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise TrackingUnavailableError(
-            f"MLflow tracking server {uri} is not reachable ({reason}); start it (infra/local/start.sh) or fix tracking.tracking_uri"
+            f"MLflow tracking server {uri} is not reachable ({reason}); start it (infra/local/start.sh) or fix "
+            "tracking.tracking_uri"
         ) from None
 
 
@@ -100,8 +103,11 @@ def resolved_params(resolved_press: dict) -> list[Param]:
 def worker_params(worker: WorkerIdentity) -> list[Param]:
     """What the worker's model ran on: ``worker.device`` (``cuda:0``), ``worker.dtype`` (``dtype="auto"`` resolved)
     and, where Ray set it, ``worker.cuda_visible_devices``."""
-    facts = {"worker.device": worker.device, "worker.dtype": worker.dtype,
-             "worker.cuda_visible_devices": worker.visible_devices}
+    facts = {
+        "worker.device": worker.device,
+        "worker.dtype": worker.dtype,
+        "worker.cuda_visible_devices": worker.visible_devices,
+    }
     return [Param(name, str(value)) for name, value in facts.items() if value is not None]
 
 
@@ -110,15 +116,20 @@ def trial_metrics(summary: dict) -> dict[str, float]:
     losses and answer metrics, the score outside the press's always-kept window with the count of samples inside
     it (``window_samples``), and per needle-depth bin its score and samples (``score_depth.<bin>``,
     ``samples_depth.<bin>``)."""
-    metrics = {"mean_score": summary["mean_score"],  # None for screening trials, then left out
-               "mean_score_outside_window": summary.get("mean_score_outside_window"),
-               "window_samples": summary.get("window_samples")}
+    metrics = {
+        "mean_score": summary["mean_score"],  # None for screening trials, then left out
+        "mean_score_outside_window": summary.get("mean_score_outside_window"),
+        "window_samples": summary.get("window_samples"),
+    }
     metrics.update({f"score.{task}": value for task, value in summary["tasks"].items()})
     metrics.update({name: value for name, value in summary.get("costs", {}).items() if value is not None})
     for depth, scored in summary.get("depth_scores", {}).items():
         metrics.update({DEPTH_SCORE_PREFIX + depth: scored["score"], DEPTH_SAMPLES_PREFIX + depth: scored["samples"]})
-    return {name: float(value) for name, value in metrics.items()
-            if isinstance(value, (int, float)) and math.isfinite(value)}
+    return {
+        name: float(value)
+        for name, value in metrics.items()
+        if isinstance(value, (int, float)) and math.isfinite(value)
+    }
 
 
 def prediction_rows(samples: list[dict]) -> list[dict]:
@@ -135,12 +146,18 @@ def prediction_rows(samples: list[dict]) -> list[dict]:
     """
     rows = []
     for sample in samples:
-        shared = {"sample_id": sample["sample_id"], "task": sample["task"],
-                  **{name: sample.get(name) for name in SAMPLE_FIELDS}}
-        decoded = [{"question": index, "prediction": prediction, "score": sample["scores"][index]}
-                   for index, prediction in enumerate(sample["predictions"])]
-        rows += [{**shared, **question} for question in decoded or [{"question": None, "prediction": None,
-                                                                     "score": None}]]
+        shared = {
+            "sample_id": sample["sample_id"],
+            "task": sample["task"],
+            **{name: sample.get(name) for name in SAMPLE_FIELDS},
+        }
+        decoded = [
+            {"question": index, "prediction": prediction, "score": sample["scores"][index]}
+            for index, prediction in enumerate(sample["predictions"])
+        ]
+        rows += [
+            {**shared, **question} for question in decoded or [{"question": None, "prediction": None, "score": None}]
+        ]
     return rows
 
 
@@ -157,8 +174,11 @@ def press_label(resolved_press: dict, searched: tuple[str, ...]) -> str:
     """The press as it ran, for a run's name: ``snapkv 25% + grkv λk=0.01 λv=0.1 β=0.1`` (the merger's searched
     options only, in the search space's order)."""
     label = PressConfig(resolved_press["press"], resolved_press["compression_ratio"], resolved_press["merge"]).label
-    values = [f"{OPTION_SYMBOLS.get(name, name)}={_short(resolved_press[name])}" for name in searched
-              if name != "compression_ratio" and resolved_press["merge"] != "none" and name in resolved_press]
+    values = [
+        f"{OPTION_SYMBOLS.get(name, name)}={_short(resolved_press[name])}"
+        for name in searched
+        if name != "compression_ratio" and resolved_press["merge"] != "none" and name in resolved_press
+    ]
     return " ".join([label, *values])
 
 
@@ -214,8 +234,9 @@ class SweepTracker:
     searched: tuple[str, ...]
 
     @classmethod
-    def open(cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict,
-             retry: RetryPolicy | None = None) -> "SweepTracker":
+    def open(
+        cls, tracking_uri: str, experiment: str, sweep_id: str, config: dict, retry: RetryPolicy | None = None
+    ) -> "SweepTracker":
         """Find or create the experiment and the sweep's parent run (named ``sweep <id>``; the resolved
         configuration as its parameters), and store the sweep's runs view (``runs_page_url``); with ``retry``,
         every MLflow call it (or its ``client``'s user) makes is retried."""
@@ -223,8 +244,9 @@ class SweepTracker:
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
-        client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG_PREFIX + sweep_id,
-                                  json.dumps(runs_view(sweep_id, config)))
+        client.set_experiment_tag(
+            experiment_id, SHARED_VIEW_TAG_PREFIX + sweep_id, json.dumps(runs_view(sweep_id, config))
+        )
         parents = client.search_runs(
             [experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'sweep'", max_results=2
         )
@@ -249,30 +271,47 @@ class SweepTracker:
         """
         runs: dict[str, list] = {}
         for run in self.client.search_runs(
-                [self.experiment_id], f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = 'trial'",
-                max_results=50000):
+            [self.experiment_id],
+            f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = 'trial'",
+            max_results=50000,
+        ):
             if run.data.tags.get(STAGE_TAG, FULL_STAGE) == stage:
                 key = run.data.tags[TEST_OF_TAG if stage == TEST_STAGE else TRIAL_TAG]
                 runs.setdefault(key, []).append(run)
         return runs
 
-    def start_trial(self, trial_number: int | None, params: dict, baseline: str | None = None, *,
-                    stage: str = FULL_STAGE, test_of: str | None = None, tags: dict[str, str] | None = None) -> str:
+    def start_trial(
+        self,
+        trial_number: int | None,
+        params: dict,
+        baseline: str | None = None,
+        *,
+        stage: str = FULL_STAGE,
+        test_of: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> str:
         """Open a child run: a trial (its number) of the screening or full stage, or a test-stage evaluation
         (what it tests, ``test_of``), with further ``tags``; the sampler's raw parameters as ``optuna.<name>``
         params. Its name says what it is (``item_name``); the press is added once it ran (``finish_trial``)."""
-        tags = {**(tags or {}), PARENT_TAG: self.parent_run_id, SWEEP_TAG: self.sweep_id, ROLE_TAG: "trial",
-                STAGE_TAG: stage}
+        tags = {
+            **(tags or {}),
+            PARENT_TAG: self.parent_run_id,
+            SWEEP_TAG: self.sweep_id,
+            ROLE_TAG: "trial",
+            STAGE_TAG: stage,
+        }
         if stage == TEST_STAGE:
             tags[TEST_OF_TAG] = test_of
         else:
             tags[TRIAL_TAG] = str(trial_number)
         if baseline:
             tags[BASELINE_TAG] = baseline
-        run = self.client.create_run(self.experiment_id, run_name=item_name(trial_number, stage, test_of, baseline),
-                                     tags=tags)
-        self.client.log_batch(run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v))
-                                                       for k, v in sorted(params.items())])
+        run = self.client.create_run(
+            self.experiment_id, run_name=item_name(trial_number, stage, test_of, baseline), tags=tags
+        )
+        self.client.log_batch(
+            run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted(params.items())]
+        )
         return run.info.run_id
 
     def _named_with_press(self, run_id: str, resolved_press: dict) -> list[RunTag]:
@@ -282,18 +321,25 @@ class SweepTracker:
         name = self.client.get_run(run_id).info.run_name
         return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
 
-    def finish_trial(self, run_id: str, outcome: TrialOutcome, timing: dict[str, float],
-                     kvpress_folder: Path | None = None) -> None:
+    def finish_trial(
+        self, run_id: str, outcome: TrialOutcome, timing: dict[str, float], kvpress_folder: Path | None = None
+    ) -> None:
         """Log a finished trial's press as it ran (also in its name), what its worker ran it on (``worker_params``),
         its metrics, timings and per-sample rows (``prediction_rows``, screening runs included), and
         ``kvpress_folder`` (a test-stage run's results in kvpress's layout, as the state directory holds them) as
         its artifacts ``kvpress/``; close it as FINISHED."""
         now = int(time.time() * 1000)
         metrics = {**trial_metrics(outcome.summary), **timing}
-        self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              params=[*resolved_params(outcome.resolved_press), *worker_params(outcome.worker)],
-                              tags=[RunTag(STATUS_TAG, "ok"), RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
-                                    *self._named_with_press(run_id, outcome.resolved_press)])
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+            params=[*resolved_params(outcome.resolved_press), *worker_params(outcome.worker)],
+            tags=[
+                RunTag(STATUS_TAG, "ok"),
+                RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
+                *self._named_with_press(run_id, outcome.resolved_press),
+            ],
+        )
         rows = prediction_rows(outcome.samples)
         if rows:
             self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
@@ -303,9 +349,11 @@ class SweepTracker:
 
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
-        self.client.log_batch(run_id, params=resolved_params(outcome.resolved_press),
-                              tags=[RunTag(STATUS_TAG, "failed"),
-                                    *self._named_with_press(run_id, outcome.resolved_press)])
+        self.client.log_batch(
+            run_id,
+            params=resolved_params(outcome.resolved_press),
+            tags=[RunTag(STATUS_TAG, "failed"), *self._named_with_press(run_id, outcome.resolved_press)],
+        )
         self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
 
@@ -318,8 +366,9 @@ class SweepTracker:
         if best:
             for index, value in enumerate(best[0]["values"]):
                 logged.append(Metric(f"best_objective_{index}", value, now, completed))
-        self.client.log_batch(self.parent_run_id, metrics=logged,
-                              tags=[RunTag(BEST_TRIALS_TAG, json.dumps(best)[:4900])])
+        self.client.log_batch(
+            self.parent_run_id, metrics=logged, tags=[RunTag(BEST_TRIALS_TAG, json.dumps(best)[:4900])]
+        )
 
     def close(self, status: str, artifacts: dict[str, str] | None = None) -> None:
         """Log ``artifacts`` (file name -> text) on the parent run and close it with ``status``."""

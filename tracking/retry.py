@@ -72,9 +72,9 @@ class RetryPolicy:
                 reason = unreachable_reason(error)
                 if attempt == self.retries:
                     raise TrackingUnavailableError(
-                        f"MLflow {what} failed {attempt + 1} time(s) over {time.monotonic() - started:.0f} s "
-                        f"({reason})") from None
-                wait_s = self.backoff_s * 2 ** attempt
+                        f"MLflow {what} failed {attempt + 1} time(s) over {time.monotonic() - started:.0f} s ({reason})"
+                    ) from None
+                wait_s = self.backoff_s * 2**attempt
                 log.warning("MLflow %s failed (%s); retrying in %.1f s", what, reason, wait_s)
                 time.sleep(wait_s)
 

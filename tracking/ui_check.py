@@ -27,8 +27,8 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from tracking.mlflow_tracker import SHARED_VIEW_TAG_PREFIX, WORKFLOW_TYPE_PARAM, runs_page_url
-from workers.names import ROLE_TAG, SWEEP_TAG
 from tracking.reports.report import ARTIFACT_DIR, REPORT_PAGE
+from workers.names import ROLE_TAG, SWEEP_TAG
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 # The browser window: wide enough for the runs table beside MLflow's assistant panel (open on a first visit);
@@ -85,17 +85,25 @@ def visible_text(html: str) -> str:
 def render(chromium: str, url: str, screenshot: Path | None = None, height: int = WINDOW_HEIGHT) -> str:
     """The DOM of ``url`` once rendered, in a fresh profile; with ``screenshot``, a PNG of the page too."""
     with tempfile.TemporaryDirectory(prefix="grkv-ui-") as profile:
-        args = [chromium, "--headless=new", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-                f"--user-data-dir={profile}", f"--window-size={WINDOW_WIDTH},{height}",
-                f"--virtual-time-budget={RENDER_BUDGET_MS}"]
+        args = [
+            chromium,
+            "--headless=new",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            f"--window-size={WINDOW_WIDTH},{height}",
+            f"--virtual-time-budget={RENDER_BUDGET_MS}",
+        ]
         if os.geteuid() == 0:
             args.append("--no-sandbox")  # NOTE: Chromium refuses to start as root with its sandbox on
         dom = subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
         if dom.returncode != 0 or not dom.stdout:
             raise UICheckError(f"chromium could not render {url}: {dom.stderr.strip()[-500:]}")
         if screenshot is not None:
-            shot = subprocess.run([*args, f"--screenshot={screenshot}", url], capture_output=True, text=True,
-                                  timeout=RENDER_TIMEOUT_S)
+            shot = subprocess.run(
+                [*args, f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S
+            )
             if shot.returncode != 0 or not screenshot.exists():
                 raise UICheckError(f"chromium took no screenshot of {url}: {shot.stderr.strip()[-500:]}")
         return dom.stdout
@@ -117,15 +125,17 @@ class Report:
 
 
 def latest_sweep(client: MlflowClient, experiment_id: str) -> str:
-    parents = client.search_runs([experiment_id], f"tags.`{ROLE_TAG}` = 'sweep'", max_results=1,
-                                 order_by=["attributes.start_time DESC"])
+    parents = client.search_runs(
+        [experiment_id], f"tags.`{ROLE_TAG}` = 'sweep'", max_results=1, order_by=["attributes.start_time DESC"]
+    )
     if not parents:
         raise UICheckError(f"experiment {experiment_id} holds no sweep (no run tagged {ROLE_TAG}=sweep)")
     return parents[0].data.tags[SWEEP_TAG]
 
 
-def check_sweep(tracking_uri: str, experiment: str, sweep_id: str | None, out_dir: Path,
-                chromium: str | None = None) -> Report:
+def check_sweep(
+    tracking_uri: str, experiment: str, sweep_id: str | None, out_dir: Path, chromium: str | None = None
+) -> Report:
     """Render the sweep's pages, save ``runs.png``, ``run.png`` and ``parent-report.png`` in ``out_dir`` and
     return what failed."""
     chromium = chromium or find_chromium()
@@ -142,8 +152,11 @@ def check_sweep(tracking_uri: str, experiment: str, sweep_id: str | None, out_di
     objective = view["orderByKey"].removeprefix("metrics.`").removesuffix("`")
     runs = client.search_runs([experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}'", max_results=1000)
     parent = next(run for run in runs if run.data.tags[ROLE_TAG] == "sweep")
-    scored = sorted((run for run in runs if math.isfinite(run.data.metrics.get(objective, math.nan))),
-                    key=lambda run: run.data.metrics[objective], reverse=not view["orderByAsc"])
+    scored = sorted(
+        (run for run in runs if math.isfinite(run.data.metrics.get(objective, math.nan))),
+        key=lambda run: run.data.metrics[objective],
+        reverse=not view["orderByAsc"],
+    )
     if not scored:
         raise UICheckError(f"no run of sweep {sweep_id!r} has its objective {objective!r} yet")
     best = scored[0]
@@ -152,22 +165,28 @@ def check_sweep(tracking_uri: str, experiment: str, sweep_id: str | None, out_di
 
     with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/ajax-api/3.0/mlflow/ui-telemetry", timeout=10) as answer:
         ui_telemetry = json.load(answer)
-    report.expect(ui_telemetry.get("disable_ui_telemetry") is True,
-                  f"the server collects UI telemetry ({ui_telemetry}); start it with MLFLOW_DISABLE_TELEMETRY=true")
+    report.expect(
+        ui_telemetry.get("disable_ui_telemetry") is True,
+        f"the server collects UI telemetry ({ui_telemetry}); start it with MLFLOW_DISABLE_TELEMETRY=true",
+    )
 
     shot = out_dir / "runs.png"
     text = visible_text(render(chromium, runs_page_url(tracking_uri, experiment_id, sweep_id), shot))
     report.screenshots.append(shot)
     report.expect("Run Name" in text, "runs page: no runs table (no 'Run Name' column)")
-    report.expect(not any(marker in text.splitlines() for marker in GENAI_MARKERS),
-                  f"runs page: MLflow's GenAI pages show ({[m for m in GENAI_MARKERS if m in text.splitlines()]})")
+    report.expect(
+        not any(marker in text.splitlines() for marker in GENAI_MARKERS),
+        f"runs page: MLflow's GenAI pages show ({[m for m in GENAI_MARKERS if m in text.splitlines()]})",
+    )
     report.expect(TELEMETRY_NOTICE not in text, "runs page: the usage-data (telemetry) notice shows")
     report.expect(parent.info.run_name in text, f"runs page: the parent run {parent.info.run_name!r} is not listed")
-    for run in scored[:VISIBLE_ROWS - 1]:
+    for run in scored[: VISIBLE_ROWS - 1]:
         report.expect(run.info.run_name in text, f"runs page: run {run.info.run_name!r} is not listed")
     report.expect(objective in text, f"runs page: no {objective} column")
-    report.expect(metric_text(best.data.metrics[objective]) in text.splitlines(),
-                  f"runs page: the best {objective} {metric_text(best.data.metrics[objective])} is not shown")
+    report.expect(
+        metric_text(best.data.metrics[objective]) in text.splitlines(),
+        f"runs page: the best {objective} {metric_text(best.data.metrics[objective])} is not shown",
+    )
 
     base = f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs"
     shot = out_dir / "run.png"
@@ -177,10 +196,14 @@ def check_sweep(tracking_uri: str, experiment: str, sweep_id: str | None, out_di
     report.expect(best.info.run_name in text, f"run page: no run name {best.info.run_name!r}")
     report.expect(TELEMETRY_NOTICE not in text, "run page: the usage-data (telemetry) notice shows")
     for name in ("compression_ratio", "merge"):
-        report.expect(name in lines and best.data.params[name] in lines,
-                      f"run page: parameter {name} = {best.data.params[name]} not shown")
-    report.expect(objective in lines and metric_text(best.data.metrics[objective]) in lines,
-                  f"run page: metric {objective} = {metric_text(best.data.metrics[objective])} not shown")
+        report.expect(
+            name in lines and best.data.params[name] in lines,
+            f"run page: parameter {name} = {best.data.params[name]} not shown",
+        )
+    report.expect(
+        objective in lines and metric_text(best.data.metrics[objective]) in lines,
+        f"run page: metric {objective} = {metric_text(best.data.metrics[objective])} not shown",
+    )
 
     # The parent's artifacts, the report's page selected (its folder then lists the report's files).
     shot = out_dir / "parent-report.png"
@@ -208,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for failure in report.failures:
         print(f"ui_check: FAILED: {failure}", file=sys.stderr)
-    print(f"ui_check: {'ok' if not report.failures else f'{len(report.failures)} failed'}; screenshots: "
-          + ", ".join(str(path) for path in report.screenshots))
+    print(
+        f"ui_check: {'ok' if not report.failures else f'{len(report.failures)} failed'}; screenshots: "
+        + ", ".join(str(path) for path in report.screenshots)
+    )
     return 1 if report.failures else 0
 
 

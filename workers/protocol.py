@@ -57,8 +57,11 @@ def configuration_key(press: PressConfig) -> str:
     before the option existed resumes from its checkpoint. A changed default is caught by the checkpoint's own
     resolved settings (``ResultStore``).
     """
-    settings = {name: value for name, value in resolved_settings(press).items()
-                if name not in GRKV_DEFAULTS or value != GRKV_DEFAULTS[name]}
+    settings = {
+        name: value
+        for name, value in resolved_settings(press).items()
+        if name not in GRKV_DEFAULTS or value != GRKV_DEFAULTS[name]
+    }
     return json.dumps(settings, sort_keys=True)
 
 
@@ -102,8 +105,13 @@ class TrialRequest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialRequest:
-        return cls(data["trial_number"], PressConfig(**data["press"]), data.get("stage", FULL_STAGE),
-                   data.get("test_of"), data.get("checkpoint_dir"))
+        return cls(
+            data["trial_number"],
+            PressConfig(**data["press"]),
+            data.get("stage", FULL_STAGE),
+            data.get("test_of"),
+            data.get("checkpoint_dir"),
+        )
 
 
 @dataclass(frozen=True)
@@ -204,8 +212,11 @@ class TrialOutcome:
     def worker_timing(self) -> dict[str, float]:
         """What the worker itself measured of a finished trial; ``trial_eval_s`` is the trial's share of its
         batch's wall time, so the shares of a batch add up to it."""
-        return {"trial_eval_s": (self.finished_at - self.started_at) / self.batch_trials,
-                "batch_trials": self.batch_trials, "worker_model_loads": self.worker.model_loads}
+        return {
+            "trial_eval_s": (self.finished_at - self.started_at) / self.batch_trials,
+            "batch_trials": self.batch_trials,
+            "worker_model_loads": self.worker.model_loads,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,21 +9,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, replace
 
-import sys
-
 import torch
 
 from grkv_core.config import EvalConfig
 from grkv_core.datasets import EvalSample
+from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.evaluation.results import ResultStore, summarize
 from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
 from grkv_core.files import storage_failure
-from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.registry import build, resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
@@ -100,10 +99,12 @@ class TrialWorker:
         config = EvalConfig.from_dict(eval_config)
         self.config = replace(config, samples=config.samples + test_samples)
         if self.config.device == "cuda" and not torch.cuda.is_available():
-            raise WorkerStartError(f"a worker cannot start on node {_node_name()}: model.device is 'cuda' and torch "
-                                   "sees no CUDA device there (CUDA_VISIBLE_DEVICES="
-                                   f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run the workers on GPU nodes "
-                                   "(workers.num_gpus: 1) or set model.device: auto or cpu")
+            raise WorkerStartError(
+                f"a worker cannot start on node {_node_name()}: model.device is 'cuda' and torch "
+                "sees no CUDA device there (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run the workers on GPU nodes "
+                "(workers.num_gpus: 1) or set model.device: auto or cpu"
+            )
         self.setup = EvaluationSetup.load(self.config)
         self.samples = split_samples(self.setup.samples, config.samples)
         self.model_loads = 1
@@ -111,11 +112,17 @@ class TrialWorker:
 
     def identity(self) -> WorkerIdentity:
         context = _ray_context()
-        return WorkerIdentity(pid=os.getpid(), node_id=context.get_node_id() if context else "local",
-                              actor_id=(context.get_actor_id() if context else None) or "local",
-                              model_loads=self.model_loads, trials_evaluated=self.trials_evaluated,
-                              samples=len(self.setup.samples), device=str(self.setup.loaded.model.device),
-                              dtype=self.setup.model_dtype, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return WorkerIdentity(
+            pid=os.getpid(),
+            node_id=context.get_node_id() if context else "local",
+            actor_id=(context.get_actor_id() if context else None) or "local",
+            model_loads=self.model_loads,
+            trials_evaluated=self.trials_evaluated,
+            samples=len(self.setup.samples),
+            device=str(self.setup.loaded.model.device),
+            dtype=self.setup.model_dtype,
+            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
 
     def evaluate_batch(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         """Evaluate trials of one stage together; one outcome per request, in order.
@@ -139,8 +146,12 @@ class TrialWorker:
             except Exception as error:  # noqa: BLE001 - a batch's failure must not take the worker down
                 self._raise_if_storage(error)
                 self._release(error)
-                log.warning("a batch of %d trials failed (%s: %s); evaluating them one at a time", len(requests),
-                            type(error).__name__, error)
+                log.warning(
+                    "a batch of %d trials failed (%s: %s); evaluating them one at a time",
+                    len(requests),
+                    type(error).__name__,
+                    error,
+                )
         return [self._evaluate_alone(request) for request in requests]
 
     def _evaluate_alone(self, request: TrialRequest) -> TrialOutcome:
@@ -154,8 +165,15 @@ class TrialWorker:
                 details = dict(error=f"CUDA out of memory: {error}")
             else:
                 details = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
-            return TrialOutcome.of(request, FAILED, started_at=started, finished_at=time.time(),
-                                   worker=self.identity(), resolved_press=resolved(request.press), **details)
+            return TrialOutcome.of(
+                request,
+                FAILED,
+                started_at=started,
+                finished_at=time.time(),
+                worker=self.identity(),
+                resolved_press=resolved(request.press),
+                **details,
+            )
 
     def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         started = time.time()
@@ -163,23 +181,46 @@ class TrialWorker:
         presses = [request.press for request in requests]
         settings = [resolved(press) for press in presses]
         checkpoints = [self._checkpoint(request) for request in requests]
-        per_trial = evaluate_samples(self.setup.evaluator, self.samples[stage], presses, checkpoints,
-                                     decode=self._stage_config(requests[0]).decode)
+        per_trial = evaluate_samples(
+            self.setup.evaluator,
+            self.samples[stage],
+            presses,
+            checkpoints,
+            decode=self._stage_config(requests[0]).decode,
+        )
         finished = time.time()
         self.trials_evaluated += len(requests)
         identity = self.identity()
-        return [TrialOutcome.of(request, OK, started_at=started, finished_at=finished, batch_trials=len(requests),
-                                worker=identity, resolved_press=press, summary=summarize(results),
-                                samples=[asdict(result) for result in results],
-                                kvpress_runs=self._kvpress_runs(request, results))
-                for request, press, results in zip(requests, settings, per_trial)]
+        return [
+            TrialOutcome.of(
+                request,
+                OK,
+                started_at=started,
+                finished_at=finished,
+                batch_trials=len(requests),
+                worker=identity,
+                resolved_press=press,
+                summary=summarize(results),
+                samples=[asdict(result) for result in results],
+                kvpress_runs=self._kvpress_runs(request, results),
+            )
+            for request, press, results in zip(requests, settings, per_trial)
+        ]
 
     def _kvpress_runs(self, request: TrialRequest, results: list) -> list[dict]:
         """A test-stage evaluation's results in kvpress's layout (the test samples' texts are the worker's)."""
         if request.stage != TEST_STAGE:
             return []
-        return [run.to_dict() for run in kvpress_runs(self._stage_config(request), self.samples[TEST_STAGE], results,
-                                                      str(build(request.press)), {"summary": summarize(results)})]
+        return [
+            run.to_dict()
+            for run in kvpress_runs(
+                self._stage_config(request),
+                self.samples[TEST_STAGE],
+                results,
+                str(build(request.press)),
+                {"summary": summarize(results)},
+            )
+        ]
 
     def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
         """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""
@@ -198,11 +239,12 @@ class TrialWorker:
         trials: the same trials succeed on a node with room."""
         if storage_failure(error):
             where = f": {error.filename}" if error.filename else ""
-            raise WorkerStorageError(f"a worker on node {_node_name()} cannot write its checkpoints "
-                                     f"({error.strerror or error}{where}); free space there") from None
+            raise WorkerStorageError(
+                f"a worker on node {_node_name()} cannot write its checkpoints "
+                f"({error.strerror or error}{where}); free space there"
+            ) from None
 
     @staticmethod
     def _release(error: Exception) -> None:
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
-

@@ -50,8 +50,7 @@ class EvalSample:
             raise ValueError(f"sample {self.sample_id!r}: at least one question is required")
         if len(self.references) != len(self.questions):
             raise ValueError(
-                f"sample {self.sample_id!r}: {len(self.references)} reference lists for "
-                f"{len(self.questions)} questions"
+                f"sample {self.sample_id!r}: {len(self.references)} reference lists for {len(self.questions)} questions"
             )
         if self.max_new_tokens <= 0:
             raise ValueError(f"sample {self.sample_id!r}: max_new_tokens must be positive")
@@ -60,7 +59,9 @@ class EvalSample:
         return asdict(self)
 
 
-def validate_task_selection(tasks: Sequence[str] | str | None, valid: tuple[str, ...], benchmark: str) -> tuple[str, ...]:
+def validate_task_selection(
+    tasks: Sequence[str] | str | None, valid: tuple[str, ...], benchmark: str
+) -> tuple[str, ...]:
     """Normalise a task selection (``None`` = all of ``valid``, a single name or a sequence of names).
 
     Raises

@@ -259,21 +259,15 @@ class _BestOverReferences:
         return max((self.pairwise(prediction, reference) for reference in references), default=0.0)
 
 
-def _string_match_all_scorer(
-    prediction: str, references: Sequence[str], extra: Mapping[str, Any]
-) -> float:
+def _string_match_all_scorer(prediction: str, references: Sequence[str], extra: Mapping[str, Any]) -> float:
     return string_match_all(prediction, references)
 
 
-def _string_match_part_scorer(
-    prediction: str, references: Sequence[str], extra: Mapping[str, Any]
-) -> float:
+def _string_match_part_scorer(prediction: str, references: Sequence[str], extra: Mapping[str, Any]) -> float:
     return string_match_part(prediction, references)
 
 
-def _classification_over_references(
-    prediction: str, references: Sequence[str], extra: Mapping[str, Any]
-) -> float:
+def _classification_over_references(prediction: str, references: Sequence[str], extra: Mapping[str, Any]) -> float:
     all_classes = extra.get("all_classes")
     if not all_classes:
         raise ValueError("classification_score needs the sample's extra['all_classes']")

@@ -53,28 +53,42 @@ class CarrierReport:
     units: int
 
 
-def carrier_report(loaded: LoadedModel, samples: list[EvalSample], press_name: str, compression_ratio: float,
-                   candidate_range: int = 32, plot_dir: Path | None = None, progress: bool = True) -> CarrierReport:
+def carrier_report(
+    loaded: LoadedModel,
+    samples: list[EvalSample],
+    press_name: str,
+    compression_ratio: float,
+    candidate_range: int = 32,
+    plot_dir: Path | None = None,
+    progress: bool = True,
+) -> CarrierReport:
     """Macro-averaged carrier concentration of ``press_name`` over every sample-layer-head unit."""
     if press_name not in EVICTION_PRESSES:
         raise ValueError(f"unknown press {press_name!r}; choose from {sorted(EVICTION_PRESSES)}")
     units = []
     for index, sample in enumerate(tqdm(samples, desc=f"carriers {press_name}", disable=not progress)):
-        recorder = _CarrierRecorder(press=EVICTION_PRESSES[press_name](compression_ratio),
-                                    candidate_range=candidate_range)
+        recorder = _CarrierRecorder(
+            press=EVICTION_PRESSES[press_name](compression_ratio), candidate_range=candidate_range
+        )
         context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
         prefill(loaded.model, context_ids, recorder)
         for layer, assignment, kept, keys in recorder.records:
             units.extend(carrier_concentration_per_unit(assignment, kept))
             if plot_dir is not None and index == 0 and layer == len(recorder.records) // 2:
-                plot_merge_map(plot_dir / f"merge_map_{press_name}_layer{layer}.png", keys[0, 0], kept[0, 0],
-                               assignment[0, 0], title=f"{press_name}: layer {layer}, KV head 0")
+                plot_merge_map(
+                    plot_dir / f"merge_map_{press_name}_layer{layer}.png",
+                    keys[0, 0],
+                    kept[0, 0],
+                    assignment[0, 0],
+                    title=f"{press_name}: layer {layer}, KV head 0",
+                )
     defined = [unit for unit in units if unit is not None]
     return CarrierReport(press=press_name, macro=macro_average(defined), units=len(defined))
 
 
-def plot_window_consistency(loaded: LoadedModel, sample: EvalSample, path: Path, layer: int | None = None,
-                            window: int = 32) -> Path:
+def plot_window_consistency(
+    loaded: LoadedModel, sample: EvalSample, path: Path, layer: int | None = None, window: int = 32
+) -> Path:
     """Cross-window consistency heatmap of one layer, KV head 0, first query head of its group."""
     model = loaded.model
     layer = len(model.model.layers) // 2 if layer is None else layer
@@ -82,8 +96,9 @@ def plot_window_consistency(loaded: LoadedModel, sample: EvalSample, path: Path,
 
     def hook(module, args, kwargs, output):
         hidden = kwargs["hidden_states"]
-        captured["queries"] = surrogate_queries(module, hidden, kwargs["position_embeddings"],
-                                                n_queries=hidden.shape[1]).queries
+        captured["queries"] = surrogate_queries(
+            module, hidden, kwargs["position_embeddings"], n_queries=hidden.shape[1]
+        ).queries
         cache_layer = kwargs["past_key_values"].layers[module.layer_idx]
         captured["keys"], captured["values"] = cache_layer.keys, cache_layer.values
         captured["scale"] = module.scaling
@@ -96,19 +111,26 @@ def plot_window_consistency(loaded: LoadedModel, sample: EvalSample, path: Path,
         handle.remove()
     length = context_ids.shape[1]
     queries = captured["queries"][0, 0, :length]
-    summaries = window_output_summaries(queries, captured["keys"][0, 0], captured["values"][0, 0], window=window,
-                                        scale=captured["scale"])
+    summaries = window_output_summaries(
+        queries, captured["keys"][0, 0], captured["values"][0, 0], window=window, scale=captured["scale"]
+    )
     n_windows = summaries.shape[0]
     prompt_windows = min(max(1, int(0.9 * n_windows)), n_windows - 1) if n_windows > 1 else None
-    return plot_cross_window_consistency(path, cross_window_similarity(summaries), prompt_windows=prompt_windows,
-                                         title=f"cross-window consistency, layer {layer}, head 0")
+    return plot_cross_window_consistency(
+        path,
+        cross_window_similarity(summaries),
+        prompt_windows=prompt_windows,
+        title=f"cross-window consistency, layer {layer}, head 0",
+    )
 
 
 def format_carrier_table(reports: list[CarrierReport]) -> str:
     names = [f.name for f in fields(CarrierConcentration) if f.name not in ("n_units", "n_kept", "n_assigned")]
     header = ["press", "units", *names]
-    rows = [[report.press, str(report.units), *(f"{asdict(report.macro)[name]:.3f}" for name in names)]
-            for report in reports]
+    rows = [
+        [report.press, str(report.units), *(f"{asdict(report.macro)[name]:.3f}" for name in names)]
+        for report in reports
+    ]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * width for width in widths))

@@ -147,11 +147,14 @@ def carrier_concentration_per_unit(
         One entry per unit in row-major order of the leading axes; None where the unit assigned nothing.
     """
     if assignment.shape[:-1] != kept_positions.shape[:-1]:
-        raise ValueError(f"assignment {tuple(assignment.shape)} and kept_positions {tuple(kept_positions.shape)} "
-                         "must share their leading (unit) axes")
+        raise ValueError(
+            f"assignment {tuple(assignment.shape)} and kept_positions {tuple(kept_positions.shape)} "
+            "must share their leading (unit) axes"
+        )
     units = []
-    for unit_assignment, unit_kept in zip(assignment.reshape(-1, assignment.shape[-1]),
-                                          kept_positions.reshape(-1, kept_positions.shape[-1])):
+    for unit_assignment, unit_kept in zip(
+        assignment.reshape(-1, assignment.shape[-1]), kept_positions.reshape(-1, kept_positions.shape[-1])
+    ):
         units.append(carrier_concentration(unit_assignment, unit_kept) if bool((unit_assignment >= 0).any()) else None)
     return units
 
@@ -182,8 +185,10 @@ def macro_average(units: Iterable[CarrierConcentration | None]) -> CarrierConcen
 
 def check_kept_positions(kept_positions: torch.Tensor) -> None:
     if kept_positions.ndim != 1 or kept_positions.numel() == 0 or kept_positions.is_floating_point():
-        raise ValueError(f"kept_positions must be a non-empty 1-D integer tensor, got {kept_positions.dtype} "
-                         f"{tuple(kept_positions.shape)}")
+        raise ValueError(
+            f"kept_positions must be a non-empty 1-D integer tensor, got {kept_positions.dtype} "
+            f"{tuple(kept_positions.shape)}"
+        )
     if kept_positions.numel() > 1 and not bool((kept_positions[1:] > kept_positions[:-1]).all()):
         raise ValueError("kept_positions must be strictly increasing")
     if int(kept_positions[0]) < 0:

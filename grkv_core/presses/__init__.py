@@ -39,5 +39,14 @@ class _OncePerMessage(logging.Filter):
 
 logging.getLogger("kvpress.presses.base_press").addFilter(_OncePerMessage())
 
-__all__ = ["AsymKVPress", "CaMPress", "D2OPress", "GRKVPress", "KVMergerPress", "LocalMergePress", "MergeInputs",
-           "BaseMergerPress", "compressing"]
+__all__ = [
+    "AsymKVPress",
+    "CaMPress",
+    "D2OPress",
+    "GRKVPress",
+    "KVMergerPress",
+    "LocalMergePress",
+    "MergeInputs",
+    "BaseMergerPress",
+    "compressing",
+]

@@ -56,8 +56,7 @@ class CaMPress(CaMOptions, LocalMergePress):
     def token_attention(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
-        surrogate = surrogate_queries(module, hidden_states, kwargs["position_embeddings"],
-                                      n_queries=self.window_size)
+        surrogate = surrogate_queries(module, hidden_states, kwargs["position_embeddings"], n_queries=self.window_size)
         return window_attention(surrogate.queries, keys, surrogate.positions, module.scaling)
 
     def merge_windows(self, inputs: MergeInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +92,11 @@ class CaMPress(CaMOptions, LocalMergePress):
         carrier = torch.where(valid, window, torch.full_like(window, -1))
         sources = inputs.evicted_values().unsqueeze(3).expand(-1, -1, -1, budget, -1)
         values = merge_into_carriers(
-            inputs.kept_values(), sources.reshape(batch, heads, n_evicted * budget, sources.shape[-1]),
-            carrier.reshape(batch, heads, -1), weight.reshape(batch, heads, -1), None,
+            inputs.kept_values(),
+            sources.reshape(batch, heads, n_evicted * budget, sources.shape[-1]),
+            carrier.reshape(batch, heads, -1),
+            weight.reshape(batch, heads, -1),
+            None,
         )
         return inputs.kept_keys(), values
 

@@ -18,8 +18,12 @@ from grkv_core.presses.merging import BaseMergerPress, options_docstring
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
 from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
-from grkv_core.presses.window_capture import (WindowCapture, WindowRegression, output_projection_weights,
-                                              stack_by_kv_head)
+from grkv_core.presses.window_capture import (
+    WindowCapture,
+    WindowRegression,
+    output_projection_weights,
+    stack_by_kv_head,
+)
 from grkv_core.queries import SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.merge import SolveIssues, solve_regression
@@ -76,8 +80,9 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                 with super().__call__(model):
                     self._capture = capture
                     self._issues = SolveIssues()
-                    self._groups = LayerGroups.for_press(self, decoder, self.layers_per_solve, self._capped,
-                                                         self._issues)
+                    self._groups = LayerGroups.for_press(
+                        self, decoder, self.layers_per_solve, self._capped, self._issues
+                    )
                     yield
             self._warn_issues()
         finally:
@@ -87,31 +92,46 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         """Warn once about what this context's solves found (``SolveIssues``: its one read of the device)."""
         heads, nothing_free = self._issues.warn(stacklevel=4)
         if heads and nothing_free == heads:
-            warnings.warn(f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
-                          f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
-                          "raise the budget or lower window_size or beta", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"GRKV refits nothing: every kept token is held fixed (the first n_sink={self.n_sink}, the "
+                f"last window_size={self.window_size} positions and the top beta={self.beta} of the rest); "
+                "raise the budget or lower window_size or beta",
+                UserWarning,
+                stacklevel=4,
+            )
 
-    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                      kwargs: dict) -> WindowRegression | None:
+    def layer_context(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    ) -> WindowRegression | None:
         """The layer's regression inputs; None for a layer that ``merged_layers`` leaves unmerged."""
         if self._merged_layers is None and self.merged_layers != "all":
-            raise ValueError(f"GRKVPress(merged_layers={self.merged_layers!r}) was not set up for a model: enter it "
-                             "with `with press(model):` or inside a kvpress press that calls its post_init_from_model")
+            raise ValueError(
+                f"GRKVPress(merged_layers={self.merged_layers!r}) was not set up for a model: enter it "
+                "with `with press(model):` or inside a kvpress press that calls its post_init_from_model"
+            )
         if self._merged_layers is not None and module.layer_idx not in self._merged_layers:
             return None
         projections, outputs = self._capture.take(module.layer_idx) if self._capture else (None, None)
         surrogate = surrogate_queries(
-            module, hidden_states, kwargs["position_embeddings"], policy=self.query_policy, n_queries=self.window_size,
+            module,
+            hidden_states,
+            kwargs["position_embeddings"],
+            policy=self.query_policy,
+            n_queries=self.window_size,
             window_projections=projections,
         )
         full_outputs = stack_by_kv_head(outputs, surrogate)
-        deferrable = (self._groups is not None and self.accept == "always"
-                      and keeps_returned_rows(kwargs["past_key_values"], module.layer_idx))
+        deferrable = (
+            self._groups is not None
+            and self.accept == "always"
+            and keeps_returned_rows(kwargs["past_key_values"], module.layer_idx)
+        )
         row_weights = output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
         return WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
-    def head_context(self, context: WindowRegression | None, batch_index: int,
-                     head_index: int) -> WindowRegression | None:
+    def head_context(
+        self, context: WindowRegression | None, batch_index: int, head_index: int
+    ) -> WindowRegression | None:
         if context is None:
             return None
         head = (slice(batch_index, batch_index + 1), slice(head_index, head_index + 1))
@@ -162,13 +182,23 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         fixed = self._fixed(selection, kept)
         if self.accept != "always" and full_outputs is None:
             # NOTE: one full-cache pass serves every merge and every candidate's loss below.
-            full_outputs = full_cache_outputs(surrogate.queries, keys, values, query_positions=surrogate.positions,
-                                              scale=scale)
+            full_outputs = full_cache_outputs(
+                surrogate.queries, keys, values, query_positions=surrogate.positions, scale=scale
+            )
         # NOTE: kept comes from the base press's own selection and the query positions from an arange: their values
         # need no check, which would cost operations (and GPU synchronisations) at every layer.
-        regression = KeptRegression.of(surrogate.queries, keys, values, kept, fixed,
-                                       query_positions=surrogate.positions, scale=scale, full_outputs=full_outputs,
-                                       row_weights=context.row_weights, check_values=False)
+        regression = KeptRegression.of(
+            surrogate.queries,
+            keys,
+            values,
+            kept,
+            fixed,
+            query_positions=surrogate.positions,
+            scale=scale,
+            full_outputs=full_outputs,
+            row_weights=context.row_weights,
+            check_values=False,
+        )
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
             self._groups.defer(regression, options)
@@ -177,17 +207,35 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         if self.accept == "always":
             return merged
         if self.accept == "validation":
-            passes = passes_validation(regression, options, self._capped_solve, keys, values, full_outputs,
-                                       surrogate.token_positions.numel())[..., None, None]
-            return (torch.where(passes, merged[0], regression.kept_keys),
-                    torch.where(passes, merged[1], regression.kept_values))
+            passes = passes_validation(
+                regression, options, self._capped_solve, keys, values, full_outputs, surrogate.token_positions.numel()
+            )[..., None, None]
+            return (
+                torch.where(passes, merged[0], regression.kept_keys),
+                torch.where(passes, merged[1], regression.kept_values),
+            )
         _, values_only = self._capped_solve(regression, replace(options, components="v"))
         evicted = (regression.kept_keys, regression.kept_values)
-        return lowest_window_loss([evicted, (evicted[0], values_only), merged], surrogate.queries, keys, values, kept,
-                                  surrogate.positions, scale, full_outputs)
+        return lowest_window_loss(
+            [evicted, (evicted[0], values_only), merged],
+            surrogate.queries,
+            keys,
+            values,
+            kept,
+            surrogate.positions,
+            scale,
+            full_outputs,
+        )
 
-    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``BaseMergerPress.compress``, then the group's solve once it is full or this is the last hooked layer."""
         compressed = super().compress(module, hidden_states, keys, values, attentions, kwargs)
         if self._groups is not None:
@@ -195,16 +243,21 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         return compressed
 
     def _solver_options(self, loss_weight: float) -> SolverOptions:
-        """This press's solver options, the ridges divided by the surrogate rows' loss weight (``surrogate_queries``)."""
+        """This press's solver options, the ridges divided by the surrogate rows' loss weight
+        (``surrogate_queries``)."""
         options = {name: getattr(self, name) for name in SOLVER_OPTION_NAMES}
-        return SolverOptions(**{**options, "lambda_k": self.lambda_k / loss_weight,
-                                "lambda_v": self.lambda_v / loss_weight})
+        return SolverOptions(
+            **{**options, "lambda_k": self.lambda_k / loss_weight, "lambda_v": self.lambda_v / loss_weight}
+        )
 
-    def _capped(self, regression: KeptRegression, merged_keys: torch.Tensor,
-                merged_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capped(
+        self, regression: KeptRegression, merged_keys: torch.Tensor, merged_values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The trust-region caps (``max_rel_update_k``/``_v``) applied to a merge of ``regression``."""
-        return (cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
-                cap_update(regression.kept_values, merged_values, self.max_rel_update_v))
+        return (
+            cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
+            cap_update(regression.kept_values, merged_values, self.max_rel_update_v),
+        )
 
     def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
         return self._capped(regression, *solve_regression(regression, options, self._issues))
@@ -217,8 +270,9 @@ GRKVPress.__doc__ = GRKVPress.__doc__.rstrip() + "\n" + options_docstring(GRKVOp
 def merged_layer_indices(model: nn.Module, merged_layers: str) -> frozenset[int]:
     """The indices of the layers GRKV merges on ``model``: of its compressed (not sliding-window) layers, all, the
     first half (``"early"``, rounded down) or the rest (``"late"``)."""
-    compressed = [index for index in range(len(language_model(model).layers))
-                  if index not in sliding_layer_indices(model)]
+    compressed = [
+        index for index in range(len(language_model(model).layers)) if index not in sliding_layer_indices(model)
+    ]
     half = len(compressed) // 2
     return frozenset({"all": compressed, "early": compressed[:half], "late": compressed[half:]}[merged_layers])
 
@@ -239,6 +293,12 @@ def in_ranges(positions: torch.Tensor, ranges: list[range], length: int) -> torc
             merged.append(list(span))
     if merged == [[0, length]]:
         return torch.ones_like(positions, dtype=torch.bool)
-    tests = [positions >= start if stop == length else positions < stop if start == 0
-             else (positions >= start) & (positions < stop) for start, stop in merged]
+    tests = [
+        positions >= start
+        if stop == length
+        else positions < stop
+        if start == 0
+        else (positions >= start) & (positions < stop)
+        for start, stop in merged
+    ]
     return functools.reduce(torch.logical_or, tests) if tests else torch.zeros_like(positions, dtype=torch.bool)

@@ -56,20 +56,26 @@ class LayerGroups:
         self._pending: list[tuple[KeptRegression, SolverOptions]] = []
 
     @classmethod
-    def for_press(cls, press: nn.Module, language_model: nn.Module, size: int, finish: Finish,
-                  issues: SolveIssues) -> LayerGroups | None:
+    def for_press(
+        cls, press: nn.Module, language_model: nn.Module, size: int, finish: Finish, issues: SolveIssues
+    ) -> LayerGroups | None:
         """Groups for ``press`` on ``language_model``, or None where every layer is merged at once (``size`` 1, or
         the press is not hooked on the layers itself: a wrapper runs it)."""
-        hooked = [layer.self_attn.layer_idx for layer in language_model.layers
-                  if press.forward_hook in layer.self_attn._forward_hooks.values()]
+        hooked = [
+            layer.self_attn.layer_idx
+            for layer in language_model.layers
+            if press.forward_hook in layer.self_attn._forward_hooks.values()
+        ]
         return cls(size, max(hooked), finish, issues) if size != 1 and hooked else None
 
     def defer(self, regression: KeptRegression, options: SolverOptions) -> None:
         """Let a layer's merge wait; its kept rows (``regression.kept_keys``/``kept_values``, the very tensors the
         cache stores) are overwritten when its group is solved."""
-        if self._pending and not (self._pending[0][1] == options and self._pending[0][0].stacks_with(regression)
-                                  and _attention_bytes(self._pending) + _attention_bytes([(regression, options)])
-                                  <= GROUP_ATTENTION_BYTES):
+        if self._pending and not (
+            self._pending[0][1] == options
+            and self._pending[0][0].stacks_with(regression)
+            and _attention_bytes(self._pending) + _attention_bytes([(regression, options)]) <= GROUP_ATTENTION_BYTES
+        ):
             self.solve()  # NOTE: a group holds one shape (per-layer budgets change c) and a bounded working set
         self._pending.append((regression, options))
 
@@ -94,11 +100,13 @@ def keeps_returned_rows(cache, layer_idx: int) -> bool:
     """Whether kvpress's hook stores the very tensors ``compress`` returns as the layer's cache, so that a merge
     finished later, in place, reaches the cache: a plain ``DynamicCache`` layer does; a quantized cache re-encodes
     them and an offloading one moves them."""
-    return (isinstance(cache, DynamicCache) and not cache.offloading
-            and type(cache.layers[layer_idx]) is DynamicLayer)
+    return isinstance(cache, DynamicCache) and not cache.offloading and type(cache.layers[layer_idx]) is DynamicLayer
 
 
 def _attention_bytes(pending: list[tuple[KeptRegression, SolverOptions]]) -> int:
-    """The bytes of the float32 (heads, query rows, kept rows) attention of ``pending``'s regressions solved together."""
-    return sum(4 * regression.kept.shape[0] * regression.kept.shape[1] * regression.queries.shape[2]
-               * regression.kept.shape[2] for regression, _ in pending)
+    """The bytes of the float32 (heads, query rows, kept rows) attention of ``pending``'s regressions solved
+    together."""
+    return sum(
+        4 * regression.kept.shape[0] * regression.kept.shape[1] * regression.queries.shape[2] * regression.kept.shape[2]
+        for regression, _ in pending
+    )

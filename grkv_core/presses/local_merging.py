@@ -64,19 +64,25 @@ class MergeInputs:
             If shapes disagree, or heads keep different numbers of tokens (use one (batch, head) at a time).
         """
         if keys.ndim != 4 or values.shape != keys.shape:
-            raise ValueError(f"keys and values must both be (B, H_kv, n, d), got {tuple(keys.shape)} "
-                             f"and {tuple(values.shape)}")
+            raise ValueError(
+                f"keys and values must both be (B, H_kv, n, d), got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
         if kept_mask.shape != keys.shape[:3] or kept_mask.dtype != torch.bool:
-            raise ValueError(f"kept_mask must be a bool tensor of shape {tuple(keys.shape[:3])}, "
-                             f"got {kept_mask.dtype} {tuple(kept_mask.shape)}")
+            raise ValueError(
+                f"kept_mask must be a bool tensor of shape {tuple(keys.shape[:3])}, "
+                f"got {kept_mask.dtype} {tuple(kept_mask.shape)}"
+            )
         if token_attention is not None and token_attention.shape != keys.shape[:3]:
-            raise ValueError(f"token_attention must have shape {tuple(keys.shape[:3])}, "
-                             f"got {tuple(token_attention.shape)}")
+            raise ValueError(
+                f"token_attention must have shape {tuple(keys.shape[:3])}, got {tuple(token_attention.shape)}"
+            )
         counts = kept_mask.sum(dim=-1)
         n_kept = int(counts.flatten()[0])
         if not bool((counts == n_kept).all()):
-            raise ValueError("every (batch, head) must keep the same number of tokens; merge ragged "
-                             "(per-head) selections one (batch, head) at a time")
+            raise ValueError(
+                "every (batch, head) must keep the same number of tokens; merge ragged "
+                "(per-head) selections one (batch, head) at a time"
+            )
         if n_kept == 0:
             raise ValueError("the base press kept no token: there is no carrier to merge into")
         # NOTE: one stable sort puts each head's kept positions first and its evicted ones after, both increasing
@@ -241,8 +247,9 @@ class LocalMergePress(BaseMergerPress):
         """(B, H_kv, c, d) float32 merged kept keys and values."""
         raise NotImplementedError
 
-    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                      kwargs: dict) -> torch.Tensor | None:
+    def layer_context(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor | None:
         return self.token_attention(module, hidden_states, keys, kwargs)
 
     def head_context(self, context: torch.Tensor | None, batch_index: int, head_index: int) -> torch.Tensor | None:
@@ -252,4 +259,3 @@ class LocalMergePress(BaseMergerPress):
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.merge(MergeInputs.from_kept_mask(keys, values, selection.mask(), context))
-

@@ -33,9 +33,16 @@ from kvpress import MergingPress as KVPressMergingPress
 from torch import nn
 
 from grkv_core import config
-from grkv_core.presses.selection import (MASKING_PRESSES, SELECTION_WRAPPERS, SUPPORTED_BASE_PRESSES, TokenSelection,
-                                         check_compression_ratio, compression_ratio_of, select_tokens,
-                                         unsupported_base_press_reason)
+from grkv_core.presses.selection import (
+    MASKING_PRESSES,
+    SELECTION_WRAPPERS,
+    SUPPORTED_BASE_PRESSES,
+    TokenSelection,
+    check_compression_ratio,
+    compression_ratio_of,
+    select_tokens,
+    unsupported_base_press_reason,
+)
 from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
 
 # kvpress's own merger: like ours, it keeps a ScorerPress's tokens and merges the evicted ones into them.
@@ -105,8 +112,15 @@ class BaseMergerPress(ScorerPress):
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
 
-    def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> torch.Tensor:
         """Refused: only a kvpress wrapper that selects tokens itself asks a press for scores, which would evict
         without merging (a merger's choice is its base press's; wrap that instead)."""
         raise ValueError(_wrapper_refusal(self, "would select tokens itself, without merging them"))
@@ -130,8 +144,7 @@ class BaseMergerPress(ScorerPress):
         with torch.no_grad():
             return super().forward_hook(module, input, kwargs, output)
 
-    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
-                      kwargs: dict) -> Any:
+    def layer_context(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict) -> Any:
         """What ``merge_selected`` reads besides the cache and the selection, computed once per layer.
 
         Parameters
@@ -194,8 +207,9 @@ class BaseMergerPress(ScorerPress):
         # synchronisation): a prefill from an empty cache caches exactly its tokens, and a decoding step (or a later
         # prefill chunk) adds its tokens to those already cached.
         if keys.shape[2] > hidden_states.shape[1]:
-            raise ValueError(_wrapper_refusal(self, "would compress the cache while decoding, and a merger merges "
-                                                    "the prefill"))
+            raise ValueError(
+                _wrapper_refusal(self, "would compress the cache while decoding, and a merger merges the prefill")
+            )
         if self.compression_ratio == 0:
             return keys, values
         if keys.shape[2] != hidden_states.shape[1]:
@@ -221,8 +235,14 @@ class BaseMergerPress(ScorerPress):
             self._unmerge_non_finite_heads(keys, values, selection, merged_keys, merged_values)
         return merged_keys.to(keys.dtype), merged_values.to(values.dtype)
 
-    def _unmerge_non_finite_heads(self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection,
-                                  merged_keys: torch.Tensor, merged_values: torch.Tensor) -> None:
+    def _unmerge_non_finite_heads(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        selection: TokenSelection,
+        merged_keys: torch.Tensor,
+        merged_values: torch.Tensor,
+    ) -> None:
         """Give every (batch, head) whose cache holds a NaN or inf its kept rows unmerged (what eviction leaves), in
         place, with a warning: a merge would spread the bad entry over the kept rows (CaM: over 32 of them).
 
@@ -233,8 +253,12 @@ class BaseMergerPress(ScorerPress):
         if bool(finite.all()):
             return
         # NOTE: one message per press class (not per layer or head), so Python's warning filter shows it once.
-        warnings.warn(f"{type(self).__name__}: some (batch, head) caches hold a NaN or inf; those heads keep the base "
-                      "press's rows unmerged, as eviction leaves them", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(self).__name__}: some (batch, head) caches hold a NaN or inf; those heads keep the base "
+            "press's rows unmerged, as eviction leaves them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         if selection.uniform_budget is not None:
             kept = selection.kept_positions()[..., None].expand(-1, -1, -1, keys.shape[-1])
             keys, values = keys.gather(2, kept), values.gather(2, kept)
@@ -250,8 +274,9 @@ class BaseMergerPress(ScorerPress):
             for h in range(keys.shape[1]):
                 head = (slice(b, b + 1), slice(h, h + 1))
                 head_selection = selection.of_head(b, h)
-                new_keys, new_values = self.merge_selected(keys[head], values[head], head_selection,
-                                                           self.head_context(context, b, h))
+                new_keys, new_values = self.merge_selected(
+                    keys[head], values[head], head_selection, self.head_context(context, b, h)
+                )
                 kept = head_selection.kept_positions()[0, 0]
                 merged_keys[b, h, kept] = new_keys[0, 0].to(keys.dtype)
                 merged_values[b, h, kept] = new_values[0, 0].to(values.dtype)
@@ -269,8 +294,9 @@ class BaseMergerPress(ScorerPress):
         self.press.compression_ratio = check_compression_ratio(value, type(self).__name__)
 
 
-BaseMergerPress.compression_ratio = property(BaseMergerPress._base_compression_ratio,
-                                          BaseMergerPress._set_base_compression_ratio)
+BaseMergerPress.compression_ratio = property(
+    BaseMergerPress._base_compression_ratio, BaseMergerPress._set_base_compression_ratio
+)
 
 
 def options_docstring(options: type, indent: int = 4) -> str:
@@ -283,9 +309,13 @@ def options_docstring(options: type, indent: int = 4) -> str:
     for item in fields(options):
         spec = item.metadata.get("spec")
         if spec is not None:
-            entries.append(f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
-                           + textwrap.fill(spec.help.rstrip(".") + ".", width=120,
-                                           initial_indent=margin * 2, subsequent_indent=margin * 2) + "\n")
+            entries.append(
+                f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
+                + textwrap.fill(
+                    spec.help.rstrip(".") + ".", width=120, initial_indent=margin * 2, subsequent_indent=margin * 2
+                )
+                + "\n"
+            )
     return "".join(entries) + margin
 
 
@@ -313,8 +343,7 @@ def _wrapper_refusal(merger: BaseMergerPress, what: str) -> str:
     name = type(merger).__name__
     wrapper = _calling_press(merger)
     if wrapper is None:
-        return (f"a press around {name} {what}; wrap the eviction press instead: "
-                f"{name}(<wrapper>(<eviction press>))")
+        return f"a press around {name} {what}; wrap the eviction press instead: {name}(<wrapper>(<eviction press>))"
     kind = type(wrapper).__name__
     if isinstance(wrapper, (BaseMergerPress, KVPRESS_MERGERS)):
         advice = "a merger cannot wrap another merger"
@@ -329,6 +358,8 @@ def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: a merging press fits every query and key of the prompt, so pad tokens would be fitted."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
-        raise ValueError("merging presses do not support padded batches: the attention_mask marks padding, which "
-                         "would be merged into the cache; compress each sequence on its own (batch 1) or batch "
-                         "sequences of equal length without padding")
+        raise ValueError(
+            "merging presses do not support padded batches: the attention_mask marks padding, which "
+            "would be merged into the cache; compress each sequence on its own (batch 1) or batch "
+            "sequences of equal length without padding"
+        )

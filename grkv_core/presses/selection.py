@@ -16,9 +16,22 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from kvpress import (AdaKVPress, BasePress, ChunkKVPress, ChunkPress, ComposedPress, CriticalAdaKVPress, DecodingPress,
-                     ExpectedAttentionPress, KeyRerotationPress, PerLayerCompressionPress, PrefillDecodingPress,
-                     PyramidKVPress, ScorerPress, SnapKVPress)
+from kvpress import (
+    AdaKVPress,
+    BasePress,
+    ChunkKVPress,
+    ChunkPress,
+    ComposedPress,
+    CriticalAdaKVPress,
+    DecodingPress,
+    ExpectedAttentionPress,
+    KeyRerotationPress,
+    PerLayerCompressionPress,
+    PrefillDecodingPress,
+    PyramidKVPress,
+    ScorerPress,
+    SnapKVPress,
+)
 from kvpress.utils import compute_n_kept
 from torch import nn
 
@@ -27,21 +40,37 @@ from grkv_core.config import is_number
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 # NOTE: wrappers whose token selection is reproduced here around their inner ScorerPress (kvpress asserts it is one).
 SELECTION_WRAPPERS = (PerLayerCompressionPress, ChunkPress)
-SUPPORTED_BASE_PRESSES = ("a kvpress ScorerPress (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, "
-                          "ExpectedAttention, Knorm, CriticalKV), AdaKVPress, CriticalAdaKVPress, or "
-                          "PerLayerCompressionPress or ChunkPress around a ScorerPress")
+SUPPORTED_BASE_PRESSES = (
+    "a kvpress ScorerPress (SnapKV, PyramidKV, StreamingLLM, ObservedAttention, "
+    "ExpectedAttention, Knorm, CriticalKV), AdaKVPress, CriticalAdaKVPress, or "
+    "PerLayerCompressionPress or ChunkPress around a ScorerPress"
+)
 # Why the kvpress wrappers that do not merely select tokens cannot be a merger's base press (first match wins).
 _REFUSED_BASE_PRESSES: tuple[tuple[type, str], ...] = (
-    (PrefillDecodingPress, "it switches presses between prefill and decoding; compose the other way round: "
-                           "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=...)"),
-    (DecodingPress, "it compresses while decoding, a merger compresses the prefill; for both, use "
-                    "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=DecodingPress(...))"),
-    (KeyRerotationPress, "it moves the kept keys to new positions while a merge fits them at their own, and kvpress's "
-                         "pipeline re-positions the question only when KeyRerotationPress is the outermost press"),
-    (ComposedPress, "a chain of presses has no single selection over the full cache to merge into; put the merger "
-                    "first inside it instead: ComposedPress([<merger>, ...])"),
-    (ChunkKVPress, "it chooses its chunks inside its compress, so the choice cannot be read as data; ChunkPress is "
-                   "supported"),
+    (
+        PrefillDecodingPress,
+        "it switches presses between prefill and decoding; compose the other way round: "
+        "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=...)",
+    ),
+    (
+        DecodingPress,
+        "it compresses while decoding, a merger compresses the prefill; for both, use "
+        "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=DecodingPress(...))",
+    ),
+    (
+        KeyRerotationPress,
+        "it moves the kept keys to new positions while a merge fits them at their own, and kvpress's "
+        "pipeline re-positions the question only when KeyRerotationPress is the outermost press",
+    ),
+    (
+        ComposedPress,
+        "a chain of presses has no single selection over the full cache to merge into; put the merger "
+        "first inside it instead: ComposedPress([<merger>, ...])",
+    ),
+    (
+        ChunkKVPress,
+        "it chooses its chunks inside its compress, so the choice cannot be read as data; ChunkPress is supported",
+    ),
 )
 
 # Scores already computed in the current shared prefill, by (layer, the base press's repr); None outside one.
@@ -100,8 +129,12 @@ class TokenSelection:
     def of_top(cls, scores: torch.Tensor, budget: int) -> TokenSelection:
         """The ``budget`` top-scored positions of each (batch, head) of (B, H_kv, n) ``scores``, as kvpress's
         ``ScorerPress`` keeps them; ties go to the earlier position, as in ``topk``."""
-        return cls(scores=scores, kept_mask=None, uniform_budget=budget,
-                   kept=scores.topk(budget, dim=-1).indices.sort(dim=-1).values)
+        return cls(
+            scores=scores,
+            kept_mask=None,
+            uniform_budget=budget,
+            kept=scores.topk(budget, dim=-1).indices.sort(dim=-1).values,
+        )
 
     def kept_positions(self) -> torch.Tensor:
         """(B, H_kv, c) kept positions in increasing order; only defined for a uniform budget.
@@ -165,8 +198,10 @@ def forced_score_ranges(press: BasePress, length: int) -> list[range]:
     if isinstance(press, ChunkPress):
         for start in range(0, length, press.chunk_length):
             end = min(start + press.chunk_length, length)
-            forced += [range(start + inner.start, start + inner.stop)
-                       for inner in forced_score_ranges(press.press, end - start)]
+            forced += [
+                range(start + inner.start, start + inner.stop)
+                for inner in forced_score_ranges(press.press, end - start)
+            ]
         return forced
     if isinstance(press, SnapKVPress):
         forced.append(range(max(length - press.window_size, 0), length))
@@ -195,8 +230,9 @@ def check_compression_ratio(value, owner: str) -> float:
     """``value`` if it is a compression ratio in [0, 1] (1 keeps no token, as kvpress's ``compute_n_kept``), else a
     one-line ValueError naming ``owner``'s ``compression_ratio``."""
     if not is_number(value) or not 0 <= value <= 1:
-        raise ValueError(f"{owner}.compression_ratio must be a number in [0, 1] (1 keeps no token, as in kvpress), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{owner}.compression_ratio must be a number in [0, 1] (1 keeps no token, as in kvpress), got {value!r}"
+        )
     return value
 
 
@@ -249,8 +285,9 @@ def select_tokens(
         return TokenSelection(scores=scores.float(), kept_mask=kept_mask, uniform_budget=None)
     reason = unsupported_base_press_reason(type(press))
     if reason is not None:
-        raise ValueError(f"{type(press).__name__} is not supported as a base press ({reason}): use "
-                         f"{SUPPORTED_BASE_PRESSES}")
+        raise ValueError(
+            f"{type(press).__name__} is not supported as a base press ({reason}): use {SUPPORTED_BASE_PRESSES}"
+        )
     scores = _scores(press, module, hidden_states, keys, values, attentions, kwargs)
     if isinstance(press, PyramidKVPress):
         budget = press.get_layer_budget(module, length)
@@ -275,16 +312,25 @@ def _select_per_chunk(
     the scores are the per-chunk ones it ranks by. Arguments and result as in ``select_tokens``.
     """
     if attentions is not None:
-        raise ValueError("ChunkPress scores chunks without attention weights: run the model with sdpa or flash "
-                         "attention, not eager")
+        raise ValueError(
+            "ChunkPress scores chunks without attention weights: run the model with sdpa or flash attention, not eager"
+        )
     batch, heads, length, _ = keys.shape
     scorer = press.press
     scores = torch.empty(batch, heads, length, dtype=torch.float32, device=keys.device)
     kept_mask = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device)
     for start in range(0, length, press.chunk_length):
         chunk = slice(start, start + press.chunk_length)
-        chunk_scores = _scores(scorer, module, hidden_states[:, chunk], keys[:, :, chunk], values[:, :, chunk],
-                               attentions, kwargs, chunk_start=start)
+        chunk_scores = _scores(
+            scorer,
+            module,
+            hidden_states[:, chunk],
+            keys[:, :, chunk],
+            values[:, :, chunk],
+            attentions,
+            kwargs,
+            chunk_start=start,
+        )
         n_kept = max(1, int(chunk_scores.shape[-1] * (1 - scorer.compression_ratio)))
         scores[..., chunk] = chunk_scores.float()
         kept_mask[..., chunk].scatter_(-1, chunk_scores.topk(n_kept, dim=-1).indices, True)

@@ -43,15 +43,19 @@ def unhook_sliding_layers(press, model: nn.Module) -> None:
         return
     layers = language_model(model).layers
     if len(sliding) == len(layers):
-        raise ValueError(f"every layer of {type(model).__name__} is sliding-window attention and sliding-window "
-                         "layers are never compressed: no layer is left for the press")
+        raise ValueError(
+            f"every layer of {type(model).__name__} is sliding-window attention and sliding-window "
+            "layers are never compressed: no layer is left for the press"
+        )
     if model.config.get_text_config()._attn_implementation == "eager":
         # NOTE: transformers sizes one mask for all global layers from the cache's first layer (here a whole sliding
         # one); sdpa cuts the mask to each layer's keys, eager adds it as it is and fails at the first decoded token.
-        raise ValueError(f"{type(model).__name__} mixes sliding-window and global layers: its sliding layers stay "
-                         "whole while the global ones are compressed, which transformers' eager attention cannot "
-                         "decode over (one mask for layers of two lengths); load it with sdpa (a press that needs "
-                         "eager attention, such as H2O, cannot run on it)")
+        raise ValueError(
+            f"{type(model).__name__} mixes sliding-window and global layers: its sliding layers stay "
+            "whole while the global ones are compressed, which transformers' eager attention cannot "
+            "decode over (one mask for layers of two lengths); load it with sdpa (a press that needs "
+            "eager attention, such as H2O, cannot run on it)"
+        )
     for index in sliding:
         attention = layers[index].self_attn
         for hook_id, hook in list(attention._forward_hooks.items()):

@@ -29,8 +29,15 @@ def cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | 
     return (start.float() + factor * update).to(merged.dtype)
 
 
-def passes_validation(regression: KeptRegression, options: SolverOptions, solve: Solve, keys: torch.Tensor,
-                      values: torch.Tensor, full_outputs: torch.Tensor, window: int) -> torch.Tensor:
+def passes_validation(
+    regression: KeptRegression,
+    options: SolverOptions,
+    solve: Solve,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    full_outputs: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
     """(B, H_kv) bool (``accept="validation"``): the heads where a merge fitted on the ``window`` surrogate tokens of
     even index has a lower loss than the evicted cache on those of odd index (every query head's rows of them: the
     rows of a KV head repeat the window once per query head)."""
@@ -48,30 +55,64 @@ def passes_validation(regression: KeptRegression, options: SolverOptions, solve:
         return tensor.unflatten(axis, (-1, window))[every_other].flatten(axis, axis + 1)
 
     positions = regression.query_positions
-    fitted = KeptRegression.of(rows(regression.queries, fit), keys, values, regression.kept, regression.fixed,
-                               query_positions=rows(positions, fit), scale=regression.scale,
-                               full_outputs=rows(full_outputs, fit), row_weights=rows(regression.row_weights, fit),
-                               check_values=False)
+    fitted = KeptRegression.of(
+        rows(regression.queries, fit),
+        keys,
+        values,
+        regression.kept,
+        regression.fixed,
+        query_positions=rows(positions, fit),
+        scale=regression.scale,
+        full_outputs=rows(full_outputs, fit),
+        row_weights=rows(regression.row_weights, fit),
+        check_values=False,
+    )
     candidates = [(regression.kept_keys, regression.kept_values), solve(fitted, options)]
     evicted, merged = (
-        discrepancy_per_head(rows(regression.queries, held_out), keys, values, k, v,
-                             query_positions=rows(positions, held_out),
-                             compressed_positions=regression.kept, scale=regression.scale,
-                             full_outputs=rows(full_outputs, held_out))[0]
-        for k, v in candidates)
+        discrepancy_per_head(
+            rows(regression.queries, held_out),
+            keys,
+            values,
+            k,
+            v,
+            query_positions=rows(positions, held_out),
+            compressed_positions=regression.kept,
+            scale=regression.scale,
+            full_outputs=rows(full_outputs, held_out),
+        )[0]
+        for k, v in candidates
+    )
     return merged < evicted
 
 
-def lowest_window_loss(candidates: list[tuple[torch.Tensor, torch.Tensor]], queries: torch.Tensor,
-                       keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, query_positions: torch.Tensor | None,
-                       scale: float, full_outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lowest_window_loss(
+    candidates: list[tuple[torch.Tensor, torch.Tensor]],
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    query_positions: torch.Tensor | None,
+    scale: float,
+    full_outputs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the (keys, values) candidate with the lowest window discrepancy (``accept="objective"``, the
     authors' code: of the evicted cache, the values-only merge and the full merge); ties go to the earlier one."""
-    errors = torch.stack([
-        discrepancy_per_head(queries, keys, values, k, v, query_positions=query_positions, compressed_positions=kept,
-                             scale=scale, full_outputs=full_outputs)[0]
-        for k, v in candidates
-    ])
+    errors = torch.stack(
+        [
+            discrepancy_per_head(
+                queries,
+                keys,
+                values,
+                k,
+                v,
+                query_positions=query_positions,
+                compressed_positions=kept,
+                scale=scale,
+                full_outputs=full_outputs,
+            )[0]
+            for k, v in candidates
+        ]
+    )
     best = errors.argmin(dim=0)[..., None, None]
 
     def choose(options: list[torch.Tensor]) -> torch.Tensor:

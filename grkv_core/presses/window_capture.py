@@ -61,13 +61,16 @@ class WindowCapture:
             for attention in attentions:
                 if not isinstance(attention, OUTPUTS_BEFORE_O_PROJ):
                     continue
-                handles.append(attention.register_forward_pre_hook(
-                    functools.partial(self._await_projections, attention)))
-                handles.append(attention.q_proj.register_forward_hook(
-                    functools.partial(self._keep_projections, attention)))
+                handles.append(
+                    attention.register_forward_pre_hook(functools.partial(self._await_projections, attention))
+                )
+                handles.append(
+                    attention.q_proj.register_forward_hook(functools.partial(self._keep_projections, attention))
+                )
                 if self.keep_outputs:
-                    handles.append(attention.o_proj.register_forward_pre_hook(
-                        functools.partial(self._keep_outputs, attention)))
+                    handles.append(
+                        attention.o_proj.register_forward_pre_hook(functools.partial(self._keep_outputs, attention))
+                    )
             yield self
         finally:
             for handle in handles:
@@ -87,14 +90,15 @@ class WindowCapture:
         self._projections.pop(attention.layer_idx, None)
         self._awaiting_projections.add(attention.layer_idx)
 
-    def _keep_projections(self, attention: nn.Module, q_proj: nn.Module, args: tuple,
-                          projections: torch.Tensor) -> None:
+    def _keep_projections(
+        self, attention: nn.Module, q_proj: nn.Module, args: tuple, projections: torch.Tensor
+    ) -> None:
         if attention.layer_idx not in self._awaiting_projections:
             return
         self._awaiting_projections.discard(attention.layer_idx)
         if projections.shape[1] > 1:  # a prefill chunk: decoding steps are never compressed
             with torch.no_grad():
-                self._projections[attention.layer_idx] = projections[:, -self.window_size:].clone()
+                self._projections[attention.layer_idx] = projections[:, -self.window_size :].clone()
 
     def _keep_outputs(self, attention: nn.Module, o_proj: nn.Module, args: tuple) -> None:
         outputs = args[0]  # (B, n, H_q·d)
@@ -102,7 +106,7 @@ class WindowCapture:
             # NOTE: a copy of the m rows made without autograd, so that neither the layer's (B, n, H_q·d) output nor,
             # in grad mode, its autograd graph is kept alive.
             with torch.no_grad():
-                self._outputs[attention.layer_idx] = outputs[:, -self.window_size:].clone()
+                self._outputs[attention.layer_idx] = outputs[:, -self.window_size :].clone()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ convergence, ``cg_max_iter=200, cg_rtol=1e-7``, is the paper's Alg. 1 exactly):
   the value step, of J Jᵀ for the key step), so one λ means the same across heads and models whose caches
   differ in scale.
 - ``cg_max_iter=4``: the key step's CG stops after 4 iterations; behind the safeguard that keeps about half of
-  16 iterations' gain over the value step alone, and, unlike 2, a held-out gain over it end to end (docs/results/safeguard.md).
+  16 iterations' gain over the value step alone, and, unlike 2, a held-out gain over it end to end
+  (docs/results/safeguard.md).
 
 Modules
 -------

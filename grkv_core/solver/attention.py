@@ -57,4 +57,3 @@ def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.
     row_max = logits.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)
     weights = torch.exp(logits - row_max)
     return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
-

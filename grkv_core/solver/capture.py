@@ -55,9 +55,15 @@ class CapturedSolves:
             return solve(regression, options)
         budget = regression.kept.shape[-1]
         padded = pad_budget(regression, -budget % BUDGET_BUCKET)
-        key = (solve, options, padded.scale, tuple(
-            None if tensor is None else (tuple(tensor.shape), tensor.dtype, tensor.device)
-            for tensor in map(lambda name: getattr(padded, name), _TENSOR_FIELDS)))
+        key = (
+            solve,
+            options,
+            padded.scale,
+            tuple(
+                None if tensor is None else (tuple(tensor.shape), tensor.dtype, tensor.device)
+                for tensor in map(lambda name: getattr(padded, name), _TENSOR_FIELDS)
+            ),
+        )
         if key not in self._graphs:
             self._graphs[key] = _capture(solve, padded, options)
             while len(self._graphs) > self.capacity:
@@ -87,8 +93,9 @@ def pad_budget(regression: KeptRegression, extra: int) -> KeptRegression:
     zeros = regression.kept_keys.new_zeros(batch, heads, extra, head_dim)
     query_positions = regression.query_positions
     if query_positions is None:
-        query_positions = torch.full((regression.queries.shape[2],), _UNSEEN - 1, dtype=torch.long,
-                                     device=regression.kept.device)
+        query_positions = torch.full(
+            (regression.queries.shape[2],), _UNSEEN - 1, dtype=torch.long, device=regression.kept.device
+        )
     return dataclasses.replace(
         regression,
         kept_keys=torch.cat([regression.kept_keys, zeros], dim=2),
@@ -109,9 +116,14 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
     torch.backends.cuda.preferred_linalg_library("cusolver")
     try:
         with torch.inference_mode(False), torch.no_grad():
-            inputs = dataclasses.replace(regression, **{
-                name: getattr(regression, name).clone() for name in _TENSOR_FIELDS
-                if getattr(regression, name) is not None})
+            inputs = dataclasses.replace(
+                regression,
+                **{
+                    name: getattr(regression, name).clone()
+                    for name in _TENSOR_FIELDS
+                    if getattr(regression, name) is not None
+                },
+            )
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -123,8 +135,11 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
                 outputs = solve(inputs, options)
         return _Graph(graph, inputs, tuple(outputs))
     except RuntimeError as error:
-        warnings.warn(f"grkv_merge: the solve could not be captured as a CUDA graph ({error}); it runs eagerly for "
-                      "this shape", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"grkv_merge: the solve could not be captured as a CUDA graph ({error}); it runs eagerly for this shape",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
     finally:
         torch.backends.cuda.preferred_linalg_library(linear_algebra)
@@ -132,4 +147,3 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
 
 # The process's graphs: ``solve_regression`` runs every solve through it.
 CAPTURED_SOLVES = CapturedSolves()
-

@@ -137,8 +137,11 @@ class _AttentionJacobian:
         """
         squared = self.attention_free.square()
         moments = torch.bmm(squared, self.values_centring)  # [Σ A² v | −Σ A²]
-        spread = (torch.bmm(squared, self.values_centring[..., :-1].square()) - 2 * self.output * moments[..., :-1]
-                  - self.output.square() * moments[..., -1:])
+        spread = (
+            torch.bmm(squared, self.values_centring[..., :-1].square())
+            - 2 * self.output * moments[..., :-1]
+            - self.output.square() * moments[..., -1:]
+        )
         diagonal = self.query_norms * spread.clamp_min(0.0)
         return diagonal if self.row_scale is None else diagonal * self.row_scale.square()
 
@@ -159,9 +162,14 @@ class _AttentionJacobian:
         return torch.addcmul(moments[..., :-1], moments[..., -1:], self.output)
 
 
-def _conjugate_gradients(apply_operator, rhs: torch.Tensor, max_iter: int, rtol: float,
-                         inverse_diagonal: torch.Tensor, operator_scale: torch.Tensor | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _conjugate_gradients(
+    apply_operator,
+    rhs: torch.Tensor,
+    max_iter: int,
+    rtol: float,
+    inverse_diagonal: torch.Tensor,
+    operator_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched Jacobi-preconditioned CG from zero for SPD operators, one independent solve per leading index.
 
     ``rhs`` and ``inverse_diagonal`` are (P, M, d), P = B·H; inner products run over the last two axes. A head

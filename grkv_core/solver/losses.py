@@ -44,8 +44,14 @@ def reconstruction_loss(
         The normalised discrepancy (0 means the compressed cache reproduces the full outputs exactly).
     """
     error, reference = discrepancy_per_head(
-        queries, full_keys, full_values, compressed_keys, compressed_values,
-        query_positions=query_positions, compressed_positions=compressed_positions, scale=scale,
+        queries,
+        full_keys,
+        full_values,
+        compressed_keys,
+        compressed_values,
+        query_positions=query_positions,
+        compressed_positions=compressed_positions,
+        scale=scale,
     )
     return float(error.sum() / reference.sum().clamp_min(1e-30))
 
@@ -77,8 +83,9 @@ def discrepancy_per_head(
     if query_positions is not None and compressed_positions is None:
         raise ValueError("compressed_positions is required when query_positions is given")
     if full_outputs is not None and full_outputs.shape != queries.shape:
-        raise ValueError(f"full_outputs must have the shape of queries {tuple(queries.shape)}, "
-                         f"got {tuple(full_outputs.shape)}")
+        raise ValueError(
+            f"full_outputs must have the shape of queries {tuple(queries.shape)}, got {tuple(full_outputs.shape)}"
+        )
     scale = 1.0 / math.sqrt(full_keys.shape[-1]) if scale is None else scale
     compressed_visible = None
     if query_positions is not None:
@@ -88,8 +95,7 @@ def discrepancy_per_head(
         mask = compressed_mask[:, :, None, :]
         compressed_visible = mask if compressed_visible is None else compressed_visible & mask
     if full_outputs is None:
-        full_outputs = full_cache_outputs(queries, full_keys, full_values, query_positions=query_positions,
-                                          scale=scale)
+        full_outputs = full_cache_outputs(queries, full_keys, full_values, query_positions=query_positions, scale=scale)
     full_out = full_outputs.float()
     comp_out = (
         masked_softmax((queries.float() * scale) @ compressed_keys.float().transpose(-1, -2), compressed_visible)
@@ -125,7 +131,9 @@ def recover_kept_positions(compressed_keys: torch.Tensor, full_keys: torch.Tenso
     full_prints, compressed_prints = _row_fingerprints(full_keys), _row_fingerprints(compressed_keys)
     order = full_prints.argsort(dim=-1)
     sorted_prints = full_prints.gather(-1, order)
-    slot = torch.searchsorted(sorted_prints.contiguous(), compressed_prints.contiguous()).clamp(max=full_keys.shape[2] - 1)
+    slot = torch.searchsorted(sorted_prints.contiguous(), compressed_prints.contiguous()).clamp(
+        max=full_keys.shape[2] - 1
+    )
     positions = order.gather(-1, slot)
     matched = full_keys.gather(2, positions.unsqueeze(-1).expand_as(compressed_keys))
     if not torch.equal(matched, compressed_keys):

@@ -90,8 +90,17 @@ def grkv_merge(
     if unknown:
         raise ValueError(f"unknown solver option(s) {unknown}; valid: {list(SOLVER_OPTION_NAMES)}")
     solver_options = SolverOptions(**options)
-    regression = KeptRegression.of(queries, keys, values, kept, fixed, query_positions=query_positions, scale=scale,
-                                   full_outputs=full_outputs, row_weights=row_weights)
+    regression = KeptRegression.of(
+        queries,
+        keys,
+        values,
+        kept,
+        fixed,
+        query_positions=query_positions,
+        scale=scale,
+        full_outputs=full_outputs,
+        row_weights=row_weights,
+    )
     return solve_regression(regression, solver_options)
 
 
@@ -184,8 +193,15 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
             step_values = new_values
         if components in ("kv", "k"):
             step_keys, value_step_error, round_stalled = key_step(
-                problem, new_keys, attention, step_values, options.lambda_k, options.ridge_scale, options.cg_max_iter,
-                options.cg_rtol)
+                problem,
+                new_keys,
+                attention,
+                step_values,
+                options.lambda_k,
+                options.ridge_scale,
+                options.cg_max_iter,
+                options.cg_rtol,
+            )
             stalled |= round_stalled
             if options.safeguard:
                 step_keys = safeguarded(problem, new_keys, logits, step_keys, value_step_error, step_values)
@@ -210,8 +226,11 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
     counts = torch.stack([(~head_ok).sum(), stalled.sum(), fixed.all(dim=-1).sum()])
     restore = order.argsort(dim=-1).unsqueeze(-1).expand(-1, -1, head_dim)
-    return (merged_keys.gather(1, restore).view(batch, heads, budget, head_dim),
-            merged_values.gather(1, restore).view(batch, heads, budget, head_dim), counts)
+    return (
+        merged_keys.gather(1, restore).view(batch, heads, budget, head_dim),
+        merged_values.gather(1, restore).view(batch, heads, budget, head_dim),
+        counts,
+    )
 
 
 class SolveIssues:
@@ -238,12 +257,19 @@ class SolveIssues:
         (non_finite, stalled, nothing_free), heads = self._counts.tolist(), self._heads
         self.__init__()
         if non_finite:
-            warnings.warn(f"grkv_merge: {non_finite} of {heads} (batch, head) pairs had non-finite inputs or results; "
-                          "they keep the plain evicted cache.", RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(
+                f"grkv_merge: {non_finite} of {heads} (batch, head) pairs had non-finite inputs or results; "
+                "they keep the plain evicted cache.",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
         if stalled:
-            warnings.warn(f"grkv_merge: the key step made no progress on {stalled} of {heads} (batch, head) pairs "
-                          "(their linearised system has no usable curvature); those heads keep the value step's keys.",
-                          RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(
+                f"grkv_merge: the key step made no progress on {stalled} of {heads} (batch, head) pairs "
+                "(their linearised system has no usable curvature); those heads keep the value step's keys.",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
         return heads, nothing_free
 
 

@@ -43,17 +43,42 @@ def grkv_merge_reference(
     merged_values = torch.empty_like(merged_keys)
     for b in range(batch):
         for h in range(heads):
-            weights = (torch.ones(queries.shape[2], dtype=dtype) if row_weights is None
-                       else row_weights[b, h].to(dtype))
+            weights = torch.ones(queries.shape[2], dtype=dtype) if row_weights is None else row_weights[b, h].to(dtype)
             merged_keys[b, h], merged_values[b, h] = _merge_one_head(
-                queries[b, h].to(dtype), keys[b, h].to(dtype), values[b, h].to(dtype), kept[b, h], fixed[b, h],
-                lambda_k, lambda_v, steps, components, query_positions, scale, safeguard, ridge_scale, weights,
+                queries[b, h].to(dtype),
+                keys[b, h].to(dtype),
+                values[b, h].to(dtype),
+                kept[b, h],
+                fixed[b, h],
+                lambda_k,
+                lambda_v,
+                steps,
+                components,
+                query_positions,
+                scale,
+                safeguard,
+                ridge_scale,
+                weights,
             )
     return merged_keys, merged_values
 
 
-def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, steps, components,
-                    query_positions, scale, safeguard, ridge_scale, weights):
+def _merge_one_head(
+    queries,
+    keys,
+    values,
+    kept,
+    fixed,
+    lambda_k,
+    lambda_v,
+    steps,
+    components,
+    query_positions,
+    scale,
+    safeguard,
+    ridge_scale,
+    weights,
+):
     """One head; the loss is Σ_r w_r ‖y_r − a_r V‖², i.e. every row of the regression multiplied by √w_r."""
     n_queries, head_dim = queries.shape
     root = weights.sqrt()[:, None]  # (M, 1): scales a query row (of attention weights or outputs)
@@ -83,6 +108,7 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
         else:
             v_new = v_t
         if components in ("kv", "k"):
+
             def f_free(free_keys):
                 k = k_t.clone()
                 k[free] = free_keys
@@ -96,6 +122,7 @@ def _merge_one_head(queries, keys, values, kept, fixed, lambda_k, lambda_v, step
             k_new = keys0.clone()
             k_new[free] = keys0[free] + _ridge_refit(jacobian, rhs[:, None], ridge).reshape(-1, head_dim)
             if safeguard:
+
                 def window_error(k):
                     return (root * (target - attend(k, v_new, kept_visible))).square().sum()
 

@@ -86,9 +86,17 @@ class KeptRegression:
             target = full_outputs.float()
         kept = kept.long()
         rows = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        return cls(queries=queries, target=target, kept_keys=keys.gather(2, rows), kept_values=values.gather(2, rows),
-                   kept=kept, fixed=fixed, query_positions=query_positions,
-                   scale=scale, row_weights=None if row_weights is None else row_weights.float())
+        return cls(
+            queries=queries,
+            target=target,
+            kept_keys=keys.gather(2, rows),
+            kept_values=values.gather(2, rows),
+            kept=kept,
+            fixed=fixed,
+            query_positions=query_positions,
+            scale=scale,
+            row_weights=None if row_weights is None else row_weights.float(),
+        )
 
     @property
     def batch(self) -> int:
@@ -97,14 +105,21 @@ class KeptRegression:
     def stacks_with(self, other: KeptRegression) -> bool:
         """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale, and
         row weights on both or neither."""
-        same_shapes = (self.queries.shape[1:] == other.queries.shape[1:] and self.kept.shape[1:] == other.kept.shape[1:]
-                       and self.kept_keys.dtype == other.kept_keys.dtype and self.queries.device == other.queries.device
-                       and self.scale == other.scale and (self.row_weights is None) == (other.row_weights is None))
+        same_shapes = (
+            self.queries.shape[1:] == other.queries.shape[1:]
+            and self.kept.shape[1:] == other.kept.shape[1:]
+            and self.kept_keys.dtype == other.kept_keys.dtype
+            and self.queries.device == other.queries.device
+            and self.scale == other.scale
+            and (self.row_weights is None) == (other.row_weights is None)
+        )
         mine, theirs = self.query_positions, other.query_positions
         # NOTE: the same tensor needs no comparison of values (``GRKVPress`` hands every layer of a prefill one
         # positions tensor); comparing the values reads them on the host, a GPU synchronisation.
-        return same_shapes and (mine is theirs or (mine is not None and theirs is not None
-                                                   and mine.shape == theirs.shape and torch.equal(mine, theirs)))
+        return same_shapes and (
+            mine is theirs
+            or (mine is not None and theirs is not None and mine.shape == theirs.shape and torch.equal(mine, theirs))
+        )
 
     @classmethod
     def stack(cls, regressions: list[KeptRegression]) -> KeptRegression:
@@ -114,14 +129,22 @@ class KeptRegression:
             return first
         if not all(first.stacks_with(other) for other in regressions[1:]):
             raise ValueError("only regressions of the same shapes, query positions and scale stack")
-        stacked = ("queries", "target", "kept_keys", "kept_values", "kept", "fixed",
-                   *(("row_weights",) if first.row_weights is not None else ()))
+        stacked = (
+            "queries",
+            "target",
+            "kept_keys",
+            "kept_values",
+            "kept",
+            "fixed",
+            *(("row_weights",) if first.row_weights is not None else ()),
+        )
         joined = {name: torch.cat([getattr(regression, name) for regression in regressions]) for name in stacked}
         return cls(**joined, query_positions=first.query_positions, scale=first.scale)
 
 
-def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights,
-              check_values: bool = True) -> None:
+def _validate(
+    queries, keys, values, kept, fixed, query_positions, scale, full_outputs, row_weights, check_values: bool = True
+) -> None:
     """Raise a ValueError naming the argument for any malformed tensor (never a torch error deep inside)."""
     for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(tensor, torch.Tensor):
@@ -172,14 +195,17 @@ def _validate(queries, keys, values, kept, fixed, query_positions, scale, full_o
         if not isinstance(row_weights, torch.Tensor) or row_weights.shape != queries.shape[:3]:
             shape = tuple(row_weights.shape) if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__
             raise ValueError(f"row_weights must have shape (B, H_kv, M) = {tuple(queries.shape[:3])}, got {shape}")
-        if not row_weights.is_floating_point() or (check_values and (not bool(torch.isfinite(row_weights).all())
-                                                                     or bool((row_weights < 0).any()))):
+        if not row_weights.is_floating_point() or (
+            check_values and (not bool(torch.isfinite(row_weights).all()) or bool((row_weights < 0).any()))
+        ):
             raise ValueError("row_weights must be finite, non-negative floating-point weights")
     tensors = [queries, keys, values, kept, fixed] + [t for t in (full_outputs, row_weights) if t is not None]
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError("queries, keys, values, kept, fixed (and full_outputs, row_weights) must be on one device, "
-                         f"got {sorted(map(str, devices))}")
+        raise ValueError(
+            "queries, keys, values, kept, fixed (and full_outputs, row_weights) must be on one device, "
+            f"got {sorted(map(str, devices))}"
+        )
 
 
 def _validate_positions(kept: torch.Tensor, query_positions, batch: int, heads: int, length: int) -> None:

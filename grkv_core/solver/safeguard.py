@@ -12,8 +12,14 @@ from grkv_core.solver.problem import MergeProblem
 MAX_HALVINGS = 4
 
 
-def safeguarded(problem: MergeProblem, keys: torch.Tensor, logits: torch.Tensor, step_keys: torch.Tensor,
-                 bar: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def safeguarded(
+    problem: MergeProblem,
+    keys: torch.Tensor,
+    logits: torch.Tensor,
+    step_keys: torch.Tensor,
+    bar: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
     """Shorten the key step ``keys`` -> ``step_keys`` per head until the true window loss does not rise.
 
     ``logits`` are ``problem.logits(keys)``, ``values`` the round's new values and ``bar`` (P,) the window loss

@@ -11,11 +11,11 @@ def value_step(problem: MergeProblem, attention: torch.Tensor, lambda_v: float, 
     """Exact ridge refit of the free values given the (P, M, c) attention at the current keys.
 
     With A the (P, M, c) attention with the fixed rows' columns zeroed and R the residual, the update is
-    Aᵀ(A Aᵀ + λI)⁻¹ R (dual, an M×M system) = (AᵀA + λI)⁻¹ Aᵀ R (primal, c×c; likewise for the pseudo-inverses at λ = 0). NOTE: the smaller
-    system is solved: the dual while M ≤ c (the paper's m = 32 on SmolLM2), the primal for more query rows than kept
-    rows (stratified m = 128); both give the same refit up to float rounding. A fixed row's column of A is zero, so
-    its update is zero on either route (in the primal system its row and column hold the ridge alone). The relative
-    ridge scale is the dual system's mean diagonal, ‖A‖²_F / M, on either route.
+    Aᵀ(A Aᵀ + λI)⁻¹ R (dual, an M×M system) = (AᵀA + λI)⁻¹ Aᵀ R (primal, c×c; likewise for the pseudo-inverses at
+    λ = 0). NOTE: the smaller system is solved: the dual while M ≤ c (the paper's m = 32 on SmolLM2), the primal for
+    more query rows than kept rows (stratified m = 128); both give the same refit up to float rounding. A fixed row's
+    column of A is zero, so its update is zero on either route (in the primal system its row and column hold the
+    ridge alone). The relative ridge scale is the dual system's mean diagonal, ‖A‖²_F / M, on either route.
     """
     residual = problem.weighted(torch.baddbmm(problem.target, attention, problem.values0, alpha=-1.0))
     attention_free = problem.weighted(problem.free_columns(attention))

@@ -66,9 +66,13 @@ class TrialLedger:
         records.ledgers[stage] = self
 
     def open(self) -> None:
-        self.study = optuna.create_study(study_name=self.study_name, storage=self.records.storage,
-                                         load_if_exists=True, directions=self.directions,
-                                         sampler=make_sampler(self.records.config, self.seed))
+        self.study = optuna.create_study(
+            study_name=self.study_name,
+            storage=self.records.storage,
+            load_if_exists=True,
+            directions=self.directions,
+            sampler=make_sampler(self.records.config, self.seed),
+        )
         self.reconcile()
         for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             if REUSES_ATTR not in frozen.user_attrs:
@@ -106,10 +110,14 @@ class TrialLedger:
             return 0
         trials = self.study.get_trials(deepcopy=False)
         requeued = {trial.user_attrs[REQUEUE_OF_ATTR] for trial in trials if REQUEUE_OF_ATTR in trial.user_attrs}
-        done = sum(REUSES_ATTR not in trial.user_attrs
-                   and (trial.state == optuna.trial.TrialState.COMPLETE
-                        or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued))
-                   for trial in trials)
+        done = sum(
+            REUSES_ATTR not in trial.user_attrs
+            and (
+                trial.state == optuna.trial.TrialState.COMPLETE
+                or (trial.state == optuna.trial.TrialState.FAIL and trial.number not in requeued)
+            )
+            for trial in trials
+        )
         return max(self.budget - done, 0)
 
     @property
@@ -129,8 +137,11 @@ class TrialLedger:
         while len(opened) < count and not self.exhausted:
             started = time.perf_counter()
             stuck = self.duplicates_in_a_row >= RANDOM_AFTER_DUPLICATES
-            with proposing_at_random(self.study, self.seed + len(self.study.get_trials(deepcopy=False))) if stuck \
-                    else contextlib.nullcontext():
+            with (
+                proposing_at_random(self.study, self.seed + len(self.study.get_trials(deepcopy=False)))
+                if stuck
+                else contextlib.nullcontext()
+            ):
                 trial = self.study.ask()
                 press = suggest_press(trial, self.records.config)
             key = configuration_key(press)
@@ -139,8 +150,12 @@ class TrialLedger:
             if original is not None:
                 trial.set_user_attr(REUSES_ATTR, original)
                 self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                log.info("%s trial %d: the configuration of trial %d, not evaluated again", self.stage, trial.number,
-                         original)
+                log.info(
+                    "%s trial %d: the configuration of trial %d, not evaluated again",
+                    self.stage,
+                    trial.number,
+                    original,
+                )
             else:
                 self.duplicates_in_a_row = 0
                 request = TrialRequest(trial.number, press, self.stage, checkpoint_dir=self.records.state.checkpoints)
@@ -148,8 +163,12 @@ class TrialLedger:
                 self.in_flight[key] = OpenTrial(request, run_id, time.perf_counter() - started, trial)
                 opened.append(self.in_flight[key])
         if self.exhausted:
-            log.warning("%s stage: the sampler proposed %d configurations in a row that were already evaluated; "
-                        "the search space looks exhausted, so the stage ends", self.stage, self.duplicates_in_a_row)
+            log.warning(
+                "%s stage: the sampler proposed %d configurations in a row that were already evaluated; "
+                "the search space looks exhausted, so the stage ends",
+                self.stage,
+                self.duplicates_in_a_row,
+            )
         return opened
 
     def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
@@ -183,8 +202,10 @@ class TrialLedger:
 
     def completed(self) -> int:
         """Trials evaluated to the end (reused proposals left out)."""
-        return sum(t.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in t.user_attrs
-                   for t in self.study.get_trials(deepcopy=False))
+        return sum(
+            t.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in t.user_attrs
+            for t in self.study.get_trials(deepcopy=False)
+        )
 
     def progress(self) -> dict[str, float]:
         """The parent run's counts of this stage: ``completed_trials`` and ``reused_proposals`` (full), or
@@ -232,8 +253,10 @@ class HeldOutLedger:
         records.ledgers[TEST_STAGE] = self
 
     def open(self) -> None:
-        finished = {test_of: self.records.close_leftovers(runs)
-                    for test_of, runs in self.records.tracker.child_runs(TEST_STAGE).items()}
+        finished = {
+            test_of: self.records.close_leftovers(runs)
+            for test_of, runs in self.records.tracker.child_runs(TEST_STAGE).items()
+        }
         for test_of, press in self.presses:
             if finished.get(test_of):
                 self.finished += 1

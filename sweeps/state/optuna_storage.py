@@ -44,8 +44,12 @@ def repair_journal(journal: Path) -> None:
         with open(journal, "r+b") as file:
             file.truncate(complete)
             os.fsync(file.fileno())
-        log.warning("%s: cut off its torn last line (%d bytes of a write cut short); the file as it was is in %s",
-                    journal, len(data) - complete, backup)
+        log.warning(
+            "%s: cut off its torn last line (%d bytes of a write cut short); the file as it was is in %s",
+            journal,
+            len(data) - complete,
+            backup,
+        )
     for number, line in enumerate(data[:complete].splitlines(), start=1):
         try:
             json.loads(line)
@@ -53,7 +57,8 @@ def repair_journal(journal: Path) -> None:
             raise StateDirError(
                 f"Optuna journal {journal} is corrupt at line {number} (not a torn last line); restore it from a "
                 f"backup, or move it aside and run the sweep under a new --sweep-id (the finished trials' results "
-                f"stay in {journal.parent})") from None
+                f"stay in {journal.parent})"
+            ) from None
 
 
 def open_journal(journal: Path) -> optuna.storages.JournalStorage:
@@ -82,5 +87,7 @@ def open_storage_url(url: str) -> optuna.storages.RDBStorage:
         except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
             shown = url.split("@")[-1]
         reason = one_line(error)
-        raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
-                                      "start it or fix storage.url / --storage-url") from None
+        raise StorageUnavailableError(
+            f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
+            "start it or fix storage.url / --storage-url"
+        ) from None

@@ -18,8 +18,8 @@ from sweeps.state.optuna_storage import open_journal, open_storage_url
 from sweeps.state.state_dir import StateDir
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server
-from workers.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FROM_TAG, RECOVERED_TAG
 from tracking.retry import RetryPolicy, TrackingUnavailableError
+from workers.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FROM_TAG, RECOVERED_TAG
 from workers.protocol import TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
@@ -46,8 +46,12 @@ class Overhead:
 
     def as_metrics(self) -> dict[str, float]:
         fraction = self.service_s / self.evaluation_s if self.evaluation_s else 0.0
-        return {"service_overhead_s": self.service_s, "evaluation_s": self.evaluation_s,
-                "service_overhead_fraction": fraction, "timed_trials": self.trials}
+        return {
+            "service_overhead_s": self.service_s,
+            "evaluation_s": self.evaluation_s,
+            "service_overhead_fraction": fraction,
+            "timed_trials": self.trials,
+        }
 
 
 class StageLedger(Protocol):
@@ -117,15 +121,20 @@ class SweepRecords:
         self.lease.acquire()
         try:
             self.storage = self.storage or open_journal(self.state.journal)
-            self.tracker = SweepTracker.open(tracking.tracking_uri, tracking.experiment, self.sweep_id,
-                                             self.config.model_dump(mode="json"),
-                                             RetryPolicy(tracking.retries, tracking.retry_backoff_s))
+            self.tracker = SweepTracker.open(
+                tracking.tracking_uri,
+                tracking.experiment,
+                self.sweep_id,
+                self.config.model_dump(mode="json"),
+                RetryPolicy(tracking.retries, tracking.retry_backoff_s),
+            )
         except BaseException:
             self.lease.release()
             raise
 
-    def write(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int,
-              started: float) -> dict[str, float] | None:
+    def write(
+        self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, started: float
+    ) -> dict[str, float] | None:
         """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
         self.state.save(outcome)
         if not outcome.ok:
@@ -136,8 +145,11 @@ class SweepRecords:
         # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a crash
         # never leaves a finished run without it; it therefore leaves out its own MLflow write and the Optuna
         # tell that follow. The sweep-level total on the parent run (``count``) includes them.
-        timing.update(trial_dispatch_s=dispatch_s, worker_attempts=attempts,
-                      service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started))
+        timing.update(
+            trial_dispatch_s=dispatch_s,
+            worker_attempts=attempts,
+            service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started),
+        )
         self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
         return timing
 
@@ -147,17 +159,25 @@ class SweepRecords:
         self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
         self.overhead.trials += 1
 
-    def start(self, item: TrialRequest | TrialOutcome, sampler_params: dict | None = None,
-              user_attrs: dict | None = None) -> str:
+    def start(
+        self, item: TrialRequest | TrialOutcome, sampler_params: dict | None = None, user_attrs: dict | None = None
+    ) -> str:
         """Open the MLflow run of a request (or of a recovered outcome); the Optuna user attributes that name a
         baseline or a promotion become tags."""
         user_attrs = user_attrs or {}
         tags = {PROMOTED_FROM_TAG: str(user_attrs[PROMOTED_FROM_TAG])} if PROMOTED_FROM_TAG in user_attrs else {}
-        return self.tracker.start_trial(item.trial_number, sampler_params or {}, user_attrs.get(BASELINE_TAG),
-                                        stage=item.stage, test_of=item.test_of, tags=tags)
+        return self.tracker.start_trial(
+            item.trial_number,
+            sampler_params or {},
+            user_attrs.get(BASELINE_TAG),
+            stage=item.stage,
+            test_of=item.test_of,
+            tags=tags,
+        )
 
-    def recover(self, outcome: TrialOutcome, sampler_params: dict | None = None,
-                user_attrs: dict | None = None) -> None:
+    def recover(
+        self, outcome: TrialOutcome, sampler_params: dict | None = None, user_attrs: dict | None = None
+    ) -> None:
         """Log a finished outcome of the state directory whose run never closed (the driver died in between)."""
         run_id = self.start(outcome, sampler_params, user_attrs)
         self.tracker.client.set_tag(run_id, RECOVERED_TAG, "true")
@@ -176,8 +196,9 @@ class SweepRecords:
         if self.tracking_lost:
             return
         try:
-            self.tracker.fail_trial(open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"),
-                                    status="KILLED")
+            self.tracker.fail_trial(
+                open_trial.run_id, TrialOutcome.unfinished(open_trial.request, "sweep stopped"), status="KILLED"
+            )
         except TrackingUnavailableError:
             self.tracking_lost = True
 
@@ -193,21 +214,30 @@ class SweepRecords:
         the best trial) as a press file in the state directory and on the parent run (``press.yaml``)."""
         path = self.state.root / PRESS_ARTIFACT
         try:
-            exported = export_press(self.tracker.client, self.sweep_id, path,
-                                    experiment=self.config.tracking.experiment)
+            exported = export_press(
+                self.tracker.client, self.sweep_id, path, experiment=self.config.tracking.experiment
+            )
         except ValueError as error:  # no finished run carries the objective's metric
             log.warning("sweep %s: no press to recommend (%s)", self.sweep_id, error)
             return
-        log.info("sweep %s: recommends %s (%s); press file %s, also %s on the parent run", self.sweep_id,
-                 exported.choice.configuration, exported.choice.how, path, PRESS_ARTIFACT)
+        log.info(
+            "sweep %s: recommends %s (%s); press file %s, also %s on the parent run",
+            self.sweep_id,
+            exported.choice.configuration,
+            exported.choice.how,
+            path,
+            PRESS_ARTIFACT,
+        )
 
     def close(self, status: str) -> None:
         """Close the parent run with ``status`` (when MLflow still answers) and give the lease back."""
         try:
             if not self.tracking_lost:
                 self.update_parent()
-                self.tracker.close(status, {name: text for ledger in self.ledgers.values()
-                                            for name, text in ledger.artifacts().items()})
+                self.tracker.close(
+                    status,
+                    {name: text for ledger in self.ledgers.values() for name, text in ledger.artifacts().items()},
+                )
         except TrackingUnavailableError:
             self.tracking_lost = True
         finally:

@@ -8,8 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-from grkv_core.files import write_atomically
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
+from grkv_core.files import write_atomically
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome
 
@@ -46,8 +46,10 @@ class StateDir:
             raise StateDirError(self.unwritable(error)) from None
 
     def unwritable(self, error: OSError) -> str:
-        return (f"state dir {self.root} cannot be written ({error.strerror or error}); free space or fix "
-                "storage.state_dir / --state-dir")
+        return (
+            f"state dir {self.root} cannot be written ({error.strerror or error}); free space or fix "
+            "storage.state_dir / --state-dir"
+        )
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / self.FOLDERS[stage] / f"{key}.json"

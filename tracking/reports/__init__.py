@@ -20,8 +20,8 @@ from tracking.reports.analyses.significance import (
     tuned_winner,
 )
 from tracking.reports.data import SweepNotFoundError, SweepRuns, load_sweep
-from tracking.reports.optuna_study import param_importances, rebuild_study
 from tracking.reports.options import ReportOptions
+from tracking.reports.optuna_study import param_importances, rebuild_study
 from tracking.reports.report import Report, build_report
 from tracking.reports.stats import (
     BootstrapCI,
@@ -38,10 +38,36 @@ from tracking.reports.stats import (
 from tracking.reports.summary import finding
 
 __all__ = [
-    "BootstrapCI", "Correlation", "PairedComparison", "Report", "ReportOptions", "SweepNotFoundError", "SweepRuns",
-    "WithinSampleCorrelation", "ablation_table", "budget_points", "build_report", "compare_configs", "correlate",
-    "depth_window", "finding", "held_out_finding", "iso_resource", "load_sweep", "loss_performance",
-    "paired_bootstrap_ci", "param_importances", "pareto_front", "rebuild_study", "sample_table", "screening",
-    "sign_flip_test", "significance", "tidy_sample_scores", "tidy_task_scores", "trade_off", "tuned_winner",
+    "BootstrapCI",
+    "Correlation",
+    "PairedComparison",
+    "Report",
+    "ReportOptions",
+    "SweepNotFoundError",
+    "SweepRuns",
+    "WithinSampleCorrelation",
+    "ablation_table",
+    "budget_points",
+    "build_report",
+    "compare_configs",
+    "correlate",
+    "depth_window",
+    "finding",
+    "held_out_finding",
+    "iso_resource",
+    "load_sweep",
+    "loss_performance",
+    "paired_bootstrap_ci",
+    "param_importances",
+    "pareto_front",
+    "rebuild_study",
+    "sample_table",
+    "screening",
+    "sign_flip_test",
+    "significance",
+    "tidy_sample_scores",
+    "tidy_task_scores",
+    "trade_off",
+    "tuned_winner",
     "within_sample_correlation",
 ]

@@ -34,8 +34,8 @@ from workers.names import (
     ROLE_TAG,
     SAMPLER_PREFIX,
     SCREEN_STAGE,
-    STAGES,
     STAGE_TAG,
+    STAGES,
     SWEEP_TAG,
     TEST_OF_TAG,
     TEST_STAGE,
@@ -217,8 +217,9 @@ def search_all_runs(client: MlflowClient, experiment_ids: list[str], filter_stri
     """Every run matching ``filter_string``, following MLflow's pages (servers cap one page)."""
     runs, token = [], None
     while True:
-        page = client.search_runs(experiment_ids, filter_string, run_view_type=ViewType.ACTIVE_ONLY,
-                                  max_results=_PAGE, page_token=token)
+        page = client.search_runs(
+            experiment_ids, filter_string, run_view_type=ViewType.ACTIVE_ONLY, max_results=_PAGE, page_token=token
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -252,11 +253,13 @@ def find_parent_run(client: MlflowClient, sweep_id: str, experiment: str | None 
         experiment_ids, where = [found.experiment_id], f"experiment {experiment!r}"
     else:
         experiment_ids, where = _all_experiment_ids(client), "any experiment"
-    parents = search_all_runs(client, experiment_ids,
-                              f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'sweep'")
+    parents = search_all_runs(
+        client, experiment_ids, f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'sweep'"
+    )
     if not parents:
-        raise SweepNotFoundError(f"sweep {sweep_id!r} not found in {where} (no run tagged "
-                                 f"{SWEEP_TAG}={sweep_id}, {ROLE_TAG}=sweep)")
+        raise SweepNotFoundError(
+            f"sweep {sweep_id!r} not found in {where} (no run tagged {SWEEP_TAG}={sweep_id}, {ROLE_TAG}=sweep)"
+        )
     if len({run.info.experiment_id for run in parents}) > 1:
         raise SweepNotFoundError(f"sweep {sweep_id!r} exists in several experiments; name one with --experiment")
     return parents[0]
@@ -276,9 +279,13 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
     """
     parent = find_parent_run(client, sweep_id, experiment)
     parent_id = parent.info.run_id
-    children = [run for run in search_all_runs(
-        client, [parent.info.experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'trial'")
-        if run.data.tags.get(PARENT_TAG) == parent_id]
+    children = [
+        run
+        for run in search_all_runs(
+            client, [parent.info.experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{ROLE_TAG}` = 'trial'"
+        )
+        if run.data.tags.get(PARENT_TAG) == parent_id
+    ]
     notes: list[str] = []
     by_stage: dict[str, list] = {stage: [] for stage in STAGES}
     for run in children:
@@ -289,19 +296,39 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
             by_stage[stage].append(run)
     full_runs = _latest_per_key(by_stage[FULL_STAGE], TRIAL_TAG, "trial", notes)
     trials = _stage_frame(full_runs, FULL_STAGE)
-    screen_trials = _stage_frame(_latest_per_key(by_stage[SCREEN_STAGE], TRIAL_TAG, "screening trial", notes),
-                                 SCREEN_STAGE)
-    test_trials = _confirming(_stage_frame(_latest_per_key(by_stage[TEST_STAGE], TEST_OF_TAG, "test of", notes),
-                                           TEST_STAGE), trials)
-    param_names = sorted({name.removeprefix(SAMPLER_PREFIX) for run in full_runs
-                          for name in run.data.params if name.startswith(SAMPLER_PREFIX)})
-    task_names = sorted({column.removeprefix(SCORE_PREFIX) for frame in (trials, test_trials)
-                         for column in frame.columns if column.startswith(SCORE_PREFIX)})
+    screen_trials = _stage_frame(
+        _latest_per_key(by_stage[SCREEN_STAGE], TRIAL_TAG, "screening trial", notes), SCREEN_STAGE
+    )
+    test_trials = _confirming(
+        _stage_frame(_latest_per_key(by_stage[TEST_STAGE], TEST_OF_TAG, "test of", notes), TEST_STAGE), trials
+    )
+    param_names = sorted(
+        {
+            name.removeprefix(SAMPLER_PREFIX)
+            for run in full_runs
+            for name in run.data.params
+            if name.startswith(SAMPLER_PREFIX)
+        }
+    )
+    task_names = sorted(
+        {
+            column.removeprefix(SCORE_PREFIX)
+            for frame in (trials, test_trials)
+            for column in frame.columns
+            if column.startswith(SCORE_PREFIX)
+        }
+    )
     return SweepRuns(
-        sweep_id=sweep_id, experiment_id=parent.info.experiment_id, parent_run_id=parent_id,
-        parent_status=parent.info.status, parent_params=dict(parent.data.params), trials=trials,
-        param_names=param_names, task_names=task_names,
-        child_status_counts=dict(Counter(run.info.status for run in children)), screen_trials=screen_trials,
+        sweep_id=sweep_id,
+        experiment_id=parent.info.experiment_id,
+        parent_run_id=parent_id,
+        parent_status=parent.info.status,
+        parent_params=dict(parent.data.params),
+        trials=trials,
+        param_names=param_names,
+        task_names=task_names,
+        child_status_counts=dict(Counter(run.info.status for run in children)),
+        screen_trials=screen_trials,
         test_trials=test_trials,
         test_predictions=load_predictions(client, list(test_trials["run_id"]), notes, "test-stage"),
         trial_predictions=load_predictions(client, list(trials["run_id"]), notes, "full-stage"),
@@ -337,8 +364,10 @@ def _stage_frame(runs: list, stage: str) -> pd.DataFrame:
     rows = [_trial_row(run, stage) for run in runs]
     frame = _with_derived_columns(pd.DataFrame(rows) if rows else _empty_stage(stage))
     if stage != TEST_STAGE:
-        frame["configuration"] = [baseline if isinstance(baseline, str) else f"trial {number}"
-                                  for baseline, number in zip(frame["baseline"], frame["trial_number"])]
+        frame["configuration"] = [
+            baseline if isinstance(baseline, str) else f"trial {number}"
+            for baseline, number in zip(frame["baseline"], frame["trial_number"])
+        ]
     return frame
 
 
@@ -364,8 +393,9 @@ def _confirming(test_trials: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame
             number = int(label)
         else:
             baseline, configuration = label.partition(BUDGET_SEPARATOR)[0], label
-            confirmed = trials[(trials["baseline"] == baseline)
-                               & np.isclose(trials["compression_ratio"], run["compression_ratio"])]
+            confirmed = trials[
+                (trials["baseline"] == baseline) & np.isclose(trials["compression_ratio"], run["compression_ratio"])
+            ]
             number = confirmed["trial_number"].iloc[0] if len(confirmed) else np.nan
         numbers.append(number)
         baselines.append(baseline)
@@ -393,8 +423,10 @@ def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str],
             rows = json.loads(Path(path).read_text())
             frames.append(pd.DataFrame(rows).assign(run_id=run_id).reindex(columns=PREDICTION_COLUMNS))
     if missing:
-        notes.append(f"{len(missing)} {stage} run(s) have no {PREDICTIONS_ARTIFACT} (e.g. run {missing[0]}); "
-                     "their samples cannot be paired")
+        notes.append(
+            f"{len(missing)} {stage} run(s) have no {PREDICTIONS_ARTIFACT} (e.g. run {missing[0]}); "
+            "their samples cannot be paired"
+        )
     if not frames:
         return pd.DataFrame(columns=PREDICTION_COLUMNS)
     return _typed_predictions(pd.concat(frames, ignore_index=True))
@@ -428,6 +460,7 @@ def _with_derived_columns(trials: pd.DataFrame) -> pd.DataFrame:
     trials["compression_ratio"] = trials["compression_ratio"].astype(float)
     # Rounded so that 1 - 0.9 reads 0.1 and budgets can be compared and used as keys.
     trials["budget"] = (1.0 - trials["compression_ratio"]).round(12)
-    trials["method"] = [press if merge == "none" else f"{press}+{merge}"
-                        for press, merge in zip(trials["press"], trials["merge"])]
+    trials["method"] = [
+        press if merge == "none" else f"{press}+{merge}" for press, merge in zip(trials["press"], trials["merge"])
+    ]
     return trials

@@ -9,24 +9,31 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from workers.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.analyses.resources import IsoResource, TradeOff
 from tracking.reports.analyses.screening import SCREEN_PREFIX
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text
 from tracking.reports.stats import PairedComparison
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
 
 DPI = 120
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 BASELINE_MARKERS = {PAPER_DEFAULT: "*", EVICTION_ONLY: "s"}
-LABELS = {"mean_score": "mean score (0-100)", "window_loss": "window reconstruction discrepancy (relative)",
-          "heldout_loss": "held-out reconstruction discrepancy (relative)",
-          "question_loss": "question reconstruction discrepancy (relative)", "ttft_s": "TTFT (s)",
-          "prefill_s": "prefill time (s)", "kv_bytes": "persistent KV cache (MiB)",
-          "decode_ms_per_token": "decode latency (ms/token)", "answer_nll": "answer NLL (nats, lower is better)",
-          "answer_kl": "answer KL to the full cache (nats, lower is better)",
-          "answer_top1": "answer top-1 agreement with the full cache", "score": "score (points)"}
+LABELS = {
+    "mean_score": "mean score (0-100)",
+    "window_loss": "window reconstruction discrepancy (relative)",
+    "heldout_loss": "held-out reconstruction discrepancy (relative)",
+    "question_loss": "question reconstruction discrepancy (relative)",
+    "ttft_s": "TTFT (s)",
+    "prefill_s": "prefill time (s)",
+    "kv_bytes": "persistent KV cache (MiB)",
+    "decode_ms_per_token": "decode latency (ms/token)",
+    "answer_nll": "answer NLL (nats, lower is better)",
+    "answer_kl": "answer KL to the full cache (nats, lower is better)",
+    "answer_top1": "answer top-1 agreement with the full cache",
+    "score": "score (points)",
+}
 
 
 def axis_label(metric: str) -> str:
@@ -45,8 +52,9 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def _scatter_trials(ax, frame: pd.DataFrame, x: str, y: str, colors: dict[str, str],
-                    labelled: pd.Series | None = None) -> None:
+def _scatter_trials(
+    ax, frame: pd.DataFrame, x: str, y: str, colors: dict[str, str], labelled: pd.Series | None = None
+) -> None:
     """Trials as points coloured by method, baselines with their own markers, labelled by trial number.
 
     ``labelled`` (a boolean mask) limits the labels where many points share an x (e.g. one KV budget).
@@ -58,25 +66,61 @@ def _scatter_trials(ax, frame: pd.DataFrame, x: str, y: str, colors: dict[str, s
             if len(chosen):
                 # Baselines, then eviction-only trials, are drawn last: many trials share one KV budget.
                 layer = 5 if baseline else (4 if "+" not in method else 3)
-                ax.scatter(chosen[x], chosen[y], color=colors[method], marker=marker,
-                           s=160 if marker == "*" else 45, edgecolor="black", linewidth=0.5, zorder=layer)
+                ax.scatter(
+                    chosen[x],
+                    chosen[y],
+                    color=colors[method],
+                    marker=marker,
+                    s=160 if marker == "*" else 45,
+                    edgecolor="black",
+                    linewidth=0.5,
+                    zorder=layer,
+                )
     shown = frame if labelled is None else frame[labelled | is_baseline]
     for _, row in shown.iterrows():
         if np.isfinite(row[x]) and np.isfinite(row[y]):
-            ax.annotate(str(int(row["trial_number"])), (row[x], row[y]), xytext=(4, 3),
-                        textcoords="offset points", fontsize=7, color="dimgray")
+            ax.annotate(
+                str(int(row["trial_number"])),
+                (row[x], row[y]),
+                xytext=(4, 3),
+                textcoords="offset points",
+                fontsize=7,
+                color="dimgray",
+            )
 
 
 def _figure_legend(figure: Figure, colors: dict[str, str], frame: pd.DataFrame, extra: list[Line2D] = ()) -> None:
     """One legend under all panels, so it never hides a point; baseline markers only when drawn."""
-    handles = [Line2D([], [], marker="o", linestyle="", color=color, markeredgecolor="black", label=method)
-               for method, color in colors.items() if method in set(frame["method"])]
+    handles = [
+        Line2D([], [], marker="o", linestyle="", color=color, markeredgecolor="black", label=method)
+        for method, color in colors.items()
+        if method in set(frame["method"])
+    ]
     if (frame["configuration"] == PAPER_DEFAULT).any():
-        handles.append(Line2D([], [], marker="*", linestyle="", color="lightgray", markeredgecolor="black",
-                              markersize=12, label="paper default"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="*",
+                linestyle="",
+                color="lightgray",
+                markeredgecolor="black",
+                markersize=12,
+                label="paper default",
+            )
+        )
     if (frame["configuration"] == EVICTION_ONLY).any():
-        handles.append(Line2D([], [], marker="s", linestyle="", color="lightgray", markeredgecolor="black",
-                              label="eviction only (base press)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="s",
+                linestyle="",
+                color="lightgray",
+                markeredgecolor="black",
+                label="eviction only (base press)",
+            )
+        )
     handles += extra
     figure.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(len(handles), 4))
 
@@ -87,8 +131,12 @@ def spans_decades(values: pd.Series, decades: float = 2.0) -> bool:
     return bool(len(finite) > 1 and (finite > 0).all() and finite.max() / finite.min() > 10**decades)
 
 
-def loss_performance_figure(result: LossPerformance, colors: dict[str, str], path: Path,
-                            title: str = "Reconstruction discrepancy vs downstream performance") -> Path:
+def loss_performance_figure(
+    result: LossPerformance,
+    colors: dict[str, str],
+    path: Path,
+    title: str = "Reconstruction discrepancy vs downstream performance",
+) -> Path:
     """One panel per correlation, a row per performance metric and a column per discrepancy: the metric against
     the discrepancy over the configurations, with Pearson/Spearman in the title."""
     table = result.table
@@ -96,8 +144,9 @@ def loss_performance_figure(result: LossPerformance, colors: dict[str, str], pat
     rows = list(dict.fromkeys(correlation.y for correlation in result.correlations))
     figure = Figure(figsize=(6.2 * len(columns), 5.2 * len(rows)), layout="constrained")
     for correlation in result.correlations:
-        ax = figure.add_subplot(len(rows), len(columns),
-                                rows.index(correlation.y) * len(columns) + columns.index(correlation.x) + 1)
+        ax = figure.add_subplot(
+            len(rows), len(columns), rows.index(correlation.y) * len(columns) + columns.index(correlation.x) + 1
+        )
         _scatter_trials(ax, table, correlation.x, correlation.y, colors)
         points = table[[correlation.x, correlation.y]].dropna()
         log_x = spans_decades(points[correlation.x])
@@ -106,12 +155,16 @@ def loss_performance_figure(result: LossPerformance, colors: dict[str, str], pat
             ax.set_xscale("log")
         if np.isfinite(correlation.pearson_r):
             slope, intercept = np.polyfit(points[correlation.x], points[correlation.y], 1)
-            span = (np.geomspace if log_x else np.linspace)(points[correlation.x].min(), points[correlation.x].max(),
-                                                            50)
+            span = (np.geomspace if log_x else np.linspace)(
+                points[correlation.x].min(), points[correlation.x].max(), 50
+            )
             ax.plot(span, slope * span + intercept, linestyle="--", color="gray", linewidth=1, zorder=2)
-            ax.set_title(f"Pearson r = {correlation.pearson_r:+.3f} ({p_value_text(correlation.pearson_p)})\n"
-                         f"Spearman ρ = {correlation.spearman_rho:+.3f} ({p_value_text(correlation.spearman_p)}), "
-                         f"n = {correlation.n}", fontsize=9)
+            ax.set_title(
+                f"Pearson r = {correlation.pearson_r:+.3f} ({p_value_text(correlation.pearson_p)})\n"
+                f"Spearman ρ = {correlation.spearman_rho:+.3f} ({p_value_text(correlation.spearman_p)}), "
+                f"n = {correlation.n}",
+                fontsize=9,
+            )
         else:
             ax.set_title(f"no correlation: {correlation.note}", fontsize=9)
         ax.set_xlabel(axis_label(correlation.x))
@@ -131,17 +184,32 @@ def trade_off_figure(trade_offs: list[TradeOff], colors: dict[str, str], path: P
         _scatter_trials(ax, points, "cost", trade.score, colors, labelled=points["pareto"])
         front = points[points["pareto"]].sort_values(["cost", trade.score])
         ax.step(front["cost"], front[trade.score], where="post", color="black", linewidth=1.2, zorder=2)
-        ax.scatter(front["cost"], front[trade.score], s=160, facecolor="none", edgecolor="black", linewidth=1.4,
-                   zorder=4)
+        ax.scatter(
+            front["cost"], front[trade.score], s=160, facecolor="none", edgecolor="black", linewidth=1.4, zorder=4
+        )
         ax.set_xlabel(trade.cost_label)
         ax.set_ylabel(axis_label(trade.score))
         ax.set_title(f"score vs {trade.cost_label}: {len(front)} Pareto-optimal trial(s)", fontsize=9)
         ax.grid(alpha=0.3)
-    _figure_legend(figure, colors, pd.concat([t.points for t in trade_offs]),
-                   [Line2D([], [], color="black", marker="o", markerfacecolor="none", markersize=10,
-                           label="Pareto front (higher score, lower cost)")])
-    figure.suptitle("Trade-offs over all finished trials (labels: Pareto-optimal and baseline trial numbers)",
-                    fontsize=11)
+    _figure_legend(
+        figure,
+        colors,
+        pd.concat([t.points for t in trade_offs]),
+        [
+            Line2D(
+                [],
+                [],
+                color="black",
+                marker="o",
+                markerfacecolor="none",
+                markersize=10,
+                label="Pareto front (higher score, lower cost)",
+            )
+        ],
+    )
+    figure.suptitle(
+        "Trade-offs over all finished trials (labels: Pareto-optimal and baseline trial numbers)", fontsize=11
+    )
     return _save(figure, path)
 
 
@@ -155,14 +223,24 @@ def history_figure(rebuilt: RebuiltStudy, colors: dict[str, str], path: Path) ->
         values = history[objective.metric]
         best = values.cummax() if objective.maximize else values.cummin()
         for method, rows in history.groupby("method"):
-            ax.scatter(rows["trial_number"], rows[objective.metric], color=colors[method], s=25, zorder=3,
-                       label=f"trial: {method}")
+            ax.scatter(
+                rows["trial_number"],
+                rows[objective.metric],
+                color=colors[method],
+                s=25,
+                zorder=3,
+                label=f"trial: {method}",
+            )
         ax.step(history["trial_number"], best, where="post", color="tab:red", label="best so far")
         for baseline, style in ((PAPER_DEFAULT, ":"), (EVICTION_ONLY, "--")):
             rows = history[history["baseline"] == baseline]
             if len(rows):
-                ax.axhline(rows[objective.metric].iloc[0], color="gray", linestyle=style,
-                           label=f"{baseline.replace('_', ' ')} (trial {int(rows['trial_number'].iloc[0])})")
+                ax.axhline(
+                    rows[objective.metric].iloc[0],
+                    color="gray",
+                    linestyle=style,
+                    label=f"{baseline.replace('_', ' ')} (trial {int(rows['trial_number'].iloc[0])})",
+                )
         ax.set_xlabel("trial number")
         ax.set_ylabel(axis_label(objective.metric))
         ax.set_title(f"Optimisation history: {objective.metric} ({objective.direction})", fontsize=10)
@@ -173,8 +251,10 @@ def history_figure(rebuilt: RebuiltStudy, colors: dict[str, str], path: Path) ->
 
 def importance_figure(importances: list[Importance], path: Path) -> Path:
     """Horizontal bars of normalised importances, one panel per objective."""
-    figure = Figure(figsize=(6.5 * len(importances), 0.8 + 0.45 * max(
-        [len(i.importances) for i in importances] + [4])), layout="constrained")
+    figure = Figure(
+        figsize=(6.5 * len(importances), 0.8 + 0.45 * max([len(i.importances) for i in importances] + [4])),
+        layout="constrained",
+    )
     for index, result in enumerate(importances):
         ax = figure.add_subplot(1, len(importances), index + 1)
         if result.importances:
@@ -204,13 +284,20 @@ def paired_difference_figure(comparisons: list[PairedComparison], path: Path) ->
         ax = figure.add_subplot(len(comparisons), 1, index + 1)
         labelled = len(comparison.units) <= MAX_LABELLED_UNITS
         differences = comparison.differences if labelled else tuple(sorted(comparison.differences))
-        ax.bar(range(len(differences)), differences,
-               color=["tab:green" if (d > 0) == comparison.higher_is_better else "tab:red" for d in differences])
+        ax.bar(
+            range(len(differences)),
+            differences,
+            color=["tab:green" if (d > 0) == comparison.higher_is_better else "tab:red" for d in differences],
+        )
         ax.axhline(0, color="black", linewidth=0.8)
         ax.axhline(comparison.gain, color="tab:blue", linestyle="--", label=f"mean {comparison.gain:+.2f}")
-        ax.axhspan(comparison.ci.low, comparison.ci.high, color="tab:blue", alpha=0.15,
-                   label=f"{comparison.ci.confidence:.0%} bootstrap CI [{comparison.ci.low:+.2f}, "
-                         f"{comparison.ci.high:+.2f}]")
+        ax.axhspan(
+            comparison.ci.low,
+            comparison.ci.high,
+            color="tab:blue",
+            alpha=0.15,
+            label=f"{comparison.ci.confidence:.0%} bootstrap CI [{comparison.ci.low:+.2f}, {comparison.ci.high:+.2f}]",
+        )
         if labelled:
             ax.set_xticks(range(len(differences)), comparison.units, rotation=35, ha="right", fontsize=8)
         else:
@@ -218,8 +305,11 @@ def paired_difference_figure(comparisons: list[PairedComparison], path: Path) ->
             ax.set_xlabel(f"{len(differences)} {comparison.unit}s, sorted by difference")
         ax.set_ylabel(f"{axis_label(comparison.metric)} difference")
         test = "exact sign-flip" if comparison.p_exact else "sampled sign-flip"
-        ax.set_title(f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_units}/"
-                     f"{len(differences)} {comparison.unit}s, {test} p = {comparison.p_value:.3g}", fontsize=9)
+        ax.set_title(
+            f"{comparison.treatment} minus {comparison.control}: better on {comparison.better_units}/"
+            f"{len(differences)} {comparison.unit}s, {test} p = {comparison.p_value:.3g}",
+            fontsize=9,
+        )
         extent = max(abs(value) for value in (*differences, comparison.ci.low, comparison.ci.high))
         if extent < NEGLIGIBLE_POINTS:
             # NOTE: identical scores on every unit; autoscaling would blow rounding noise up to 1e-17 ticks.
@@ -244,16 +334,34 @@ def budget_figure(result: IsoResource, colors: dict[str, str], score: str, path:
             ax.plot(line[cost], line[score], color=colors[method], linewidth=1.4, zorder=2)
             for _, row in rows.iterrows():
                 marker = "s" if row["is_eviction"] else ("*" if row["configuration"] == PAPER_DEFAULT else "o")
-                ax.scatter(row[cost], row[score], color=colors[method], marker=marker, s=160 if marker == "*" else 45,
-                           edgecolor="black", linewidth=0.5, alpha=1.0 if row["selected"] else 0.5, zorder=3)
+                ax.scatter(
+                    row[cost],
+                    row[score],
+                    color=colors[method],
+                    marker=marker,
+                    s=160 if marker == "*" else 45,
+                    edgecolor="black",
+                    linewidth=0.5,
+                    alpha=1.0 if row["selected"] else 0.5,
+                    zorder=3,
+                )
                 if np.isfinite(row[cost]) and np.isfinite(row[score]):
-                    ax.annotate(f"{row['budget']:.0%}", (row[cost], row[score]), xytext=(4, 3),
-                                textcoords="offset points", fontsize=7, color="dimgray")
+                    ax.annotate(
+                        f"{row['budget']:.0%}",
+                        (row[cost], row[score]),
+                        xytext=(4, 3),
+                        textcoords="offset points",
+                        fontsize=7,
+                        color="dimgray",
+                    )
         ax.set_xlabel(label)
         ax.set_ylabel(axis_label(score))
         ax.grid(alpha=0.3)
-    _figure_legend(figure, colors, points.assign(configuration=np.where(points["is_eviction"], EVICTION_ONLY,
-                                                                       points["configuration"])))
+    _figure_legend(
+        figure,
+        colors,
+        points.assign(configuration=np.where(points["is_eviction"], EVICTION_ONLY, points["configuration"])),
+    )
     samples = "held-out test samples" if result.stage == TEST_STAGE else "tuning samples (best selected on them)"
     figure.suptitle(f"Score across KV budgets, on the {samples} (labels: budgets)", fontsize=11)
     return _save(figure, path)

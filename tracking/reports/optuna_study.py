@@ -19,8 +19,8 @@ import pandas as pd
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.importance import BaseImportanceEvaluator
 
-from workers.names import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, SAMPLER_PREFIX, TRIAL_TAG, ZERO_SUFFIX
 from tracking.reports.data import Objective, SweepRuns
+from workers.names import BASELINE_TAG, METHOD_ATTR, RUN_ID_ATTR, SAMPLER_PREFIX, TRIAL_TAG, ZERO_SUFFIX
 
 # PED-ANOVA's authors advise at least this many trials in the top quantile it contrasts with the rest.
 MIN_TOP_TRIALS = 5
@@ -36,9 +36,15 @@ class RebuiltStudy:
 
     def history(self) -> pd.DataFrame:
         """``trial_number`` (the sweep's own numbering), ``baseline``, ``method`` and one column per objective."""
-        rows = [{"trial_number": t.user_attrs[TRIAL_TAG], "baseline": t.user_attrs.get(BASELINE_TAG),
-                 "method": t.user_attrs[METHOD_ATTR],
-                 **{o.metric: value for o, value in zip(self.objectives, t.values)}} for t in self.study.trials]
+        rows = [
+            {
+                "trial_number": t.user_attrs[TRIAL_TAG],
+                "baseline": t.user_attrs.get(BASELINE_TAG),
+                "method": t.user_attrs[METHOD_ATTR],
+                **{o.metric: value for o, value in zip(self.objectives, t.values)},
+            }
+            for t in self.study.trials
+        ]
         return pd.DataFrame(rows)
 
 
@@ -120,23 +126,35 @@ def rebuild_study(runs: SweepRuns) -> RebuiltStudy:
     """A fresh in-memory study holding one COMPLETE trial per finished run, in trial-number order."""
     objectives = runs.objectives
     distributions, notes = infer_distributions(runs)
-    study = optuna.create_study(study_name=runs.sweep_id, storage=optuna.storages.InMemoryStorage(),
-                                directions=[o.direction for o in objectives])
+    study = optuna.create_study(
+        study_name=runs.sweep_id,
+        storage=optuna.storages.InMemoryStorage(),
+        directions=[o.direction for o in objectives],
+    )
     for _, row in runs.trials.sort_values("trial_number").iterrows():
         values = [row.get(o.metric, np.nan) for o in objectives]
         if not np.all(np.isfinite(np.asarray(values, dtype=float))):
             notes.append(f"trial {int(row['trial_number'])} lacks an objective metric; left out of the study")
             continue
         proposed = {name: row.get(SAMPLER_PREFIX + name) for name in distributions}
-        params = {name: _param_value(distributions[name], value) for name, value in proposed.items()
-                  if value is not None and pd.notna(value)}
-        study.add_trial(optuna.trial.create_trial(
-            params=params, distributions={name: distributions[name] for name in params},
-            values=[float(v) for v in values],
-            user_attrs={TRIAL_TAG: int(row["trial_number"]), RUN_ID_ATTR: row["run_id"],
-                        METHOD_ATTR: row["method"],
-                        BASELINE_TAG: row["baseline"] if isinstance(row["baseline"], str) else None},
-        ))
+        params = {
+            name: _param_value(distributions[name], value)
+            for name, value in proposed.items()
+            if value is not None and pd.notna(value)
+        }
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=params,
+                distributions={name: distributions[name] for name in params},
+                values=[float(v) for v in values],
+                user_attrs={
+                    TRIAL_TAG: int(row["trial_number"]),
+                    RUN_ID_ATTR: row["run_id"],
+                    METHOD_ATTR: row["method"],
+                    BASELINE_TAG: row["baseline"] if isinstance(row["baseline"], str) else None,
+                },
+            )
+        )
     return RebuiltStudy(study, objectives, notes)
 
 
@@ -158,8 +176,12 @@ def _evaluators(n_trials: int) -> list[tuple[str, Callable[[], BaseImportanceEva
     candidates = [(name, lambda: optuna.importance.PedAnovaImportanceEvaluator(target_quantile=quantile))]
     # NOTE: fANOVA and mean decrease impurity both fit sklearn forests; sklearn is not a dependency.
     if importlib.util.find_spec("sklearn") is not None:
-        candidates.append(("mean decrease impurity (random forest)",
-                           lambda: optuna.importance.MeanDecreaseImpurityImportanceEvaluator(seed=0)))
+        candidates.append(
+            (
+                "mean decrease impurity (random forest)",
+                lambda: optuna.importance.MeanDecreaseImpurityImportanceEvaluator(seed=0),
+            )
+        )
     return candidates
 
 
@@ -193,7 +215,10 @@ def param_importances(rebuilt: RebuiltStudy) -> list[Importance]:
             results.append(Importance(objective, name, dict(importances), note))
             break
         else:
-            failures.append("fANOVA and mean decrease impurity need scikit-learn, which is not installed"
-                            if importlib.util.find_spec("sklearn") is None else "no evaluator left")
+            failures.append(
+                "fANOVA and mean decrease impurity need scikit-learn, which is not installed"
+                if importlib.util.find_spec("sklearn") is None
+                else "no evaluator left"
+            )
             results.append(Importance(objective, "none", {}, "; ".join(failures)))
     return results

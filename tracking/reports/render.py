@@ -36,8 +36,12 @@ def p_value_text(p: float) -> str:
 
 
 # How the report names the performance metrics in prose; other metrics go by their own name.
-METRIC_NAMES = {"mean_score": "mean score", "answer_nll": "answer NLL", "answer_kl": "answer KL",
-                "answer_top1": "answer top-1 agreement"}
+METRIC_NAMES = {
+    "mean_score": "mean score",
+    "answer_nll": "answer NLL",
+    "answer_kl": "answer KL",
+    "answer_top1": "answer top-1 agreement",
+}
 # The score is in points (0-100), two decimals; the answer metrics are nats or fractions, four significant digits.
 METRIC_SPECS = {"mean_score": "{:.2f}"}
 
@@ -57,17 +61,21 @@ def metric_text(metric: str, value, signed: bool = False) -> str:
     return format_value(value, metric_spec(metric, signed))
 
 
-def formatted(frame: pd.DataFrame, formats: dict[str, str] | None = None,
-              names: dict[str, str] | None = None) -> pd.DataFrame:
+def formatted(
+    frame: pd.DataFrame, formats: dict[str, str] | None = None, names: dict[str, str] | None = None
+) -> pd.DataFrame:
     """A copy of ``frame`` as text: ``formats`` per column (default ``{:.4g}``), columns renamed by ``names``."""
     formats = formats or {}
-    text = pd.DataFrame({column: [format_value(v, formats.get(column, "{:.4g}")) for v in frame[column]]
-                         for column in frame.columns}, index=frame.index)
+    text = pd.DataFrame(
+        {column: [format_value(v, formats.get(column, "{:.4g}")) for v in frame[column]] for column in frame.columns},
+        index=frame.index,
+    )
     return text.rename(columns=names or {})
 
 
 def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table of an all-text frame (pipes in cells escaped)."""
+
     def cell(value) -> str:
         return str(value).replace("|", "\\|").replace("\n", " ")
 
@@ -77,9 +85,15 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body]) + "\n"
 
 
-def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[str], str],
-                     escape: Callable[[str], str] = str, score: str = "mean_score",
-                     metrics: tuple[str, ...] = (), paired_metric: str | None = None) -> pd.DataFrame:
+def ablation_display(
+    table: pd.DataFrame,
+    tasks: list[str],
+    emphasis: Callable[[str], str],
+    escape: Callable[[str], str] = str,
+    score: str = "mean_score",
+    metrics: tuple[str, ...] = (),
+    paired_metric: str | None = None,
+) -> pd.DataFrame:
     """The paper's ablation table layout: factor on its group's first row, † default, best Avg. (the mean of
     ``score``) and best of each answer metric in ``metrics`` emphasised, each in its own direction.
 
@@ -92,20 +106,36 @@ def ablation_display(table: pd.DataFrame, tasks: list[str], emphasis: Callable[[
     paired_metric = paired_metric or score
     paired_name = "Avg." if paired_metric == score else paired_metric
     paired_spec = "{:+.2f}" if paired_metric == "mean_score" else "{:+.3f}"
-    paired = {f"Δ {paired_name} vs † [95% CI]": "vs_default", "p": "vs_default_p",
-              f"Δ {paired_name} vs base [95% CI]": "vs_base", "p vs base": "vs_base_p"}
+    paired = {
+        f"Δ {paired_name} vs † [95% CI]": "vs_default",
+        "p": "vs_default_p",
+        f"Δ {paired_name} vs base [95% CI]": "vs_base",
+        "p vs base": "vs_base_p",
+    }
     rows = []
     for factor, group in table.groupby("factor", sort=False):
-        best = {column: (group[column].max() if higher_is_better(metric) else group[column].min())
-                for column, metric in measured.values()}
+        best = {
+            column: (group[column].max() if higher_is_better(metric) else group[column].min())
+            for column, metric in measured.values()
+        }
         for position, (_, row) in enumerate(group.iterrows()):
             setting = row["setting"] + ("†" if row["default"] else "") + ("‡" if row["held"] == "varied" else "")
             better = MISSING if pd.isna(row["better"]) else f"{int(row['better'])}/{len(tasks)}"
-            cells = {"Factor": factor if position == 0 else "", "Setting": setting, "n": str(row["n"]),
-                     **{task: format_value(row[task], "{:.2f}") for task in tasks}, "Better": better,
-                     **{header: (format_value(row.get(column), "{:.2g}") if column.endswith("_p")
-                                 else _paired_difference(row, column, paired_spec))
-                        for header, column in paired.items()}}
+            cells = {
+                "Factor": factor if position == 0 else "",
+                "Setting": setting,
+                "n": str(row["n"]),
+                **{task: format_value(row[task], "{:.2f}") for task in tasks},
+                "Better": better,
+                **{
+                    header: (
+                        format_value(row.get(column), "{:.2g}")
+                        if column.endswith("_p")
+                        else _paired_difference(row, column, paired_spec)
+                    )
+                    for header, column in paired.items()
+                },
+            }
             values = {}
             for name, (column, metric) in measured.items():
                 text = escape(format_value(row[column], "{:.2f}" if metric == "mean_score" else "{:.4g}"))
@@ -152,9 +182,11 @@ def _image(path: Path) -> str:
 
 def html_page(title: str, headline: str, sections: list[Section]) -> str:
     """The report as one HTML document with every figure inline, so the file alone is the report."""
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-             f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<pre>{html.escape(headline)}</pre>"]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+        f"<pre>{html.escape(headline)}</pre>",
+    ]
     for section in sections:
         parts.append(f"<h2>{html.escape(section.title)}</h2>")
         parts += [f"<p>{html.escape(line)}</p>" for line in section.lines]

@@ -45,8 +45,15 @@ class Report:
     artifact_uri: str | None
 
 
-def build_report(client: MlflowClient, sweep_id: str, output_dir: str | Path, *, experiment: str | None = None,
-                 options: ReportOptions = ReportOptions(), log_artifacts: bool = True) -> Report:
+def build_report(
+    client: MlflowClient,
+    sweep_id: str,
+    output_dir: str | Path,
+    *,
+    experiment: str | None = None,
+    options: ReportOptions = ReportOptions(),
+    log_artifacts: bool = True,
+) -> Report:
     """Load the sweep from MLflow, run every analysis, write the report and log it on the parent run.
 
     Parameters
@@ -94,15 +101,18 @@ def _overview(runs: SweepRuns) -> Section:
     counts = ", ".join(f"{count} {status}" for status, count in sorted(runs.child_status_counts.items())) or "none"
     params = runs.parent_params
     stages = ", ".join(f"{count} {stage}" for stage, count in runs.stage_counts.items())
-    section = Section("Sweep", lines=[
-        f"Parent run {runs.parent_run_id} ({runs.parent_status}) in experiment {runs.experiment_id}.",
-        f"Model {params.get('model.name', '?')}, dataset {params.get('data.dataset', '?')}, "
-        f"press {runs.press_name} at compression ratio {params.get('press.compression_ratio', '?')}, "
-        f"data seed {runs.data_seed}; {len(runs.task_names)} task(s).",
-        f"Child runs: {counts}. Finished runs per stage: {stages}. Analyses use the {len(runs.trials)} "
-        "full-stage trial(s) (scored on the tuning samples) unless a section says otherwise.",
-        *runs.notes,
-    ])
+    section = Section(
+        "Sweep",
+        lines=[
+            f"Parent run {runs.parent_run_id} ({runs.parent_status}) in experiment {runs.experiment_id}.",
+            f"Model {params.get('model.name', '?')}, dataset {params.get('data.dataset', '?')}, "
+            f"press {runs.press_name} at compression ratio {params.get('press.compression_ratio', '?')}, "
+            f"data seed {runs.data_seed}; {len(runs.task_names)} task(s).",
+            f"Child runs: {counts}. Finished runs per stage: {stages}. Analyses use the {len(runs.trials)} "
+            "full-stage trial(s) (scored on the tuning samples) unless a section says otherwise.",
+            *runs.notes,
+        ],
+    )
     if runs.trials.empty:
         section.lines.append("No finished trials yet: nothing to analyse.")
     return section
@@ -110,8 +120,11 @@ def _overview(runs: SweepRuns) -> Section:
 
 def compared_metrics(runs: SweepRuns, score: str = "mean_score") -> list[str]:
     """``score``, then each answer metric that a full- or test-stage run logged: what the report compares."""
-    logged = [metric for metric in ANSWER_METRICS
-              if any(metric in frame and frame[metric].notna().any() for frame in (runs.trials, runs.test_trials))]
+    logged = [
+        metric
+        for metric in ANSWER_METRICS
+        if any(metric in frame and frame[metric].notna().any() for frame in (runs.trials, runs.test_trials))
+    ]
     return list(dict.fromkeys([score, *logged]))
 
 

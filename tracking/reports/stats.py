@@ -51,8 +51,15 @@ def correlate(x: Sequence[float], y: Sequence[float], x_name: str = "x", y_name:
         return Correlation(x_name, y_name, n, nan, nan, nan, nan, note=f"{constant} over the {n} points")
     pearson = stats.pearsonr(x_values, y_values)
     spearman = stats.spearmanr(x_values, y_values)
-    return Correlation(x_name, y_name, n, float(pearson.statistic), float(pearson.pvalue),
-                       float(spearman.statistic), float(spearman.pvalue))
+    return Correlation(
+        x_name,
+        y_name,
+        n,
+        float(pearson.statistic),
+        float(pearson.pvalue),
+        float(spearman.statistic),
+        float(spearman.pvalue),
+    )
 
 
 def _constant_sides(sides: dict[str, np.ndarray]) -> str:
@@ -116,16 +123,28 @@ def within_sample_correlation(rows: pd.DataFrame, x: str, y: str, unit: str = "s
     values = np.asarray(rhos)
     note = ""
     if not rhos:
-        constant = [f"{name} is constant within {count} sample(s)" for name, count in ((x, x_constant), (y, y_constant))
-                    if count]
+        constant = [
+            f"{name} is constant within {count} sample(s)"
+            for name, count in ((x, x_constant), (y, y_constant))
+            if count
+        ]
         note = " and ".join(constant) or "no sample has 3 configurations with both values"
-    return WithinSampleCorrelation(x, y, len(rhos), float(values.mean()) if rhos else float("nan"),
-                                   float(np.median(values)) if rhos else float("nan"), int((values > 0).sum()),
-                                   x_constant, y_constant, note)
+    return WithinSampleCorrelation(
+        x,
+        y,
+        len(rhos),
+        float(values.mean()) if rhos else float("nan"),
+        float(np.median(values)) if rhos else float("nan"),
+        int((values > 0).sum()),
+        x_constant,
+        y_constant,
+        note,
+    )
 
 
-def pareto_front(points: pd.DataFrame | Sequence[Mapping[str, float]], maximize: Sequence[str] = (),
-                 minimize: Sequence[str] = ()) -> list[int]:
+def pareto_front(
+    points: pd.DataFrame | Sequence[Mapping[str, float]], maximize: Sequence[str] = (), minimize: Sequence[str] = ()
+) -> list[int]:
     """Positions of the non-dominated points.
 
     A point dominates another when it is at least as good in every objective and strictly better in
@@ -150,8 +169,9 @@ def pareto_front(points: pd.DataFrame | Sequence[Mapping[str, float]], maximize:
     if table.empty:
         return []
     # Negating the minimised objectives makes "larger is better" hold in every column.
-    larger_is_better = np.column_stack([table[key].to_numpy(dtype=float) for key in maximize]
-                                       + [-table[key].to_numpy(dtype=float) for key in minimize])
+    larger_is_better = np.column_stack(
+        [table[key].to_numpy(dtype=float) for key in maximize] + [-table[key].to_numpy(dtype=float) for key in minimize]
+    )
     valid = np.isfinite(larger_is_better).all(axis=1)
     candidates = larger_is_better[valid]
     at_least_as_good = (candidates[:, None, :] >= candidates[None, :, :]).all(axis=2)
@@ -183,8 +203,9 @@ def _differences(differences: Sequence[float]) -> np.ndarray:
     return values
 
 
-def paired_bootstrap_ci(differences: Sequence[float], n_resamples: int = 100_000, confidence: float = 0.95,
-                        seed: int | None = 0) -> BootstrapCI:
+def paired_bootstrap_ci(
+    differences: Sequence[float], n_resamples: int = 100_000, confidence: float = 0.95, seed: int | None = 0
+) -> BootstrapCI:
     """Percentile bootstrap CI of the mean of paired differences (per task, the paper's App. G, or per sample).
 
     ``scipy.stats.bootstrap`` with the percentile method; a single difference is its own interval (every resample
@@ -209,9 +230,15 @@ def paired_bootstrap_ci(differences: Sequence[float], n_resamples: int = 100_000
     estimate = float(values.mean())
     if values.size == 1:  # NOTE: scipy refuses a single observation
         return BootstrapCI(estimate, estimate, estimate, confidence, n_resamples)
-    interval = stats.bootstrap((values,), np.mean, n_resamples=n_resamples, batch=_RESAMPLE_BATCH,
-                               confidence_level=confidence, method="percentile",
-                               rng=np.random.default_rng(seed)).confidence_interval
+    interval = stats.bootstrap(
+        (values,),
+        np.mean,
+        n_resamples=n_resamples,
+        batch=_RESAMPLE_BATCH,
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    ).confidence_interval
     return BootstrapCI(estimate, float(interval.low), float(interval.high), confidence, n_resamples)
 
 
@@ -242,8 +269,10 @@ def sign_flip_test(differences: Sequence[float], n_resamples: int | None = None,
     values = _differences(differences)
     exact = values.size <= MAX_EXACT_SIGN_FLIP_UNITS
     if not exact and n_resamples is None:
-        raise ValueError(f"an exact sign-flip test over {values.size} units enumerates 2^{values.size} assignments; "
-                         f"at most {MAX_EXACT_SIGN_FLIP_UNITS} units are supported without n_resamples")
+        raise ValueError(
+            f"an exact sign-flip test over {values.size} units enumerates 2^{values.size} assignments; "
+            f"at most {MAX_EXACT_SIGN_FLIP_UNITS} units are supported without n_resamples"
+        )
     # The same sum reached in a different order can differ in its last bits: a mean within this of 0 counts as 0,
     # so a zero observed mean ties with every assignment that cancels out too (scipy's own tolerance is relative).
     floor = 1e-9 * np.abs(values).mean()
@@ -253,9 +282,16 @@ def sign_flip_test(differences: Sequence[float], n_resamples: int | None = None,
 
     # NOTE: |mean| with alternative="greater" is the two-sided test of a null distribution symmetric about 0; scipy
     # enumerates every assignment when asked for at least 2^T of them.
-    result = stats.permutation_test((values,), absolute_mean, permutation_type="samples", vectorized=True,
-                                    n_resamples=2**values.size if exact else n_resamples, batch=_RESAMPLE_BATCH,
-                                    alternative="greater", rng=np.random.default_rng(seed))
+    result = stats.permutation_test(
+        (values,),
+        absolute_mean,
+        permutation_type="samples",
+        vectorized=True,
+        n_resamples=2**values.size if exact else n_resamples,
+        batch=_RESAMPLE_BATCH,
+        alternative="greater",
+        rng=np.random.default_rng(seed),
+    )
     return float(result.pvalue)
 
 
@@ -307,9 +343,18 @@ class PairedComparison:
         return "better" if (self.gain > 0) == self.higher_is_better else "worse"
 
 
-def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: str = "task",
-                    metric: str = "score", higher_is_better: bool = True, n_resamples: int = 100_000,
-                    confidence: float = 0.95, seed: int | None = 0) -> PairedComparison:
+def compare_configs(
+    tidy: pd.DataFrame,
+    treatment: str,
+    control: str,
+    *,
+    unit: str = "task",
+    metric: str = "score",
+    higher_is_better: bool = True,
+    n_resamples: int = 100_000,
+    confidence: float = 0.95,
+    seed: int | None = 0,
+) -> PairedComparison:
     """Compare two configurations across seeds and paired units, as in the paper's multi-seed evaluation.
 
     Each unit is averaged over seeds; the unit-level differences get a paired bootstrap CI and a sign-flip
@@ -343,14 +388,21 @@ def compare_configs(tidy: pd.DataFrame, treatment: str, control: str, *, unit: s
     differences = (per_unit["treatment"] - per_unit["control"]).to_numpy()
     sign = 1.0 if higher_is_better else -1.0  # NOTE: better means sign * (treatment - control) > 0
     return PairedComparison(
-        treatment=treatment, control=control, unit=unit, seeds=tuple(per_seed.index), units=tuple(per_unit.index),
+        treatment=treatment,
+        control=control,
+        unit=unit,
+        seeds=tuple(per_seed.index),
+        units=tuple(per_unit.index),
         differences=tuple(float(d) for d in differences),
-        treatment_mean=float(per_seed["treatment"].mean()), treatment_sd=float(per_seed["treatment"].std(ddof=1)),
-        control_mean=float(per_seed["control"].mean()), control_sd=float(per_seed["control"].std(ddof=1)),
+        treatment_mean=float(per_seed["treatment"].mean()),
+        treatment_sd=float(per_seed["treatment"].std(ddof=1)),
+        control_mean=float(per_seed["control"].mean()),
+        control_sd=float(per_seed["control"].std(ddof=1)),
         ci=paired_bootstrap_ci(differences, n_resamples=n_resamples, confidence=confidence, seed=seed),
         p_value=sign_flip_test(differences, n_resamples=n_resamples, seed=seed),
         p_exact=len(differences) <= MAX_EXACT_SIGN_FLIP_UNITS,
         better_units=int((sign * differences > 0).sum()),
         better_seeds=int((sign * (per_seed["treatment"] - per_seed["control"]) > 0).sum()),
-        metric=metric, higher_is_better=higher_is_better,
+        metric=metric,
+        higher_is_better=higher_is_better,
     )

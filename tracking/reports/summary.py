@@ -6,11 +6,11 @@ from __future__ import annotations
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS
-from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns
 from tracking.reports.render import Section, format_value, metric_name, metric_text, p_value_text
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 
 
 def headline(runs: SweepRuns, score: str = "mean_score") -> str:
@@ -35,9 +35,13 @@ def headline(runs: SweepRuns, score: str = "mean_score") -> str:
     lines.append(f"{objective}: " + "; ".join(anchors))
     for metric in dict.fromkeys([objective, score]):
         if runs.has_test_stage and metric in runs.test_trials:
-            lines.append(f"{metric} on {runs.test_sample_count} held-out test samples: " + "; ".join(
-                f"{row['configuration']} ({row['budget']:.0%}) {metric_text(metric, row[metric])}"
-                for _, row in runs.test_trials.iterrows()))
+            lines.append(
+                f"{metric} on {runs.test_sample_count} held-out test samples: "
+                + "; ".join(
+                    f"{row['configuration']} ({row['budget']:.0%}) {metric_text(metric, row[metric])}"
+                    for _, row in runs.test_trials.iterrows()
+                )
+            )
     return "\n".join(lines)
 
 
@@ -57,17 +61,22 @@ def finding(runs: SweepRuns, metric: str | None = None, n_resamples: int = 100_0
     if result.comparison is None:
         return f"Sweep {runs.sweep_id}: no held-out finding on {metric_name(metric)} ({result.reason})."
     comparison, treatment, control = result.comparison, result.treatment, result.control
-    who = (f"{treatment['method']} ({treatment['configuration']}) vs {control['method']} at {treatment['budget']:.0%} "
-           f"on {len(comparison.units)} held-out samples")
+    who = (
+        f"{treatment['method']} ({treatment['configuration']}) vs {control['method']} at {treatment['budget']:.0%} "
+        f"on {len(comparison.units)} held-out samples"
+    )
     if comparison.tied:
         return f"{who}: {metric_name(metric)} identical on every sample, no difference."
     low, high = (metric_text(metric, bound, signed=True) for bound in (comparison.ci.low, comparison.ci.high))
-    return (f"{who}: {metric_name(metric)} {metric_text(metric, comparison.gain, signed=True)} [{low}, {high}] "
-            f"({p_value_text(comparison.p_value)}), {comparison.verdict}")
+    return (
+        f"{who}: {metric_name(metric)} {metric_text(metric, comparison.gain, signed=True)} [{low}, {high}] "
+        f"({p_value_text(comparison.p_value)}), {comparison.verdict}"
+    )
 
 
-def text_summary(runs: SweepRuns, sections: list[Section], score: str = "mean_score",
-                 finding_text: str | None = None) -> str:
+def text_summary(
+    runs: SweepRuns, sections: list[Section], score: str = "mean_score", finding_text: str | None = None
+) -> str:
     """The report as plain text: the headline and the one-sentence finding (``finding``), then each section's
     findings."""
     lines = [headline(runs, score), *([finding_text] if finding_text else [])]

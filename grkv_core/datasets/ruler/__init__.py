@@ -102,4 +102,3 @@ __all__ = [
     "needle_depth",
     "ruler_hub_row_to_sample",
 ]
-

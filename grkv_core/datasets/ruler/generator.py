@@ -67,8 +67,7 @@ def generate_ruler_sample(
     budget = context_length - spec.max_new_tokens
     if budget <= 0:
         raise ValueError(
-            f"{task}: context_length {context_length} leaves no room beside "
-            f"{spec.max_new_tokens} answer tokens"
+            f"{task}: context_length {context_length} leaves no room beside {spec.max_new_tokens} answer tokens"
         )
     try:
         if spec.family == "cwe":

@@ -86,9 +86,7 @@ def load_ruler_hub_samples(
         raise ValueError(f"context_length must be positive, got {context_length}")
     from datasets import load_dataset  # deferred: importing datasets costs seconds
 
-    split = load_dataset(
-        RULER_HUB_REPO, data_dir=str(context_length), split="test", revision=RULER_HUB_REVISION
-    )
+    split = load_dataset(RULER_HUB_REPO, data_dir=str(context_length), split="test", revision=RULER_HUB_REVISION)
     rows_by_task: dict[str, list[int]] = {task: [] for task in selected}
     for row_index, task in enumerate(split["task"]):
         if task in rows_by_task:

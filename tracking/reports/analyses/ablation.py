@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
-from workers.names import PAPER_DEFAULT
 from tracking.reports.analyses.anchors import eviction_rows
 from tracking.reports.analyses.metrics import higher_is_better, score_columns
 from tracking.reports.analyses.significance import trial_sample_scores
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import compare_configs
+from workers.names import PAPER_DEFAULT
 
 COMPONENT_NAMES = {"kv": "GRKV", "k": "GRK", "v": "GRV"}
 
@@ -44,8 +44,10 @@ class AblationFactor:
     def range_label(self, values: pd.Series) -> str:
         """A binned setting, named by the range of its first param's values."""
         param = self.params[0]
-        return (f"{OPTION_SYMBOLS.get(param, param)} ∈ [{_param_text(param, values.min())}, "
-                f"{_param_text(param, values.max())}]")
+        return (
+            f"{OPTION_SYMBOLS.get(param, param)} ∈ [{_param_text(param, values.min())}, "
+            f"{_param_text(param, values.max())}]"
+        )
 
     def restricted_to(self, params: list[str]) -> "AblationFactor":
         """The same factor over only the params this sweep searched (e.g. λ_k alone)."""
@@ -74,7 +76,9 @@ def _short(value) -> str:
 
 
 def _same(left, right) -> bool:
-    if isinstance(left, (float, int, np.floating, np.integer)) and isinstance(right, (float, int, np.floating, np.integer)):
+    if isinstance(left, (float, int, np.floating, np.integer)) and isinstance(
+        right, (float, int, np.floating, np.integer)
+    ):
         # MLflow params round-trip through str(), which keeps floats exact; the tolerance only absorbs
         # values written by hand.
         return bool(np.isclose(float(left), float(right), rtol=1e-6, atol=0.0))
@@ -108,8 +112,12 @@ class AblationTable:
     paired_metric: str = "mean_score"
 
 
-def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATION_FACTORS,
-                   score: str = "mean_score", max_levels: int = 6) -> AblationTable:
+def ablation_table(
+    runs: SweepRuns,
+    factors: tuple[AblationFactor, ...] = ABLATION_FACTORS,
+    score: str = "mean_score",
+    max_levels: int = 6,
+) -> AblationTable:
     """Group merging trials by one hyperparameter at a time, the others held at the paper defaults.
 
     The reference is the ``paper_default`` baseline trial: the other searched hyperparameters are held
@@ -121,16 +129,23 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
     notes: list[str] = []
     reference = trials[trials["baseline"] == PAPER_DEFAULT]
     if reference.empty:
-        return AblationTable(pd.DataFrame(), None, None,
-                             ["no paper_default trial in this sweep: nothing to hold the other hyperparameters at"])
+        return AblationTable(
+            pd.DataFrame(),
+            None,
+            None,
+            ["no paper_default trial in this sweep: nothing to hold the other hyperparameters at"],
+        )
     reference = reference.iloc[0]
-    merged = trials[(trials["merge"] == reference["merge"])
-                    & np.isclose(trials["compression_ratio"], reference["compression_ratio"])]
+    merged = trials[
+        (trials["merge"] == reference["merge"])
+        & np.isclose(trials["compression_ratio"], reference["compression_ratio"])
+    ]
     tunable = [name for name in runs.search_space if name != "compression_ratio" and name in trials]
     base = eviction_rows(trials, reference["compression_ratio"])
     task_columns = score_columns(runs)
-    metrics = [metric for metric in ANSWER_METRICS
-               if metric != score and metric in trials and trials[metric].notna().any()]
+    metrics = [
+        metric for metric in ANSWER_METRICS if metric != score and metric in trials and trials[metric].notna().any()
+    ]
     base_scores = base[task_columns].mean() if len(base) else None
     if base_scores is None:
         notes.append("no eviction-only trial at the paper default's budget: the Better column is empty")
@@ -142,7 +157,9 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
         if not factor.params:
             continue
         held = [p for p in tunable if p not in factor.params and pd.notna(reference.get(p))]
-        holds = np.array([all(_same(trial[p], reference[p]) for p in held) for _, trial in merged.iterrows()], dtype=bool)
+        holds = np.array(
+            [all(_same(trial[p], reference[p]) for p in held) for _, trial in merged.iterrows()], dtype=bool
+        )
         at_defaults = merged.loc[holds]
         settings, held_label = _settings(at_defaults, factor, reference), "at defaults"
         if len(settings) < 2:
@@ -155,23 +172,36 @@ def ablation_table(runs: SweepRuns, factors: tuple[AblationFactor, ...] = ABLATI
                 paired |= _paired(per_sample, group, reference["trial_number"], paired_metric, "vs_default")
             if held_label == "at defaults" and len(base):
                 paired |= _paired(per_sample, group, base.iloc[0]["trial_number"], paired_metric, "vs_base")
-            rows.append({
-                "factor": factor.title, "setting": label, "default": is_default, "held": held_label,
-                "n": len(group), "trials": ", ".join(str(n) for n in group["trial_number"]),
-                **task_means.rename(lambda c: c.removeprefix(SCORE_PREFIX)).to_dict(),
-                "avg": group[score].mean(),
-                **{metric: group[metric].mean() for metric in metrics},
-                "better": int((task_means > base_scores).sum()) if base_scores is not None else np.nan,
-                **{column: paired.get(column, np.nan) for column in PAIRED_COLUMNS},
-            })
-    return AblationTable(pd.DataFrame(rows), int(reference["trial_number"]),
-                         int(base.iloc[0]["trial_number"]) if len(base) else None, notes, score, metrics,
-                         paired_metric)
+            rows.append(
+                {
+                    "factor": factor.title,
+                    "setting": label,
+                    "default": is_default,
+                    "held": held_label,
+                    "n": len(group),
+                    "trials": ", ".join(str(n) for n in group["trial_number"]),
+                    **task_means.rename(lambda c: c.removeprefix(SCORE_PREFIX)).to_dict(),
+                    "avg": group[score].mean(),
+                    **{metric: group[metric].mean() for metric in metrics},
+                    "better": int((task_means > base_scores).sum()) if base_scores is not None else np.nan,
+                    **{column: paired.get(column, np.nan) for column in PAIRED_COLUMNS},
+                }
+            )
+    return AblationTable(
+        pd.DataFrame(rows),
+        int(reference["trial_number"]),
+        int(base.iloc[0]["trial_number"]) if len(base) else None,
+        notes,
+        score,
+        metrics,
+        paired_metric,
+    )
 
 
 PAIRED_METRIC = "answer_nll"
-PAIRED_COLUMNS = tuple(f"{control}{suffix}" for control in ("vs_default", "vs_base")
-                       for suffix in ("", "_low", "_high", "_p", "_samples"))
+PAIRED_COLUMNS = tuple(
+    f"{control}{suffix}" for control in ("vs_default", "vs_base") for suffix in ("", "_low", "_high", "_p", "_samples")
+)
 
 
 def _per_sample(runs: SweepRuns, metric: str) -> pd.DataFrame:
@@ -188,16 +218,23 @@ def _paired(per_sample: pd.DataFrame, group: pd.DataFrame, control_trial, metric
         return {}
     treatment, control = str(int(group.iloc[0]["trial_number"])), str(int(control_trial))
     try:
-        comparison = compare_configs(per_sample, treatment, control, unit="sample", metric=metric,
-                                     higher_is_better=higher_is_better(metric))
+        comparison = compare_configs(
+            per_sample, treatment, control, unit="sample", metric=metric, higher_is_better=higher_is_better(metric)
+        )
     except (KeyError, ValueError):  # NOTE: a trial without predictions, or none shared: the row stays unpaired
         return {}
-    return {name: comparison.gain, f"{name}_low": comparison.ci.low, f"{name}_high": comparison.ci.high,
-            f"{name}_p": comparison.p_value, f"{name}_samples": len(comparison.units)}
+    return {
+        name: comparison.gain,
+        f"{name}_low": comparison.ci.low,
+        f"{name}_high": comparison.ci.high,
+        f"{name}_p": comparison.p_value,
+        f"{name}_samples": len(comparison.units),
+    }
 
 
-def _settings(trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series,
-              max_levels: int | None = None) -> list[tuple[str, bool, pd.DataFrame]]:
+def _settings(
+    trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series, max_levels: int | None = None
+) -> list[tuple[str, bool, pd.DataFrame]]:
     """``(label, holds the paper default, trials)`` per setting of ``factor``, in setting order.
 
     With ``max_levels``, a factor with more distinct numeric settings is binned on its first param
@@ -209,16 +246,25 @@ def _settings(trials: pd.DataFrame, factor: AblationFactor, reference: pd.Series
     first = values[factor.params[0]]
     if max_levels is not None and len(values.drop_duplicates()) > max_levels and pd.api.types.is_numeric_dtype(first):
         bins = pd.qcut(first.astype(float), q=max_levels, duplicates="drop")
-        return [(factor.range_label(group[factor.params[0]]), bool(interval.left < reference[factor.params[0]]
-                                                                  <= interval.right), group)
-                for interval, group in trials.groupby(bins, observed=True, sort=True)]
+        return [
+            (
+                factor.range_label(group[factor.params[0]]),
+                bool(interval.left < reference[factor.params[0]] <= interval.right),
+                group,
+            )
+            for interval, group in trials.groupby(bins, observed=True, sort=True)
+        ]
     default = tuple(reference[p] for p in factor.params)
     keyed = trials.assign(_setting=[tuple(row) for row in values.itertuples(index=False)])
     ordered = sorted(keyed.groupby("_setting", sort=False), key=lambda item: _sort_key(item[0]))
-    return [(factor.label(setting), all(_same(a, b) for a, b in zip(setting, default)), group.drop(columns="_setting"))
-            for setting, group in ordered]
+    return [
+        (factor.label(setting), all(_same(a, b) for a, b in zip(setting, default)), group.drop(columns="_setting"))
+        for setting, group in ordered
+    ]
 
 
 def _sort_key(setting: tuple) -> tuple:
-    return tuple((0, float(v)) if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
-                 else (1, str(v)) for v in setting)
+    return tuple(
+        (0, float(v)) if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) else (1, str(v))
+        for v in setting
+    )

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 from tracking.reports.analyses.metrics import best_index
 from tracking.reports.data import SweepRuns
+from workers.names import EVICTION_ONLY, PAPER_DEFAULT
+
 
 def eviction_rows(trials: pd.DataFrame, compression_ratio: float) -> pd.DataFrame:
     at_budget = trials[(trials["merge"] == "none") & np.isclose(trials["compression_ratio"], compression_ratio)]
@@ -30,8 +31,9 @@ def default_and_best(merged: pd.DataFrame, score: str) -> list[tuple[str, pd.Dat
     return ([("paper default", default)] if len(default) else []) + [(f"best of {len(scored)}", best)]
 
 
-def representative_trials(runs: SweepRuns, score: str = "mean_score",
-                          compression_ratio: float | None = None) -> list[tuple[str, pd.Series]]:
+def representative_trials(
+    runs: SweepRuns, score: str = "mean_score", compression_ratio: float | None = None
+) -> list[tuple[str, pd.Series]]:
     """Merging configurations worth comparing: the paper default and the best (at ``compression_ratio``).
 
     Returns ``(label, trial)`` pairs. The best is chosen on the same data it is scored on, so its

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from tracking.mlflow_tracker import DEPTH_SAMPLES_PREFIX, DEPTH_SCORE_PREFIX
-from workers.names import FULL_STAGE, TEST_STAGE
 from tracking.reports.data import SweepRuns
+from workers.names import FULL_STAGE, TEST_STAGE
+
 
 @dataclass
 class DepthWindow:
@@ -41,5 +42,8 @@ def depth_window(runs: SweepRuns) -> DepthWindow:
     columns = ["configuration", "method", "budget", "mean_score", "mean_score_outside_window", "window_samples"]
     table = frame.reindex(columns=columns + [DEPTH_SCORE_PREFIX + name for name in bins]).reset_index(drop=True)
     samples = {name: frame.get(DEPTH_SAMPLES_PREFIX + name, pd.Series(dtype=float)).max() for name in bins}
-    return DepthWindow(stage, table.rename(columns=lambda column: column.removeprefix(DEPTH_SCORE_PREFIX)),
-                       {name: int(count) for name, count in samples.items() if pd.notna(count)})
+    return DepthWindow(
+        stage,
+        table.rename(columns=lambda column: column.removeprefix(DEPTH_SCORE_PREFIX)),
+        {name: int(count) for name, count in samples.items() if pd.notna(count)},
+    )

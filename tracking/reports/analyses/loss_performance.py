@@ -12,6 +12,7 @@ from tracking.reports.analyses.metrics import performance_metrics, sample_table
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import Correlation, WithinSampleCorrelation, correlate, within_sample_correlation
 
+
 @dataclass
 class LossPerformance:
     """Reconstruction discrepancy against downstream performance (paper App. G).
@@ -36,8 +37,9 @@ class LossPerformance:
     within_sample: list[WithinSampleCorrelation] = field(default_factory=list)
 
 
-def loss_performance(runs: SweepRuns, metrics: tuple[str, ...] | None = None,
-                     losses: tuple[str, ...] = LOSS_METRICS) -> LossPerformance:
+def loss_performance(
+    runs: SweepRuns, metrics: tuple[str, ...] | None = None, losses: tuple[str, ...] = LOSS_METRICS
+) -> LossPerformance:
     """Correlate each reconstruction loss with each performance metric over the full-stage runs: across the
     configurations, and within each tuning sample (per-sample rows of ``SweepRuns.trial_predictions``).
 
@@ -46,13 +48,27 @@ def loss_performance(runs: SweepRuns, metrics: tuple[str, ...] | None = None,
     trials = runs.trials
     metrics = list(metrics or performance_metrics(trials) or ["mean_score"])
     present = [loss for loss in losses if loss in trials]
-    shown = ["trial_number", "configuration", "method", "budget",
-             *[name for name in ("lambda_k", "lambda_v", "window_size", "steps", "components") if name in trials],
-             *present, *metrics]
+    shown = [
+        "trial_number",
+        "configuration",
+        "method",
+        "budget",
+        *[name for name in ("lambda_k", "lambda_v", "window_size", "steps", "components") if name in trials],
+        *present,
+        *metrics,
+    ]
     table = trials[[column for column in shown if column in trials]].reset_index(drop=True)
-    correlations = [correlate(trials[loss], trials[metric], loss, metric)
-                    for metric in metrics if metric in trials for loss in present]
+    correlations = [
+        correlate(trials[loss], trials[metric], loss, metric)
+        for metric in metrics
+        if metric in trials
+        for loss in present
+    ]
     samples = sample_table(runs.trial_predictions)
-    within = [within_sample_correlation(samples, loss, metric)
-              for metric in metrics for loss in present if samples[[loss, metric]].notna().all(axis=1).any()]
+    within = [
+        within_sample_correlation(samples, loss, metric)
+        for metric in metrics
+        for loss in present
+        if samples[[loss, metric]].notna().all(axis=1).any()
+    ]
     return LossPerformance(table, correlations, metrics[0], within)

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from workers.names import FULL_STAGE, TEST_STAGE
 from tracking.reports.analyses.anchors import default_and_best, eviction_rows, tuning_scores
 from tracking.reports.analyses.metrics import best_index, higher_is_better
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import pareto_front
+from workers.names import FULL_STAGE, TEST_STAGE
 
 MIB = 2**20
 
@@ -22,11 +22,15 @@ def _cost(row: pd.Series, name: str) -> float:
 
 
 def _iso_row(budget: float, label: str, method: str, rows: pd.DataFrame, score: str) -> dict:
-    return {"budget": budget, "method": method, "configuration": label,
-            "trials": ", ".join(str(n) for n in rows["trial_number"]),
-            "kv_mib": rows["kv_bytes"].mean() / MIB if "kv_bytes" in rows else np.nan,
-            "ttft_s": rows["ttft_s"].mean() if "ttft_s" in rows else np.nan,
-            score: rows[score].mean()}
+    return {
+        "budget": budget,
+        "method": method,
+        "configuration": label,
+        "trials": ", ".join(str(n) for n in rows["trial_number"]),
+        "kv_mib": rows["kv_bytes"].mean() / MIB if "kv_bytes" in rows else np.nan,
+        "ttft_s": rows["ttft_s"].mean() if "ttft_s" in rows else np.nan,
+        score: rows[score].mean(),
+    }
 
 
 def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.DataFrame]:
@@ -62,32 +66,60 @@ def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.D
             else:
                 labelled = [(label, rows.iloc[0]) for label, rows in default_and_best(merged, score)]
             points += [_point(row, label, row.name == best, score) for label, row in labelled]
-    columns = ["label", "method", "configuration", "trial_number", "budget", "compression_ratio", "is_eviction",
-               "selected", "kv_mib", "prefill_s", "ttft_s", score]
+    columns = [
+        "label",
+        "method",
+        "configuration",
+        "trial_number",
+        "budget",
+        "compression_ratio",
+        "is_eviction",
+        "selected",
+        "kv_mib",
+        "prefill_s",
+        "ttft_s",
+        score,
+    ]
     return stage, pd.DataFrame(points, columns=columns)
 
 
 def _point(row: pd.Series, label: str, selected: bool, score: str) -> dict:
-    return {"label": label, "method": row["method"], "configuration": row["configuration"],
-            "trial_number": row["trial_number"], "budget": row["budget"],
-            "compression_ratio": row["compression_ratio"], "is_eviction": row["merge"] == "none",
-            "selected": bool(selected), "kv_mib": _cost(row, "kv_bytes") / MIB, "prefill_s": _cost(row, "prefill_s"),
-            "ttft_s": _cost(row, "ttft_s"), score: _cost(row, score)}
+    return {
+        "label": label,
+        "method": row["method"],
+        "configuration": row["configuration"],
+        "trial_number": row["trial_number"],
+        "budget": row["budget"],
+        "compression_ratio": row["compression_ratio"],
+        "is_eviction": row["merge"] == "none",
+        "selected": bool(selected),
+        "kv_mib": _cost(row, "kv_bytes") / MIB,
+        "prefill_s": _cost(row, "prefill_s"),
+        "ttft_s": _cost(row, "ttft_s"),
+        score: _cost(row, score),
+    }
 
 
 def _side(prefix: str, point: pd.Series, score: str) -> dict:
-    return {f"{prefix}_configuration": point["configuration"], f"{prefix}_trial": point["trial_number"],
-            f"{prefix}_budget": point["budget"], f"{prefix}_kv_mib": point["kv_mib"],
-            f"{prefix}_prefill_s": point["prefill_s"], f"{prefix}_ttft_s": point["ttft_s"],
-            f"{prefix}_{score}": point[score]}
+    return {
+        f"{prefix}_configuration": point["configuration"],
+        f"{prefix}_trial": point["trial_number"],
+        f"{prefix}_budget": point["budget"],
+        f"{prefix}_kv_mib": point["kv_mib"],
+        f"{prefix}_prefill_s": point["prefill_s"],
+        f"{prefix}_ttft_s": point["ttft_s"],
+        f"{prefix}_{score}": point[score],
+    }
 
 
 def _pair(merging: pd.Series, eviction: pd.Series, score: str) -> dict:
-    return {**_side("eviction", eviction, score),
-            "eviction_minus_merging": eviction[score] - merging[score],
-            "kv_ratio": eviction["kv_mib"] / merging["kv_mib"],
-            "prefill_ratio": eviction["prefill_s"] / merging["prefill_s"],
-            "ttft_gap": (eviction["ttft_s"] - merging["ttft_s"]) / merging["ttft_s"]}
+    return {
+        **_side("eviction", eviction, score),
+        "eviction_minus_merging": eviction[score] - merging[score],
+        "kv_ratio": eviction["kv_mib"] / merging["kv_mib"],
+        "prefill_ratio": eviction["prefill_s"] / merging["prefill_s"],
+        "ttft_gap": (eviction["ttft_s"] - merging["ttft_s"]) / merging["ttft_s"],
+    }
 
 
 @dataclass
@@ -139,11 +171,17 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
     evictions = points[points["is_eviction"]]
     for _, merging in points[~points["is_eviction"]].iterrows():
         merging_columns = {"merging": f"{merging['method']} {merging['label']}", **_side("merging", merging, score)}
-        pairs = [{**merging_columns, **_pair(merging, eviction, score)}
-                 for _, eviction in evictions.iterrows() if eviction["budget"] >= merging["budget"] - 1e-12]
+        pairs = [
+            {**merging_columns, **_pair(merging, eviction, score)}
+            for _, eviction in evictions.iterrows()
+            if eviction["budget"] >= merging["budget"] - 1e-12
+        ]
         cross += pairs
-        close = [pair for pair in pairs if pair["eviction_budget"] > merging["budget"] + 1e-12
-                 and abs(pair["ttft_gap"]) <= ttft_tolerance]
+        close = [
+            pair
+            for pair in pairs
+            if pair["eviction_budget"] > merging["budget"] + 1e-12 and abs(pair["ttft_gap"]) <= ttft_tolerance
+        ]
         if close:
             prefill.append(min(close, key=lambda pair: abs(pair["ttft_gap"])))
         else:
@@ -151,13 +189,25 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
             if stage == TEST_STAGE:
                 hint = "; list larger budgets in test.eviction_ratios to test eviction there"
             else:
-                hint = "" if "compression_ratio" in runs.search_space else (
-                    "; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
-            notes.append(f"iso-prefill: no eviction-only trial at a budget above {merging['budget']:.0%} has a TTFT "
-                         f"within {ttft_tolerance:.0%} of {merging_columns['merging']} ({merging['ttft_s']:.3g} s)"
-                         f"{hint}")
-    return IsoResource(_iso_memory(runs, score, notes), stage, points, pd.DataFrame(cross), pd.DataFrame(prefill),
-                       ttft_tolerance, notes)
+                hint = (
+                    ""
+                    if "compression_ratio" in runs.search_space
+                    else ("; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
+                )
+            notes.append(
+                f"iso-prefill: no eviction-only trial at a budget above {merging['budget']:.0%} has a TTFT "
+                f"within {ttft_tolerance:.0%} of {merging_columns['merging']} ({merging['ttft_s']:.3g} s)"
+                f"{hint}"
+            )
+    return IsoResource(
+        _iso_memory(runs, score, notes),
+        stage,
+        points,
+        pd.DataFrame(cross),
+        pd.DataFrame(prefill),
+        ttft_tolerance,
+        notes,
+    )
 
 
 def _iso_memory(runs: SweepRuns, score: str, notes: list[str]) -> pd.DataFrame:
@@ -173,11 +223,18 @@ def _iso_memory(runs: SweepRuns, score: str, notes: list[str]) -> pd.DataFrame:
         eviction = eviction_rows(at_budget, ratio)
         budget_rows = [_iso_row(budget, "eviction only", runs.press_name, eviction, score)] if len(eviction) else []
         for merge, merged in at_budget[at_budget["merge"] != "none"].groupby("merge"):
-            budget_rows += [_iso_row(budget, label, f"{runs.press_name}+{merge}", rows, score)
-                            for label, rows in default_and_best(merged, score)]
+            budget_rows += [
+                _iso_row(budget, label, f"{runs.press_name}+{merge}", rows, score)
+                for label, rows in default_and_best(merged, score)
+            ]
         eviction_score = eviction[score].mean() if len(eviction) else np.nan
-        rows += [{**row, "gain_vs_eviction": np.nan if row["configuration"] == "eviction only"
-                  else row[score] - eviction_score} for row in budget_rows]
+        rows += [
+            {
+                **row,
+                "gain_vs_eviction": np.nan if row["configuration"] == "eviction only" else row[score] - eviction_score,
+            }
+            for row in budget_rows
+        ]
     return pd.DataFrame(rows)
 
 
@@ -191,8 +248,7 @@ class TradeOff:
     score: str
 
 
-def trade_off(runs: SweepRuns, cost: str, cost_label: str, scale: float = 1.0,
-              score: str = "mean_score") -> TradeOff:
+def trade_off(runs: SweepRuns, cost: str, cost_label: str, scale: float = 1.0, score: str = "mean_score") -> TradeOff:
     """Trials as (cost / ``scale``, score) points; ``pareto`` marks those no other trial beats on both."""
     columns = ["trial_number", "configuration", "method", "budget", cost, score]
     points = runs.trials[[c for c in columns if c in runs.trials]].copy()

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 
 from grkv_core.config import SCREENING_METRICS
-from workers.names import PROMOTED_FROM_TAG, SAMPLER_PREFIX
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import correlate
+from workers.names import PROMOTED_FROM_TAG, SAMPLER_PREFIX
 
 SCREEN_PREFIX = "screen_"  # a promoted configuration's loss as its screening run measured it
 # NOTE: the loader keeps every tag as a ``tag.<key>`` column.
@@ -51,8 +51,7 @@ def _proposal(row: pd.Series, columns: list[str]) -> tuple:
     return tuple((column, row[column]) for column in columns if pd.notna(row.get(column)))
 
 
-def screening(runs: SweepRuns, score: str = "mean_score",
-              losses: tuple[str, ...] = SCREENING_METRICS) -> Screening:
+def screening(runs: SweepRuns, score: str = "mean_score", losses: tuple[str, ...] = SCREENING_METRICS) -> Screening:
     """Match full-stage runs to the screening runs they were promoted from, and correlate screening loss
     with the full-stage score over them.
 
@@ -68,24 +67,43 @@ def screening(runs: SweepRuns, score: str = "mean_score",
     for number, run in by_number.items():
         key = _proposal(run, columns)
         if key in by_proposal:
-            notes.append(f"screening trials {int(by_proposal[key]['trial_number'])} and {number} proposed the same "
-                         "configuration; a full run without a promoted_from tag is matched to the first")
+            notes.append(
+                f"screening trials {int(by_proposal[key]['trial_number'])} and {number} proposed the same "
+                "configuration; a full run without a promoted_from tag is matched to the first"
+            )
         else:
             by_proposal[key] = run
     rows = []
     for _, trial in trials.iterrows():
         tagged = trial.get(PROMOTED_FROM_COLUMN)
-        source = (by_number.get(int(tagged)) if isinstance(tagged, str)
-                  else by_proposal.get(_proposal(trial, columns)))
+        source = by_number.get(int(tagged)) if isinstance(tagged, str) else by_proposal.get(_proposal(trial, columns))
         if source is not None:
-            rows.append({"trial_number": trial["trial_number"], "screen_trial": source["trial_number"],
-                         "configuration": trial["configuration"], "method": trial["method"],
-                         "budget": trial["budget"], **{SCREEN_PREFIX + loss: source[loss] for loss in present},
-                         score: trial.get(score, np.nan)})
-    table = pd.DataFrame(rows, columns=["trial_number", "screen_trial", "configuration", "method", "budget",
-                                        *[SCREEN_PREFIX + loss for loss in present], score])
-    correlations = [correlate(table[SCREEN_PREFIX + loss], table[score], SCREEN_PREFIX + loss, score)
-                    for loss in present]
+            rows.append(
+                {
+                    "trial_number": trial["trial_number"],
+                    "screen_trial": source["trial_number"],
+                    "configuration": trial["configuration"],
+                    "method": trial["method"],
+                    "budget": trial["budget"],
+                    **{SCREEN_PREFIX + loss: source[loss] for loss in present},
+                    score: trial.get(score, np.nan),
+                }
+            )
+    table = pd.DataFrame(
+        rows,
+        columns=[
+            "trial_number",
+            "screen_trial",
+            "configuration",
+            "method",
+            "budget",
+            *[SCREEN_PREFIX + loss for loss in present],
+            score,
+        ],
+    )
+    correlations = [
+        correlate(table[SCREEN_PREFIX + loss], table[score], SCREEN_PREFIX + loss, score) for loss in present
+    ]
     if len(screen) and not present:
         notes.append(f"the screening runs logged none of {', '.join(losses)}")
     return Screening(len(screen), LossPerformance(table, correlations, score), len(trials) - len(table), notes)

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from workers.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, TEST_STAGE
 from tracking.reports.analyses.anchors import eviction_rows, representative_trials, tuning_scores
 from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
 from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import PairedComparison, compare_configs
+from workers.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, TEST_STAGE
+
 
 def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
     """Per-task scores of the full-stage runs as a tidy table ``config, seed, task, score, trial_number``.
@@ -21,8 +22,9 @@ def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
     seeds line up) and ``trial N`` otherwise; ``seed`` is the sweep's ``data.seed``.
     """
     columns = [column for column in score_columns(runs) if column in runs.trials]
-    long = runs.trials.melt(id_vars=["configuration", "trial_number"], value_vars=columns,
-                            var_name="task", value_name="score").dropna(subset=["score"])
+    long = runs.trials.melt(
+        id_vars=["configuration", "trial_number"], value_vars=columns, var_name="task", value_name="score"
+    ).dropna(subset=["score"])
     long["task"] = long["task"].str.removeprefix(SCORE_PREFIX)
     long["seed"] = runs.data_seed
     return long.rename(columns={"configuration": "config"})[["config", "seed", "task", "score", "trial_number"]]
@@ -89,8 +91,9 @@ class Significance:
         return merging.drop_duplicates(subset="budget").sort_values("budget").reset_index(drop=True)
 
 
-def significance(runs: SweepRuns, metric: str = "mean_score", n_resamples: int = 100_000,
-                 seed: int = 0) -> Significance:
+def significance(
+    runs: SweepRuns, metric: str = "mean_score", n_resamples: int = 100_000, seed: int = 0
+) -> Significance:
     """Paired bootstrap CI and sign-flip test of merging against the base press on ``metric`` (the score or an
     answer metric), on held-out samples when the sweep has a test stage.
 
@@ -114,32 +117,49 @@ def _test_tidy(runs: SweepRuns, metric: str) -> pd.DataFrame:
     return samples.assign(config=samples["run_id"].map(names))
 
 
-def _test_comparison(tidy: pd.DataFrame, treatment: pd.Series, control: pd.Series, metric: str, n_resamples: int,
-                     seed: int) -> PairedComparison:
+def _test_comparison(
+    tidy: pd.DataFrame, treatment: pd.Series, control: pd.Series, metric: str, n_resamples: int, seed: int
+) -> PairedComparison:
     """Two test runs paired per held-out sample on ``metric``."""
-    return compare_configs(tidy, _test_name(treatment), _test_name(control), unit="sample", metric=metric,
-                           higher_is_better=higher_is_better(metric), n_resamples=n_resamples, seed=seed)
+    return compare_configs(
+        tidy,
+        _test_name(treatment),
+        _test_name(control),
+        unit="sample",
+        metric=metric,
+        higher_is_better=higher_is_better(metric),
+        n_resamples=n_resamples,
+        seed=seed,
+    )
 
 
 def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int) -> Significance:
     test, notes = runs.test_trials, []
     tidy = _test_tidy(runs, metric)
     if tidy[metric].isna().all():
-        return Significance(metric, TEST_STAGE, [], pd.DataFrame(), runs.test_sample_count,
-                            [f"no test-stage run logged a per-sample {metric} (its predictions.json predates it)"])
+        return Significance(
+            metric,
+            TEST_STAGE,
+            [],
+            pd.DataFrame(),
+            runs.test_sample_count,
+            [f"no test-stage run logged a per-sample {metric} (its predictions.json predates it)"],
+        )
     comparisons = []
     for _, treatment in test[test["merge"] != "none"].iterrows():
         same_budget = test[np.isclose(test["compression_ratio"], treatment["compression_ratio"])]
         eviction = eviction_rows(same_budget, treatment["compression_ratio"])
-        default = same_budget[(same_budget["baseline"] == PAPER_DEFAULT) & (same_budget["merge"] != "none")
-                              & (same_budget["run_id"] != treatment["run_id"])]
+        default = same_budget[
+            (same_budget["baseline"] == PAPER_DEFAULT)
+            & (same_budget["merge"] != "none")
+            & (same_budget["run_id"] != treatment["run_id"])
+        ]
         at_budget = []
         for kind, controls in (("eviction-only", eviction), ("paper-default", default)):
             if kind == "paper-default" and treatment["baseline"] == PAPER_DEFAULT:
                 continue
             if controls.empty:
-                notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare "
-                             f"{_test_name(treatment)} with")
+                notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare {_test_name(treatment)} with")
                 continue
             at_budget.append(controls.iloc[0])
         # NOTE: eviction at a larger budget keeps the memory the merge saves: the paired iso-memory question
@@ -149,14 +169,22 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
                 comparisons.append(_test_comparison(tidy, treatment, control, metric, n_resamples, seed))
             except (KeyError, ValueError) as error:
                 notes.append(f"{_test_name(treatment)} vs {_test_name(control)}: {error.args[0]}")
-    held_out = pd.DataFrame({"configuration": test["configuration"], "method": test["method"],
-                             "budget": test["budget"], "merge": test["merge"],
-                             f"tuning_{metric}": tuning_scores(runs, metric),
-                             f"test_{metric}": test.get(metric, np.nan)})
+    held_out = pd.DataFrame(
+        {
+            "configuration": test["configuration"],
+            "method": test["method"],
+            "budget": test["budget"],
+            "merge": test["merge"],
+            f"tuning_{metric}": tuning_scores(runs, metric),
+            f"test_{metric}": test.get(metric, np.nan),
+        }
+    )
     held_out = held_out.dropna(subset=[f"tuning_{metric}"]).assign(
-        change=lambda frame: frame[f"test_{metric}"] - frame[f"tuning_{metric}"])
-    held_out = held_out.sort_values(f"tuning_{metric}", ascending=not higher_is_better(metric),
-                                    kind="stable").reset_index(drop=True)
+        change=lambda frame: frame[f"test_{metric}"] - frame[f"tuning_{metric}"]
+    )
+    held_out = held_out.sort_values(
+        f"tuning_{metric}", ascending=not higher_is_better(metric), kind="stable"
+    ).reset_index(drop=True)
     return Significance(metric, TEST_STAGE, comparisons, held_out, runs.test_sample_count, notes)
 
 
@@ -164,6 +192,7 @@ def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: i
     """Without a test stage: the paper default and the best trial at the base's budget against eviction only, on the
     tuning samples, paired per sample where the trials' predictions hold ``metric``, else (the score of runs whose
     predictions were not logged) per task."""
+
     def result(comparisons: list[PairedComparison], notes: list[str]) -> Significance:
         return Significance(metric, FULL_STAGE, comparisons, pd.DataFrame(), 0, notes)
 
@@ -188,9 +217,18 @@ def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: i
     comparisons, notes = [], []
     for _, trial in treatments:
         try:
-            comparisons.append(compare_configs(tidy, names[trial["trial_number"]], control_name, unit=unit,
-                                               metric=column, higher_is_better=higher_is_better(metric),
-                                               n_resamples=n_resamples, seed=seed))
+            comparisons.append(
+                compare_configs(
+                    tidy,
+                    names[trial["trial_number"]],
+                    control_name,
+                    unit=unit,
+                    metric=column,
+                    higher_is_better=higher_is_better(metric),
+                    n_resamples=n_resamples,
+                    seed=seed,
+                )
+            )
         except (KeyError, ValueError) as error:
             notes.append(f"{names[trial['trial_number']]} vs {control_name}: {error.args[0]}")
     return result(comparisons, notes)
@@ -218,13 +256,18 @@ def tuned_winner(runs: SweepRuns, metric: str) -> pd.Series | None:
     NOTE: chosen on the tuning samples only, so its comparison on the held-out samples is free of selection bias.
     """
     test = runs.test_trials
-    candidates = test[(test["merge"] != "none") & test["trial_number"].notna()
-                      & ~test["test_of"].astype(str).str.contains(BUDGET_SEPARATOR, regex=False)]
+    candidates = test[
+        (test["merge"] != "none")
+        & test["trial_number"].notna()
+        & ~test["test_of"].astype(str).str.contains(BUDGET_SEPARATOR, regex=False)
+    ]
     if candidates.empty:
         return None
     keys = [name for name in dict.fromkeys([runs.objectives[0].metric, metric]) if name in runs.trials]
-    oriented = pd.DataFrame({name: tuning_scores(runs, name)[candidates.index] * (1 if higher_is_better(name) else -1)
-                             for name in keys}, index=candidates.index).fillna(-np.inf)
+    oriented = pd.DataFrame(
+        {name: tuning_scores(runs, name)[candidates.index] * (1 if higher_is_better(name) else -1) for name in keys},
+        index=candidates.index,
+    ).fillna(-np.inf)
     order = oriented.sort_values(keys, ascending=False, kind="stable").index if keys else candidates.index
     return candidates.loc[order[0]]
 
@@ -232,6 +275,7 @@ def tuned_winner(runs: SweepRuns, metric: str) -> pd.Series | None:
 def held_out_finding(runs: SweepRuns, metric: str, n_resamples: int = 100_000, seed: int = 0) -> HeldOutFinding:
     """:func:`tuned_winner` against the eviction-only test run at its budget, paired per held-out sample on
     ``metric``."""
+
     def nothing(reason: str, treatment: pd.Series | None = None) -> HeldOutFinding:
         return HeldOutFinding(metric, treatment, None, None, reason)
 

@@ -4,16 +4,18 @@ scored."""
 from __future__ import annotations
 
 from grkv_core.config import ANSWER_METRICS
-from workers.names import TEST_STAGE
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.data import SweepRuns
+from workers.names import TEST_STAGE
 
 
 def tie_line(metric: str, where: str) -> str:
     """The one line said of a metric that ties ``where``, pointing to the continuous answer metrics."""
     others = ", ".join(name for name in ANSWER_METRICS if name != metric)
-    return (f"{metric} ties {where}, so it cannot tell these configurations apart (no correlation, interval or "
-            f"p-value on it means anything); the continuous answer metrics ({others}) can.")
+    return (
+        f"{metric} ties {where}, so it cannot tell these configurations apart (no correlation, interval or "
+        f"p-value on it means anything); the continuous answer metrics ({others}) can."
+    )
 
 
 def direction(metric: str) -> str:
