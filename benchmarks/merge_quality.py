@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from grkv_core.config import GRKV_DEFAULTS
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
+from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press

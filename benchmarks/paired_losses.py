@@ -17,7 +17,7 @@ import json
 from math import comb
 from pathlib import Path
 
-from grkv_core.config import ANSWER_METRICS, HIGHER_IS_BETTER
+from grkv_core.metrics import ANSWER_METRICS, HIGHER_IS_BETTER
 from tracking.reports.stats import paired_bootstrap_ci
 
 DEFAULT_METRICS = (*ANSWER_METRICS, "score", "window_loss", "heldout_loss")

@@ -35,7 +35,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from grkv_core.config import GRKV_DEFAULTS, SolverOptions
+from grkv_core.options import GRKV_DEFAULTS, SolverOptions
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.reference import grkv_merge_reference

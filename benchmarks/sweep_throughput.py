@@ -37,10 +37,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from tqdm.auto import tqdm
 
-from grkv_core.config import PAPER_GRKV_OPTIONS, PressConfig
+from grkv_core.config import PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.models import load_model
+from grkv_core.options import PAPER_GRKV_OPTIONS
 
 EXACT_FIELDS = (
     "predictions",

@@ -21,15 +21,12 @@ from grkv_core.config import (
     EVICTION_PRESS_NAMES,
     FULL_CACHE,
     MERGER_NAMES,
-    MERGER_OPTION_NAMES,
-    MERGER_OPTION_SPECS,
-    MERGER_OPTIONS,
     PROTOCOLS,
     QUESTION_AGNOSTIC,
     SEARCHABLE_SPECS,
     PressConfig,
-    mergers_taking,
 )
+from grkv_core.options import MERGER_OPTION_NAMES, MERGER_OPTION_SPECS, MERGER_OPTIONS, mergers_taking
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
@@ -300,7 +297,7 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_leaderboard(args) -> int:
-    from grkv_core.evaluation.kvpress_layout import leaderboard_figure, leaderboard_table, read_runs
+    from grkv_core.evaluation.leaderboard import leaderboard_figure, leaderboard_table, read_runs
 
     rows = read_runs(*args.folders)
     table = leaderboard_table(rows)

@@ -10,7 +10,7 @@ from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from grkv_core.config import PAPER_WINDOW, QUERY_POLICIES
+from grkv_core.options import PAPER_WINDOW, QUERY_POLICIES
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from kvpress import (
 )
 from kvpress import MergingPress as KVPressMergingPress
 
-from grkv_core.config import FULL_CACHE, PAPER_WINDOW, PROTOCOL_SPEC, PressConfig
+from grkv_core.config import FULL_CACHE, PROTOCOL_SPEC, PressConfig
+from grkv_core.options import PAPER_WINDOW
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
 
 # NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in

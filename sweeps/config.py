@@ -16,19 +16,14 @@ from grkv_core.config import (
     DEVICES,
     DTYPES,
     EVICTION_PRESS_NAMES,
-    HIGHER_IS_BETTER,
     MERGER_NAMES,
-    OBJECTIVE_METRICS,
-    PAPER_GRKV_OPTIONS,
     PROTOCOLS,
-    SCREENING_METRICS,
     SEARCHABLE_SPECS,
     EvalConfig,
-    OptionSpec,
     PressConfig,
-    is_number,
-    mergers_taking,
 )
+from grkv_core.metrics import HIGHER_IS_BETTER, OBJECTIVE_METRICS, SCREENING_METRICS
+from grkv_core.options import PAPER_GRKV_OPTIONS, OptionSpec, is_number, mergers_taking
 from sweeps.entry_points import GRKV_HOME
 from workers.names import BASELINES, PAPER_DEFAULT
 

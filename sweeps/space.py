@@ -7,7 +7,8 @@ import warnings
 
 import optuna
 
-from grkv_core.config import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS, PressConfig
+from grkv_core.config import PressConfig
+from grkv_core.options import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS
 from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
 from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
 

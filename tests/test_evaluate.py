@@ -14,12 +14,14 @@ import pytest
 from conftest import tiny_model
 from kvpress.utils import compute_n_kept
 
-from grkv_core.config import GRKV_DEFAULTS, SAMPLE_MEAN_METRICS, SCREENING_METRICS, EvalConfig, PressConfig
+from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.generation import render_sample, tokenize_sample
 from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
+from grkv_core.metrics import SAMPLE_MEAN_METRICS, SCREENING_METRICS
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
+from grkv_core.options import GRKV_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 GRKV = str(REPO / ".venv" / "bin" / "grkv")

@@ -19,14 +19,8 @@ from grkv_core.cli import main
 from grkv_core.config import QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.datasets.scoring import string_match_all
-from grkv_core.evaluation.kvpress_layout import (
-    KvpressRun,
-    kvpress_runs,
-    leaderboard_table,
-    method_name,
-    read_runs,
-    write_run,
-)
+from grkv_core.evaluation.kvpress_layout import KvpressRun, kvpress_runs, method_name, write_run
+from grkv_core.evaluation.leaderboard import leaderboard_table, read_runs
 from grkv_core.evaluation.results import SampleResult
 
 # kvpress 0.5.5's EvaluationConfig fields in its order, as save_config writes them for a press with a compression

@@ -2,7 +2,7 @@
 
 import torch
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups
 from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.regression import KeptRegression

@@ -14,9 +14,9 @@ from kvpress import ComposedPress
 from kvpress.utils import compute_n_kept
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from grkv_core.config import GRKV_OPTION_SPECS
 from grkv_core.evaluation.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
+from grkv_core.options import GRKV_OPTION_SPECS
 from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection
 from grkv_core.presses.sliding_layers import sliding_layer_indices

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from grkv_core.config import GRKV_DEFAULTS, PressConfig
+from grkv_core.config import PressConfig
+from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.registry import resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key

@@ -23,7 +23,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.study import StudyDirection
 from scipy import stats
 
-from grkv_core.config import GRKV_DEFAULTS
+from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.registry import resolved
 from sweeps.cli import report_main
 from sweeps.config import SweepConfig

@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.key_step import _conjugate_gradients
 from grkv_core.solver.losses import discrepancy_per_head, reconstruction_loss

@@ -13,7 +13,8 @@ import optuna
 import pytest
 import yaml
 
-from grkv_core.config import GRKV_DEFAULTS, PAPER_GRKV_OPTIONS, EvalConfig
+from grkv_core.config import EvalConfig
+from grkv_core.options import GRKV_DEFAULTS, PAPER_GRKV_OPTIONS
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (

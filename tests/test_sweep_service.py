@@ -26,7 +26,7 @@ from conftest import free_ports
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUERY_AWARE
-from grkv_core.evaluation.kvpress_layout import read_runs
+from grkv_core.evaluation.leaderboard import read_runs
 from grkv_core.registry import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of

@@ -8,7 +8,7 @@ import pytest
 
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
-from grkv_core.evaluation.kvpress_layout import read_runs
+from grkv_core.evaluation.leaderboard import read_runs
 from sweeps.state.state_dir import StateDir
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest

@@ -3,7 +3,7 @@ against an independent float64 computation."""
 
 import torch
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.attention import full_cache_outputs

@@ -16,7 +16,8 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import MERGER_OPTION_SPECS, QUESTION_AGNOSTIC, PressConfig
+from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
+from grkv_core.options import MERGER_OPTION_SPECS
 from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE

@@ -22,8 +22,10 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
-from grkv_core.config import ANSWER_METRICS, LOSS_METRICS, OPTION_SYMBOLS, PressConfig
+from grkv_core.config import PressConfig
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER
+from grkv_core.metrics import ANSWER_METRICS, LOSS_METRICS
+from grkv_core.options import OPTION_SYMBOLS
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.names import (
     BASELINE_TAG,

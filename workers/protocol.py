@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grkv_core.config import GRKV_DEFAULTS, PressConfig
+from grkv_core.config import PressConfig
+from grkv_core.options import GRKV_DEFAULTS
 from workers.names import FULL_STAGE, STAGES, TEST_STAGE
 
 OK = "ok"

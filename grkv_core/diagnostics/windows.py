@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from grkv_core.config import PAPER_WINDOW
+from grkv_core.options import PAPER_WINDOW
 from grkv_core.solver.attention import masked_softmax
 
 

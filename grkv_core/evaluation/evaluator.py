@@ -20,7 +20,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from grkv_core.config import PAPER_WINDOW, PROTOCOL_SPEC, QUESTION_AGNOSTIC, PressConfig
+from grkv_core.config import PROTOCOL_SPEC, QUESTION_AGNOSTIC, PressConfig
 from grkv_core.datasets import EvalSample, score_prediction
 from grkv_core.evaluation.answer_metrics import (
     AnswerMetrics,
@@ -35,6 +35,7 @@ from grkv_core.evaluation.probe import ReconstructionProbe
 from grkv_core.evaluation.results import SampleResult
 from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
+from grkv_core.options import PAPER_WINDOW
 from grkv_core.registry import NOT_EAGER, build, protected_window, required_attention
 
 

@@ -1,7 +1,7 @@
 """What an evaluation records: one ``SampleResult`` per sample, their summary, the resumable result file and the
 comparison table.
 
-NOTE: the summary averages every metric ``grkv_core.config.METRICS`` summarises by its ``SAMPLE_MEAN``, so a metric
+NOTE: the summary averages every metric ``grkv_core.metrics.METRICS`` summarises by its ``SAMPLE_MEAN``, so a metric
 added there and to ``SampleResult`` reaches the result files, MLflow and the reports with no change here.
 """
 
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from grkv_core.config import GRKV_DEFAULTS, SAMPLE_MEAN_METRICS, EvalConfig
+from grkv_core.config import EvalConfig
 from grkv_core.files import write_atomically
+from grkv_core.metrics import SAMPLE_MEAN_METRICS
+from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.registry import resolved
 
 RESULT_SCHEMA_VERSION = 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.config import D2OOptions
+from grkv_core.options import D2OOptions
 from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from grkv_core.config import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
+from grkv_core.options import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress, options_docstring
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
@@ -263,7 +263,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         return self._capped(regression, *solve_regression(regression, options, self._issues))
 
 
-# NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.config``), the one source of their help.
+# NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.options``), the one source of their help.
 GRKVPress.__doc__ = GRKVPress.__doc__.rstrip() + "\n" + options_docstring(GRKVOptions)
 
 

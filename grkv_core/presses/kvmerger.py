@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.config import KVMergerOptions
+from grkv_core.options import KVMergerOptions
 from grkv_core.presses.local_merging import (
     LocalMergePress,
     MergeInputs,

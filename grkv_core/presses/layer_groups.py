@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.regression import KeptRegression
 

@@ -32,7 +32,7 @@ from kvpress import BasePress, ScorerPress
 from kvpress import MergingPress as KVPressMergingPress
 from torch import nn
 
-from grkv_core import config
+from grkv_core import options
 from grkv_core.presses.selection import (
     MASKING_PRESSES,
     SELECTION_WRAPPERS,
@@ -106,8 +106,8 @@ class BaseMergerPress(ScorerPress):
         self.check_options()
 
     def check_options(self) -> None:
-        """Raise a ValueError naming the first option whose value its spec (``grkv_core.config``) does not accept."""
-        config.check_options(self)
+        """Raise a ValueError naming the first option whose value its spec (``grkv_core.options``) does not accept."""
+        options.check_options(self)
 
     def post_init_from_model(self, model) -> None:
         self.press.post_init_from_model(model)
@@ -301,7 +301,7 @@ BaseMergerPress.compression_ratio = property(
 
 def options_docstring(options: type, indent: int = 4) -> str:
     """NumPy-style parameter entries for an options dataclass's fields, from their ``OptionSpec``s
-    (``grkv_core.config``): name, accepted values and default, then the help, wrapped at 120 columns and indented by
+    (``grkv_core.options``): name, accepted values and default, then the help, wrapped at 120 columns and indented by
     ``indent`` spaces (a class docstring's own indentation), so that a press documents its options where they are
     defined."""
     margin = " " * indent

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.solver.regression import KeptRegression
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from grkv_core.config import SolverOptions
+from grkv_core.options import SolverOptions
 from grkv_core.solver.regression import KeptRegression
 
 # The budget c is padded up to a multiple of this, so that prompts of similar lengths share a graph.

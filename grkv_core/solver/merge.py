@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from grkv_core.config import SOLVER_OPTION_NAMES, SolverOptions
+from grkv_core.options import SOLVER_OPTION_NAMES, SolverOptions
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.key_step import key_step
 from grkv_core.solver.problem import MergeProblem
@@ -47,7 +47,7 @@ def grkv_merge(
     fixed : torch.Tensor
         (B, H_kv, c) bool; True rows are returned unchanged (bit-identical).
     **options
-        ``SolverOptions`` fields (``grkv_core.config``), each at its default when left out:
+        ``SolverOptions`` fields (``grkv_core.options``), each at its default when left out:
     lambda_k, lambda_v : float
         Ridge coefficients (>= 0) for keys and values. 0 is allowed (minimum-norm solution).
     steps : int

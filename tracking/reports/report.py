@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from grkv_core.config import ANSWER_METRICS
+from grkv_core.metrics import ANSWER_METRICS
 from tracking.reports import figures
 from tracking.reports.analyses.ablation import ablation_table
 from tracking.reports.analyses.depth_window import depth_window

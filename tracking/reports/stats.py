@@ -372,7 +372,7 @@ def compare_configs(
     metric : str
         The column compared (``score``, or e.g. ``answer_nll``).
     higher_is_better : bool
-        The metric's direction (``grkv_core.config.HIGHER_IS_BETTER``): which sign of a difference is better.
+        The metric's direction (``grkv_core.metrics.HIGHER_IS_BETTER``): which sign of a difference is better.
     n_resamples, confidence, seed
         Passed to :func:`paired_bootstrap_ci` (and to :func:`sign_flip_test` beyond the exact size).
     """

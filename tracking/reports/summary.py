@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from grkv_core.config import ANSWER_METRICS
+from grkv_core.metrics import ANSWER_METRICS
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns

@@ -2,7 +2,7 @@
 significance, the score per needle depth; one module an analysis kind.
 
 Performance is the score and the answer metrics, which see what the binary score ties on (``PERFORMANCE_METRICS``);
-every metric's direction comes from ``grkv_core.config.HIGHER_IS_BETTER`` (``higher_is_better``).
+every metric's direction comes from ``grkv_core.metrics.HIGHER_IS_BETTER`` (``higher_is_better``).
 
 Each function takes a :class:`~tracking.reports.data.SweepRuns` and returns tables (pandas) plus the
 numbers the summary quotes; figures and files are made elsewhere. Every analysis uses the full-stage runs

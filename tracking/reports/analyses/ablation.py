@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import ANSWER_METRICS, OPTION_SYMBOLS
+from grkv_core.metrics import ANSWER_METRICS
+from grkv_core.options import OPTION_SYMBOLS
 from tracking.reports.analyses.anchors import eviction_rows
 from tracking.reports.analyses.metrics import higher_is_better, score_columns
 from tracking.reports.analyses.significance import trial_sample_scores

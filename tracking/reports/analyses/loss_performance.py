@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from grkv_core.config import LOSS_METRICS
+from grkv_core.metrics import LOSS_METRICS
 from tracking.reports.analyses.metrics import performance_metrics, sample_table
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import Correlation, WithinSampleCorrelation, correlate, within_sample_correlation

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import ANSWER_METRICS, HIGHER_IS_BETTER
+from grkv_core.metrics import ANSWER_METRICS, HIGHER_IS_BETTER
 from tracking.mlflow_tracker import SAMPLE_FIELDS
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 

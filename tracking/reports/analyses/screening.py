@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import SCREENING_METRICS
+from grkv_core.metrics import SCREENING_METRICS
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import correlate

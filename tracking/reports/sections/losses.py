@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from grkv_core.config import LOSS_METRICS, OPTION_SYMBOLS
+from grkv_core.metrics import LOSS_METRICS
+from grkv_core.options import OPTION_SYMBOLS
 from tracking.reports import figures
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.analyses.screening import Screening

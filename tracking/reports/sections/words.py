@@ -3,7 +3,7 @@ scored."""
 
 from __future__ import annotations
 
-from grkv_core.config import ANSWER_METRICS
+from grkv_core.metrics import ANSWER_METRICS
 from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.data import SweepRuns
 from workers.names import TEST_STAGE

@@ -1,0 +1,372 @@
+"""Every merger's options, defined once as ``OptionSpec`` fields of an options dataclass (``GRKVOptions`` and the
+baselines'), whose checks, defaults and help the presses inherit and the command line, sweep configs, MLflow params
+and reports derive from; and the solver's options (``SolverOptions``).
+
+NOTE: imports nothing heavy, like ``grkv_core.config``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
+
+# The paper's window: its surrogate queries are the last 32 prompt positions (m), and it pairs GRKV with
+# SnapKV's 32-token observation window; the reconstruction probe measures the window loss on as many.
+PAPER_WINDOW = 32
+
+COMPONENTS = ("kv", "k", "v")
+RIDGE_SCALES = ("absolute", "relative")
+QUERY_POLICIES = ("window", "stratified")
+ACCEPT_RULES = ("always", "objective", "validation")
+HEAD_WEIGHTINGS = ("uniform", "o_proj")
+MERGED_LAYERS = ("all", "early", "late")
+
+
+def is_number(value) -> bool:
+    """A real number given as int or float (bool excluded, although it subclasses int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What values one option takes, for checks, command-line flags and sweep validation.
+
+    ``kind`` is float, int, bool or str (then ``choices`` lists the values). Numbers are bounded by ``low`` and
+    ``high`` (inclusive unless ``low_open``/``high_open``); ``nullable`` also admits None. ``symbol`` is how tables
+    and figures name the option (the paper's letter where it has one, else the option's name).
+    """
+
+    help: str
+    kind: type
+    choices: tuple = ()
+    symbol: str | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    nullable: bool = False
+
+    def accepts(self, value) -> bool:
+        if value is None:
+            return self.nullable
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if self.kind is str:
+            return value in self.choices
+        if self.kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
+            return False
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        """The accepted values in words, e.g. "an integer >= 1" or "one of ('kv', 'k', 'v')"."""
+        if self.kind is bool:
+            text = "True or False"
+        elif self.kind is str:
+            text = f"one of {self.choices}"
+        else:
+            noun = "an integer" if self.kind is int else "a finite number"
+            if self.low is not None and self.high is not None:
+                text = (
+                    f"{noun} in {'(' if self.low_open else '['}{self.low:g}, "
+                    f"{self.high:g}{')' if self.high_open else ']'}"
+                )
+            elif self.low is not None:
+                text = f"{noun} {'>' if self.low_open else '>='} {self.low:g}"
+            else:
+                text = noun
+        return f"None or {text}" if self.nullable else text
+
+    def check(self, name: str, value) -> None:
+        if not self.accepts(value):
+            raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+
+
+def _option(default, spec: OptionSpec):
+    return field(default=default, metadata={"spec": spec})
+
+
+@dataclass
+class GRKVOptions:
+    """GRKV's options (``GRKVPress`` fields besides the base press). Defaults are the library's; see
+    ``PAPER_GRKV_OPTIONS`` for the paper's Alg. 1 exactly.
+
+    NOTE: not frozen, because ``GRKVPress`` inherits these fields and kvpress presses are mutable.
+    """
+
+    lambda_k: float = _option(
+        1e-2,
+        OptionSpec(
+            "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)",
+            float,
+            low=0.0,
+            symbol="λk",
+        ),
+    )
+    lambda_v: float = _option(1e-2, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
+    beta: float = _option(
+        0.1,
+        OptionSpec(
+            "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
+            "held fixed",
+            float,
+            low=0.0,
+            high=1.0,
+            symbol="β",
+        ),
+    )
+    window_size: int = _option(
+        PAPER_WINDOW, OptionSpec("m, the number of surrogate query tokens", int, low=1, symbol="m")
+    )
+    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1, symbol="S"))
+    n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
+    fix_window: bool = _option(
+        True,
+        OptionSpec(
+            "hold the last window_size positions fixed when kept (paper; off: the window's own tokens are refitted "
+            "too)",
+            bool,
+        ),
+    )
+    components: str = _option(
+        "kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str, choices=COMPONENTS)
+    )
+    query_policy: str = _option(
+        "window",
+        OptionSpec(
+            "surrogate queries: the last m prompt tokens (paper) or strata of the prompt (authors' code)",
+            str,
+            choices=QUERY_POLICIES,
+        ),
+    )
+    max_rel_update_k: float | None = _option(
+        None,
+        OptionSpec(
+            "trust-region cap per head, |dK| <= cap |K0| (authors' code: 0.025)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
+    max_rel_update_v: float | None = _option(
+        None,
+        OptionSpec(
+            "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
+    accept: str = _option(
+        "always",
+        OptionSpec(
+            "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code); "
+            "'validation' merges a head only where a merge fitted on half the window's tokens lowers the loss on the "
+            "other half",
+            str,
+            choices=ACCEPT_RULES,
+        ),
+    )
+    cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
+    cg_rtol: float = _option(
+        1e-6,
+        OptionSpec(
+            "relative residual tolerance of the key step's conjugate gradients",
+            float,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            high_open=True,
+        ),
+    )
+    safeguard: bool = _option(
+        True, OptionSpec("shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool)
+    )
+    ridge_scale: str = _option(
+        "absolute",
+        OptionSpec("'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES),
+    )
+    layers_per_solve: int = _option(
+        0,
+        OptionSpec(
+            "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the "
+            "press "
+            "compresses, in as few calls as a bounded working set allows (results equal up to float rounding; more "
+            "layers dispatch fewer operations)",
+            int,
+            low=0,
+        ),
+    )
+    target_from_forward: bool = _option(
+        True,
+        OptionSpec(
+            "take the regression target from the prefill's own attention outputs instead of recomputing it", bool
+        ),
+    )
+    head_weighting: str = _option(
+        "uniform",
+        OptionSpec(
+            "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
+            "next layer sees of its error), 'uniform' alike (paper)",
+            str,
+            choices=HEAD_WEIGHTINGS,
+        ),
+    )
+    merged_layers: str = _option(
+        "all",
+        OptionSpec(
+            "which of the compressed layers GRKV merges: 'all' (paper), the first half ('early') or the second half "
+            "('late'); the others keep the base press's eviction, unmerged",
+            str,
+            choices=MERGED_LAYERS,
+        ),
+    )
+
+
+def option_specs(options: type) -> dict[str, OptionSpec]:
+    """``{name: spec}`` of an options dataclass's fields (those declared with ``_option``), in field order."""
+    return {item.name: item.metadata["spec"] for item in fields(options) if "spec" in item.metadata}
+
+
+def check_options(options) -> None:
+    """Raise a ValueError naming the first option of ``options`` (a dataclass instance, e.g. a merger press) whose
+    value its spec does not accept."""
+    for name, spec in option_specs(type(options)).items():
+        spec.check(name, getattr(options, name))
+
+
+GRKV_OPTION_SPECS: dict[str, OptionSpec] = option_specs(GRKVOptions)
+# How tables, run names and figures name the options that have a symbol (``OptionSpec.symbol``).
+OPTION_SYMBOLS: dict[str, str] = {name: spec.symbol for name, spec in GRKV_OPTION_SPECS.items() if spec.symbol}
+GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
+
+# The paper's Alg. 1 (Sec. 4.1 defaults): no safeguard and the key step solved to convergence; a sweep enqueues
+# it first (the searched options among these) so every sweep is anchored to the paper.
+PAPER_GRKV_OPTIONS: dict[str, Any] = {**GRKV_DEFAULTS, "safeguard": False, "cg_max_iter": 200, "cg_rtol": 1e-7}
+
+# NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
+SOLVER_OPTION_NAMES = (
+    "lambda_k",
+    "lambda_v",
+    "steps",
+    "components",
+    "cg_max_iter",
+    "cg_rtol",
+    "safeguard",
+    "ridge_scale",
+)
+
+SolverOptions = make_dataclass(
+    "SolverOptions",
+    [
+        (item.name, item.type, field(default=item.default, metadata=item.metadata))
+        for item in fields(GRKVOptions)
+        if item.name in SOLVER_OPTION_NAMES
+    ],
+    frozen=True,
+    namespace={
+        "__post_init__": check_options,
+        "__module__": __name__,
+        "__doc__": (
+            "The solver's options (``grkv_merge``, ``solve_regression``): ``GRKVOptions``' fields of the same names, "
+            "with their defaults and specs, as one frozen value checked when made."
+        ),
+    },
+)
+
+
+@dataclass
+class CaMOptions:
+    """CaM's options (``CaMPress``)."""
+
+    merge_budget: int = _option(
+        32, OptionSpec("m, the number of subsequent kept tokens each evicted value is spread over", int, low=1)
+    )
+    window_size: int = _option(
+        PAPER_WINDOW, OptionSpec("the number of last prompt queries whose attention weights the merge", int, low=1)
+    )
+
+
+@dataclass
+class D2OOptions:
+    """D2O's options (``D2OPress``)."""
+
+    threshold: float = _option(
+        0.5, OptionSpec("minimum key cosine similarity for an evicted token to be merged", float, low=-1.0, high=1.0)
+    )
+    candidate_range: int | None = _option(
+        None,
+        OptionSpec(
+            "only kept tokens at most this many positions away are candidates (None: every kept token)",
+            int,
+            low=1,
+            nullable=True,
+        ),
+    )
+
+
+@dataclass
+class KVMergerOptions:
+    """KVMerger's options (``KVMergerPress``)."""
+
+    threshold: float = _option(
+        0.75, OptionSpec("cosine similarity that links two adjacent keys", float, low=-1.0, high=1.0)
+    )
+    sigma: float | None = _option(
+        None,
+        OptionSpec(
+            "a fixed Gaussian-kernel width in key units (None: adapted per merging set)",
+            float,
+            low=0.0,
+            low_open=True,
+            nullable=True,
+        ),
+    )
+
+
+# Our mergers' options, declared as dataclasses whose fields the presses inherit (AsymKV has none).
+MERGER_OPTIONS: dict[str, type] = {
+    "grkv": GRKVOptions,
+    "cam": CaMOptions,
+    "d2o": D2OOptions,
+    "kvmerger": KVMergerOptions,
+}
+# Every merger's options by name. NOTE: kvpress's own MergingPress checks its options with asserts; these specs refuse
+# bad values in one line, as our mergers do (its defaults stay kvpress's).
+MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
+    "none": {},
+    **{merge: option_specs(options) for merge, options in MERGER_OPTIONS.items()},
+    "asymkv": {},
+    "kvpress_merging": {
+        "similarity_threshold": OptionSpec(
+            "minimum key cosine similarity of an evicted token to its survivor for its value to be merged",
+            float,
+            low=0.0,
+            high=1.0,
+        ),
+        "merge_fraction": OptionSpec(
+            "fraction of the evicted tokens, most similar first, whose values are merged",
+            float,
+            low=0.0,
+            high=1.0,
+            low_open=True,
+        ),
+    },
+}
+# Each option name once, in the order of the mergers (a flag, a searchable parameter). NOTE: a name two mergers share
+# means the same kind of value in both (``window_size``: GRKV's m and CaM's window; ``threshold``: D2O's and
+# KVMerger's cosine similarity), so one spec checks it; a test holds them to that.
+MERGER_OPTION_NAMES: tuple[str, ...] = tuple(
+    dict.fromkeys(name for specs in MERGER_OPTION_SPECS.values() for name in specs)
+)
+
+
+def mergers_taking(name: str) -> list[str]:
+    """The mergers that have an option ``name``."""
+    return [merge for merge, specs in MERGER_OPTION_SPECS.items() if name in specs]
