@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
@@ -23,8 +23,9 @@ from grkv_core.config import (
     PressConfig,
 )
 from grkv_core.metrics import HIGHER_IS_BETTER, OBJECTIVE_METRICS, SCREENING_METRICS
-from grkv_core.options import PAPER_GRKV_OPTIONS, OptionSpec, is_number, mergers_taking
+from grkv_core.options import PAPER_GRKV_OPTIONS, mergers_taking
 from sweeps.entry_points import GRKV_HOME
+from sweeps.params import CategoricalParam, Param, Strict, can_fix, range_problem
 from workers.names import BASELINES, PAPER_DEFAULT
 
 
@@ -43,50 +44,7 @@ class ConfigError(ValueError):
     """A sweep config that cannot be used; the message is one line and names the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FloatParam(_Strict):
-    """A float, uniform or log-uniform; ``include_zero`` adds an exact 0 (the paper's no-ridge ablation)."""
-
-    type: Literal["float"]
-    low: float
-    high: float
-    log: bool = False
-    include_zero: bool = False
-
-    @model_validator(mode="after")
-    def _check(self):
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        if self.log and self.low <= 0:
-            raise ValueError("low must be > 0 for a log-uniform range (use include_zero for an exact 0)")
-        return self
-
-
-class IntParam(_Strict):
-    type: Literal["int"]
-    low: int
-    high: int
-    log: bool = False
-
-    @model_validator(mode="after")
-    def _check(self):
-        if not self.low <= self.high:
-            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
-        return self
-
-
-class CategoricalParam(_Strict):
-    type: Literal["categorical"]
-    choices: list[Any] = Field(min_length=1)
-
-
-Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discriminator="type")]
-
-
-class ModelSection(_Strict):
+class ModelSection(Strict):
     name: str = EVAL_DEFAULTS["model"]
     dtype: Literal[DTYPES] = EVAL_DEFAULTS["dtype"]
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] | None = EVAL_DEFAULTS["attn_implementation"]
@@ -95,11 +53,11 @@ class ModelSection(_Strict):
     )
 
 
-class TestSamplesSection(_Strict):
+class TestSamplesSection(Strict):
     samples: int = Field(default=0, ge=0, description="held-out samples per task for the test stage (0: none)")
 
 
-class DataSection(_Strict):
+class DataSection(Strict):
     dataset: Literal[DATASETS] = EVAL_DEFAULTS["dataset"]
     tasks: list[str] | None = EVAL_DEFAULTS["tasks"]
     context_length: int | None = EVAL_DEFAULTS["context_length"]
@@ -119,7 +77,7 @@ class DataSection(_Strict):
     test: TestSamplesSection = TestSamplesSection()
 
 
-class PressSection(_Strict):
+class PressSection(Strict):
     """The eviction press the merger sits behind, and its budget (the ratio may also be searched)."""
 
     name: str = PRESS_DEFAULTS["press"]
@@ -139,7 +97,7 @@ class PressSection(_Strict):
         return ratio
 
 
-class Objective(_Strict):
+class Objective(Strict):
     """A metric to optimise; its direction follows from the metric (``HIGHER_IS_BETTER``) and may be left out."""
 
     metric: Literal[OBJECTIVE_METRICS]
@@ -159,7 +117,7 @@ class Objective(_Strict):
         return data
 
 
-class SamplerSection(_Strict):
+class SamplerSection(Strict):
     type: Literal["tpe", "nsga2", "gp", "grid", "random", "one_at_a_time"] = Field(
         default="tpe",
         description=(
@@ -177,7 +135,7 @@ class SamplerSection(_Strict):
     )
 
 
-class WorkerSection(_Strict):
+class WorkerSection(Strict):
     count: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)
     num_gpus: float = Field(default=0.0, ge=0)
@@ -213,7 +171,7 @@ _MIN_DISTANCE = (
 )
 
 
-class ScreeningSection(_Strict):
+class ScreeningSection(Strict):
     """A cheap first stage: trials ranked by a reconstruction loss, nothing generated; the best are promoted."""
 
     trials: int = Field(default=0, ge=0, description="screening trials before the full ones (0: no screening)")
@@ -222,7 +180,7 @@ class ScreeningSection(_Strict):
     min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
 
 
-class TestSection(_Strict):
+class TestSection(Strict):
     """What the held-out test stage confirms (on ``data.test.samples`` samples per task)."""
 
     top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
@@ -261,7 +219,7 @@ class TestSection(_Strict):
         return ratios
 
 
-class TrackingSection(_Strict):
+class TrackingSection(Strict):
     tracking_uri: str = "http://127.0.0.1:5000"
     experiment: str = "grkv-sweeps"
     retries: int = Field(
@@ -278,7 +236,7 @@ class TrackingSection(_Strict):
     )
 
 
-class StorageSection(_Strict):
+class StorageSection(Strict):
     """Optuna storage (only the driver writes it) and the driver's own state directory."""
 
     url: str | None = Field(default=None, description="RDB URL (postgresql://...) or None for a journal file")
@@ -287,25 +245,7 @@ class StorageSection(_Strict):
     state_dir: str = str(GRKV_HOME / "sweeps")
 
 
-def _range_problem(param, spec: OptionSpec) -> str | None:
-    """Why a search-space parameter can propose a value its option does not accept, or None."""
-    if isinstance(param, CategoricalParam):
-        rejected = [choice for choice in param.choices if not spec.accepts(choice)]
-        return f"choice(s) {rejected} rejected: must be {spec.describe()}" if rejected else None
-    if spec.kind not in (int, float) or (isinstance(param, FloatParam) and spec.kind is int):
-        return f"type: {param.type} cannot set it: must be {spec.describe()} (use type: categorical)"
-    ends = [param.low, param.high, *([0.0] if isinstance(param, FloatParam) and param.include_zero else [])]
-    rejected = [end for end in ends if not spec.accepts(end)]
-    return f"bound(s) {rejected} rejected: must be {spec.describe()}" if rejected else None
-
-
-def can_fix(param, value) -> bool:
-    """Whether an enqueued trial (a baseline) can fix a searched parameter at ``value``: a categorical one only
-    at one of its choices; a numeric one at any number (outside its range Optuna warns and uses it)."""
-    return value in param.choices if isinstance(param, CategoricalParam) else is_number(value)
-
-
-class SweepConfig(_Strict):
+class SweepConfig(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
@@ -340,7 +280,7 @@ class SweepConfig(_Strict):
         if unknown:
             raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(SEARCHABLE_SPECS)}")
         for name, param in self.search_space.items():
-            problem = _range_problem(param, SEARCHABLE_SPECS[name])
+            problem = range_problem(param, SEARCHABLE_SPECS[name])
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
             if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):

@@ -9,7 +9,8 @@ import optuna
 
 from grkv_core.config import PressConfig
 from grkv_core.options import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS
-from sweeps.config import FloatParam, IntParam, SweepConfig, can_fix
+from sweeps.config import SweepConfig
+from sweeps.params import FloatParam, IntParam, can_fix
 from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
 
 # The paper's Alg. 1 where it departs from GRKVPress's defaults (no safeguard, the key step to convergence).
