@@ -14,19 +14,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from mlflow.entities import ViewType
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUESTION_AGNOSTIC
-from tracking.mlflow_tracker import SAMPLE_FIELDS
+from tracking.reports.predictions import PREDICTION_COLUMNS, load_predictions
 from workers.names import (
     BASELINE_TAG,
     FULL_STAGE,
@@ -47,9 +44,6 @@ from workers.names import (
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 SCORE_PREFIX = "score."
-PREDICTIONS_ARTIFACT = "predictions.json"
-# NOTE: a row is one (sample, question), or one sample where nothing was decoded; its SAMPLE_FIELDS are the sample's.
-PREDICTION_COLUMNS = ["run_id", "sample_id", "task", "question", "score", *SAMPLE_FIELDS]
 # A test-stage run of a baseline at another budget than the sweep's names it "eviction_only@0.88".
 BUDGET_SEPARATOR = "@"
 _PAGE = 1000
@@ -404,40 +398,6 @@ def _confirming(test_trials: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame
     test_trials["baseline"] = pd.Series(baselines, index=test_trials.index, dtype=object)
     test_trials["configuration"] = pd.Series(configurations, index=test_trials.index, dtype=object)
     return test_trials
-
-
-def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str], stage: str) -> pd.DataFrame:
-    """The per-question rows of each run's ``predictions.json`` (``PREDICTION_COLUMNS``; a key an older artifact
-    lacks reads NaN).
-
-    Runs without the artifact add no rows and one note (naming ``stage``) between them.
-    """
-    frames, missing = [], []
-    with tempfile.TemporaryDirectory() as folder:
-        for run_id in run_ids:
-            try:
-                path = client.download_artifacts(run_id, PREDICTIONS_ARTIFACT, str(Path(folder) / run_id))
-            except (MlflowException, OSError):
-                missing.append(run_id)
-                continue
-            rows = json.loads(Path(path).read_text())
-            frames.append(pd.DataFrame(rows).assign(run_id=run_id).reindex(columns=PREDICTION_COLUMNS))
-    if missing:
-        notes.append(
-            f"{len(missing)} {stage} run(s) have no {PREDICTIONS_ARTIFACT} (e.g. run {missing[0]}); "
-            "their samples cannot be paired"
-        )
-    if not frames:
-        return pd.DataFrame(columns=PREDICTION_COLUMNS)
-    return _typed_predictions(pd.concat(frames, ignore_index=True))
-
-
-def _typed_predictions(rows: pd.DataFrame) -> pd.DataFrame:
-    """Numbers as floats (None -> NaN) and ``answer_in_window`` as a nullable boolean."""
-    numeric = ["score", *(name for name in SAMPLE_FIELDS if name != "answer_in_window")]
-    rows[numeric] = rows[numeric].apply(pd.to_numeric, errors="coerce").astype(float)
-    rows["answer_in_window"] = rows["answer_in_window"].astype("boolean")
-    return rows
 
 
 def _trial_row(run, stage: str) -> dict:
