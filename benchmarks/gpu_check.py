@@ -39,9 +39,7 @@ import os
 import platform
 import statistics
 import sys
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import transformers
+from gpu_measure import Report, Stopwatch, profiled_prefill
 from prefill_cost import timed_hook
 from prefill_ops import CountedOperations
 from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
-from torch.profiler import ProfilerActivity
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grkv_core.config import EvalConfig, PressConfig
@@ -95,56 +93,6 @@ PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 REPLAY_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%
 STRATIFIED_M = 128  # the stratified policy's m in the prefill section (the research's best configuration's)
-# The CUDA runtime calls that make the host wait for the device (``torch.profiler``'s CPU events).
-SYNCHRONISING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-@dataclass
-class Report:
-    """What the check found: one list of rows per section, and the problems that make it fail."""
-
-    device: str
-    settings: dict
-    sections: dict[str, list[dict]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    def add(self, section: str, row: dict) -> None:
-        self.sections.setdefault(section, []).append(row)
-        print(f"[{section}] " + "  ".join(f"{key}={_text(value)}" for key, value in row.items()), flush=True)
-
-    def markdown(self) -> str:
-        lines = [f"# GRKV GPU check on {self.device}", "", "```", json.dumps(self.settings, indent=1), "```"]
-        for section, rows in self.sections.items():
-            columns = list(dict.fromkeys(key for row in rows for key in row))
-            lines += ["", f"## {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            lines += ["| " + " | ".join(_text(row.get(column, "")) for column in columns) + " |" for row in rows]
-        lines += ["", "problems: " + ("; ".join(self.problems) if self.problems else "none")]
-        return "\n".join(lines) + "\n"
-
-
-def _text(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-class Stopwatch:
-    """Milliseconds of the work inside ``timed()``: CUDA events on a GPU, the wall clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    @contextmanager
-    def timed(self, into: list[float]):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            torch.cuda.synchronize()
-            into.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            yield
-            into.append(1000 * (time.perf_counter() - started))
 
 
 def parity(report: Report, device: torch.device, tiny: bool) -> None:
@@ -318,23 +266,6 @@ def prefill_costs(
                         "decode ms/token": statistics.median(decode_ms[name]),
                     },
                 )
-
-
-def profiled_prefill(model, ids: torch.Tensor, press, device: torch.device) -> tuple[int, float, int]:
-    """(kernels launched, their ms on the device, host synchronisations) of one prefill under ``torch.profiler``
-    (zeros on the CPU, which launches no kernels); a warm-up prefill runs first, unprofiled (so a CUDA graph is
-    captured before, and replayed inside)."""
-    prefill(model, ids, press)
-    if device.type != "cuda":
-        return 0, 0.0, 0
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        prefill(model, ids, press)
-        torch.cuda.synchronize()
-    events = profiler.events()
-    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
-    synchronisations = sum(event.name in SYNCHRONISING_CALLS for event in events)
-    return len(kernels), sum(event.device_time_total for event in kernels) / 1000, synchronisations
 
 
 def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:

@@ -84,3 +84,9 @@ def test_every_third_party_import_is_declared():
         if not {_distribution(name) for name in providers.get(module, [])} & declared
     }
     assert undeclared == {}
+
+
+def test_no_source_module_is_over_450_lines():
+    modules = [path for package in (*PACKAGES, "benchmarks") for path in (REPO / package).rglob("*.py")]
+    long = {str(path.relative_to(REPO)): n for path in modules if (n := len(path.read_text().splitlines())) > 450}
+    assert long == {}
