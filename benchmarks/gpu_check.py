@@ -107,25 +107,21 @@ def parity(report: Report, device: torch.device, tiny: bool) -> None:
     options = dict(lambda_k=0.05, lambda_v=1e-2, steps=2, query_positions=positions)
     for dtype in (torch.float32, torch.bfloat16):
         cache = [tensor.to(dtype) for tensor in (keys, values)]
-        fast = grkv_merge(
-            queries.to(device),
-            *(tensor.to(device) for tensor in cache),
-            kept.to(device),
-            fixed.to(device),
-            cg_max_iter=400,
-            cg_rtol=1e-7,
-            **{**options, "query_positions": positions.to(device)},
-        )
+
+        def merged_on_device():
+            return grkv_merge(
+                queries.to(device),
+                *(tensor.to(device) for tensor in cache),
+                kept.to(device),
+                fixed.to(device),
+                cg_max_iter=400,
+                cg_rtol=1e-7,
+                **{**options, "query_positions": positions.to(device)},
+            )
+
+        fast = merged_on_device()
         CAPTURED_SOLVES.enabled = False
-        eager = grkv_merge(
-            queries.to(device),
-            *(tensor.to(device) for tensor in cache),
-            kept.to(device),
-            fixed.to(device),
-            cg_max_iter=400,
-            cg_rtol=1e-7,
-            **{**options, "query_positions": positions.to(device)},
-        )
+        eager = merged_on_device()
         CAPTURED_SOLVES.enabled = True
         reference = grkv_merge_reference(
             queries.double(), *(tensor.double() for tensor in cache), kept, fixed, **options
