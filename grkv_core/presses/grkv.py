@@ -164,7 +164,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         kept_scores = selection.scores.gather(-1, kept).masked_fill_(not_candidate, float("-inf"))
         rank = kept_scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         n_top = ((kept.shape[-1] - not_candidate.sum(dim=-1, keepdim=True)) * self.beta).floor_()
-        return protected | (~not_candidate & (rank < n_top))
+        # NOTE: the protected rows are among the non-candidates, so a candidate is fixed by its rank alone.
+        return torch.where(not_candidate, protected, rank < n_top)
 
     def merge_selected(
         self, keys: torch.Tensor, values: torch.Tensor, selection: TokenSelection, context: WindowRegression
@@ -177,7 +178,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         """
         kept = selection.kept_positions()
         if context is None:
-            return gather_rows(keys, kept), gather_rows(values, kept)
+            return gather_rows(kept, keys, values)
         surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
         fixed = self._fixed(selection, kept)
         if self.accept != "always" and full_outputs is None:

@@ -44,6 +44,7 @@ from grkv_core.presses.selection import (
     unsupported_base_press_reason,
 )
 from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
+from grkv_core.solver.problem import gather_rows
 
 # kvpress's own merger: like ours, it keeps a ScorerPress's tokens and merges the evicted ones into them.
 KVPRESS_MERGERS = (KVPressMergingPress,)
@@ -260,8 +261,7 @@ class BaseMergerPress(ScorerPress):
             stacklevel=3,
         )
         if selection.uniform_budget is not None:
-            kept = selection.kept_positions()[..., None].expand(-1, -1, -1, keys.shape[-1])
-            keys, values = keys.gather(2, kept), values.gather(2, kept)
+            keys, values = gather_rows(selection.kept_positions(), keys, values)
         merged_keys[~finite] = keys[~finite].to(merged_keys.dtype)
         merged_values[~finite] = values[~finite].to(merged_values.dtype)
 

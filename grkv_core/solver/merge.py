@@ -10,7 +10,7 @@ import torch
 from grkv_core.options import SOLVER_OPTION_NAMES, SolverOptions
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.key_step import key_step
-from grkv_core.solver.problem import MergeProblem
+from grkv_core.solver.problem import MergeProblem, gather_rows
 from grkv_core.solver.regression import KeptRegression
 from grkv_core.solver.safeguard import safeguarded
 from grkv_core.solver.value_step import value_step
@@ -146,9 +146,9 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     # the fixed rows' zero terms last, which keeps results bit for bit where the free rows were once gathered.
     order = regression.fixed.flatten(0, 1).to(torch.uint8).argsort(dim=-1, stable=True)
     fixed = regression.fixed.flatten(0, 1).gather(-1, order)
-    rows = order.unsqueeze(-1).expand(-1, -1, head_dim)
-    evicted_keys = regression.kept_keys.flatten(0, 1).gather(1, rows)
-    evicted_values = regression.kept_values.flatten(0, 1).gather(1, rows)
+    evicted_keys, evicted_values = gather_rows(
+        order, regression.kept_keys.flatten(0, 1), regression.kept_values.flatten(0, 1)
+    )
 
     logit_mask = sees_nothing = None
     if regression.query_positions is not None:
@@ -225,12 +225,8 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     merged_keys = torch.where(head_ok[:, None, None], merged_keys, evicted_keys)
     merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
     counts = torch.stack([(~head_ok).sum(), stalled.sum(), fixed.all(dim=-1).sum()])
-    restore = order.argsort(dim=-1).unsqueeze(-1).expand(-1, -1, head_dim)
-    return (
-        merged_keys.gather(1, restore).view(batch, heads, budget, head_dim),
-        merged_values.gather(1, restore).view(batch, heads, budget, head_dim),
-        counts,
-    )
+    merged_keys, merged_values = gather_rows(order.argsort(dim=-1), merged_keys, merged_values)
+    return merged_keys.view(batch, heads, budget, head_dim), merged_values.view(batch, heads, budget, head_dim), counts
 
 
 class SolveIssues:
@@ -255,7 +251,7 @@ class SolveIssues:
         if self._counts is None:
             return 0, 0
         (non_finite, stalled, nothing_free), heads = self._counts.tolist(), self._heads
-        self.__init__()
+        self._counts, self._heads = None, 0
         if non_finite:
             warnings.warn(
                 f"grkv_merge: {non_finite} of {heads} (batch, head) pairs had non-finite inputs or results; "

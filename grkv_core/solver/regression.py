@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grkv_core.solver.attention import full_cache_outputs
+from grkv_core.solver.problem import gather_rows
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,12 @@ class KeptRegression:
         else:
             target = full_outputs.float()
         kept = kept.long()
-        rows = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        kept_keys, kept_values = gather_rows(kept, keys, values)
         return cls(
             queries=queries,
             target=target,
-            kept_keys=keys.gather(2, rows),
-            kept_values=values.gather(2, rows),
+            kept_keys=kept_keys,
+            kept_values=kept_values,
             kept=kept,
             fixed=fixed,
             query_positions=query_positions,
