@@ -75,7 +75,7 @@ class CountedOperations(TorchDispatchMode):
         counted = self
 
         def tolist(tensor):
-            counted.host_reads[_caller(sys._getframe(1))] += 1
+            counted.host_reads[_name(_nearest_library_frame(sys._getframe(1)))] += 1
             return counted._tolist(tensor)
 
         torch.Tensor.tolist = tolist
@@ -86,13 +86,11 @@ class CountedOperations(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        frame = sys._getframe(1)
-        caller = _caller(frame)
+        frame = _nearest_library_frame(sys._getframe(1))
+        caller = _name(frame)
         self.by_caller[caller] += 1
         if func.overloadpacket.__name__ in HOST_READS:
             self.host_reads[caller] += 1
-        while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
-            frame = frame.f_back
         if (
             frame is not None
             and any(part in frame.f_code.co_filename for part in MERGE_CODE)
@@ -103,10 +101,15 @@ class CountedOperations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _caller(frame) -> str:
-    """The nearest grkv_core or kvpress function on the stack from ``frame``, as "file.py:function" ("model": none)."""
+def _nearest_library_frame(frame):
+    """The nearest grkv_core or kvpress frame on the stack from ``frame`` (None: the model's own code)."""
     while frame is not None and not any(part in frame.f_code.co_filename for part in ("grkv_core", "kvpress")):
         frame = frame.f_back
+    return frame
+
+
+def _name(frame) -> str:
+    """A frame of ``_nearest_library_frame`` as "file.py:function" ("model": none)."""
     return "model" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_code.co_name}"
 
 
