@@ -87,6 +87,18 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def local_stack_ports() -> dict[str, str]:
+    """``infra/local/start.sh``'s port settings (its ``GRKV_*_PORT`` variables), each on a free port."""
+    names = (
+        "GRKV_RAY_PORT",
+        "GRKV_RAY_DASHBOARD_PORT",
+        "GRKV_RAY_CLIENT_PORT",
+        "GRKV_RAY_AGENT_PORT",
+        "GRKV_MLFLOW_PORT",
+    )
+    return dict(zip(names, map(str, free_ports(len(names)))))
+
+
 def assert_batch_elements_compressed_independently(model, ids, press, tolerance=2e-4):
     """Every batch element's compressed cache equals the one its own single-element prefill produces."""
     batched = prefill(model, ids, press)

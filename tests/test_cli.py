@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_ports
+from conftest import local_stack_ports
 
 from sweeps.cli import DEMO_CONFIG, build_service_parser, main
 from sweeps.entry_points import (
@@ -198,14 +198,7 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
     from grkv_core.registry import press_from_file
 
     state = tmp_path / "state"
-    names = (
-        "GRKV_RAY_PORT",
-        "GRKV_RAY_DASHBOARD_PORT",
-        "GRKV_RAY_CLIENT_PORT",
-        "GRKV_RAY_AGENT_PORT",
-        "GRKV_MLFLOW_PORT",
-    )
-    ports = dict(zip(names, map(str, free_ports(len(names)))))
+    ports = local_stack_ports()
     env = {**os.environ, **ports, "GRKV_RAY_CPUS": "2", "PYTHONPATH": str(REPO)}
     command = [
         sys.executable,

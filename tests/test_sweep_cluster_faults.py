@@ -16,7 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import free_ports
+from conftest import local_stack_ports
 from ray_stop import ray_stop
 from test_sweep_faults import (
     EXPERIMENT,
@@ -367,14 +367,7 @@ def test_ray_stop_under_grkv_sweep_stops_it_in_one_line_and_the_same_command_res
     in one line, exit 3, once the driver has ended with the cluster, with the runs the driver left RUNNING closed
     KILLED; the same command again restarts Ray and finishes the sweep with nothing lost."""
     stack_dir = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
-    names = (
-        "GRKV_RAY_PORT",
-        "GRKV_RAY_DASHBOARD_PORT",
-        "GRKV_RAY_CLIENT_PORT",
-        "GRKV_RAY_AGENT_PORT",
-        "GRKV_MLFLOW_PORT",
-    )
-    ports = dict(zip(names, free_ports(len(names))))
+    ports = local_stack_ports()
     # NOTE: PYTHONPATH: the console script runs this checkout, wherever the virtual environment was installed from
     env = child_env(GRKV_RAY_CPUS=2, GRKV_STOP_TIMEOUT=5, PYTHONPATH=REPO, **ports)
     tracking_uri = f"http://127.0.0.1:{ports['GRKV_MLFLOW_PORT']}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import free_ports
+from conftest import free_ports, local_stack_ports
 from mlflow.tracking import MlflowClient
 from test_sweep_service import (
     REPO,
@@ -446,14 +446,7 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
     leader left behind (what `ray stop` leaves), the driver stops in one line and re-queues its in-flight trials;
     start.sh sees a Ray that does not answer, restarts it, and the resume finishes the sweep."""
     state_root = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))  # short: Ray's socket paths
-    names = (
-        "GRKV_RAY_PORT",
-        "GRKV_RAY_DASHBOARD_PORT",
-        "GRKV_RAY_CLIENT_PORT",
-        "GRKV_RAY_AGENT_PORT",
-        "GRKV_MLFLOW_PORT",
-    )
-    ports = dict(zip(names, free_ports(len(names))))
+    ports = local_stack_ports()
     env = child_env(GRKV_STATE_DIR=state_root, GRKV_RAY_CPUS=2, GRKV_STOP_TIMEOUT=5, **ports)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300, capture_output=True)
     own = {

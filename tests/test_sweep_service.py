@@ -22,7 +22,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import free_ports
+from conftest import free_ports, local_stack_ports
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUERY_AWARE
@@ -80,14 +80,7 @@ def child_env(**extra) -> dict:
 @contextlib.contextmanager
 def local_stack(state: Path, **settings):
     """``infra/local/start.sh`` on free ports in ``state`` (more ``GRKV_*`` settings as keywords), stopped after."""
-    names = (
-        "GRKV_RAY_PORT",
-        "GRKV_RAY_DASHBOARD_PORT",
-        "GRKV_RAY_CLIENT_PORT",
-        "GRKV_RAY_AGENT_PORT",
-        "GRKV_MLFLOW_PORT",
-    )
-    ports = dict(zip(names, free_ports(len(names))))
+    ports = local_stack_ports()
     env = child_env(GRKV_STATE_DIR=state, GRKV_RAY_CPUS=2, **ports, **settings)
     subprocess.run(["bash", str(REPO / "infra/local/start.sh")], env=env, check=True, timeout=300)
     # A driver started directly (not through `ray job submit`) needs the variables the start script
