@@ -17,7 +17,7 @@ PAPER_WINDOW = 32
 
 COMPONENTS = ("kv", "k", "v")
 RIDGE_SCALES = ("absolute", "relative")
-QUERY_POLICIES = ("window", "stratified")
+QUERY_POLICIES = ("window", "stratified", "mixture", "expected")
 ACCEPT_RULES = ("always", "objective", "validation")
 HEAD_WEIGHTINGS = ("uniform", "o_proj")
 MERGED_LAYERS = ("all", "early", "late")
@@ -138,7 +138,9 @@ class GRKVOptions:
     query_policy: str = _option(
         "window",
         OptionSpec(
-            "surrogate queries: the last m prompt tokens (paper) or strata of the prompt (authors' code)",
+            "surrogate queries: the last m prompt tokens (paper), strata of the prompt (authors' code), half of each "
+            "('mixture'), or draws from the queries' mean and covariance at future positions ('expected', as kvpress's "
+            "ExpectedAttentionPress estimates them)",
             str,
             choices=QUERY_POLICIES,
         ),

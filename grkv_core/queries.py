@@ -25,7 +25,8 @@ class SurrogateQueries:
     positions : torch.Tensor or None
         (groups·m,) positions of the query rows for causal attention; None for non-causal policies.
     token_positions : torch.Tensor
-        (m,) the prompt positions whose hidden states produced the queries.
+        (m,) the prompt positions whose hidden states produced the rows (``"expected"``: the future positions the
+        draws are rotated to).
     loss_weight : float
         Per-row weight of the reconstruction term (the ridge terms are unweighted).
     """
@@ -54,14 +55,20 @@ def surrogate_queries(
     hidden_states : torch.Tensor
         (B, n, hidden) the layer's input over the whole prompt.
     position_embeddings : tuple of torch.Tensor
-        (cos, sin), each (B, n, d): the RoPE tables of the prompt positions.
-    policy : {"window", "stratified"}
+        (cos, sin), each (B, n, d): the RoPE tables of the prompt positions 0 … n − 1.
+    policy : {"window", "stratified", "mixture", "expected"}
         ``"window"`` (the paper): the last ``n_queries`` prompt tokens, RoPE at their true positions,
         causal. ``"stratified"`` (the authors' released code): ``n_queries`` tokens at the midpoints of
-        equal strata of the prompt, pre-RoPE queries rotated as if at the last position, non-causal,
-        each row weighted 6/``n_queries``.
+        equal strata of the prompt, pre-RoPE queries rotated as if at the last position, non-causal.
+        ``"mixture"``: the last ⌈m/2⌉ tokens as the window policy's, and ⌊m/2⌋ strata midpoints of the prompt
+        before them as the stratified policy's (which see every key). ``"expected"``: ``n_queries`` queries drawn
+        from the Gaussian that kvpress's ``ExpectedAttentionPress`` fits, the mean and covariance of the pre-RoPE
+        queries of the prompt after its first ``EXPECTED_SINKS`` tokens (at most ``EXPECTED_STATISTICS_TOKENS`` of
+        them, evenly strided), each draw rotated to one of the next ``EXPECTED_FUTURE_POSITIONS`` positions,
+        non-causal. Every policy but the window weights each row 6/``n_queries`` (the authors' code's weight for
+        its non-causal rows).
     n_queries : int
-        m, the number of prompt tokens used.
+        m, the number of query rows per query head (but for ``"expected"``, at most the prompt's length).
     window_projections : torch.Tensor, optional
         (B, m, H_q·d) the ``q_proj`` outputs of the window's tokens, kept from the prefill's own forward
         (window policy only): the queries are then built from them instead of projecting the hidden states
@@ -70,10 +77,10 @@ def surrogate_queries(
     if policy not in QUERY_POLICIES:
         raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {policy!r}")
     length = hidden_states.shape[1]
-    rows = _rope_rows(
+    rows = _policy_rows(
         position_embeddings,
         policy,
-        min(n_queries, length),
+        n_queries if policy == "expected" else min(n_queries, length),
         length,
         module.config.num_attention_heads // module.config.num_key_value_heads,
     )
@@ -86,6 +93,8 @@ def surrogate_queries(
     elif policy == "window":
         # NOTE: a slice (a view), not an index copy: the window is the prompt's last m tokens.
         queries = get_prerope_query_states(module, hidden_states[:, length - rows.token_positions.numel() :])
+    elif policy == "expected":
+        queries = _expected_draws(get_prerope_query_states(module, hidden_states[:, rows.statistics]), rows.draws)
     else:
         queries = get_prerope_query_states(module, hidden_states[:, rows.token_positions])
     # NOTE: RoPE as q·cos + rotate_half(q)·sin, with rotate_half(q)·sin = roll(q)·sin' (sin' the sine with its first
@@ -100,45 +109,120 @@ def surrogate_queries(
     )
 
 
+# The expected policy's statistics and future positions: kvpress's ExpectedAttentionPress's defaults (its n_sink and
+# n_future_positions); its statistics read every prompt token, these at most 1,024 of them, evenly strided.
+EXPECTED_SINKS = 4
+EXPECTED_FUTURE_POSITIONS = 512
+EXPECTED_STATISTICS_TOKENS = 1024
+EXPECTED_DRAWS_SEED = 0
+
+
+def _expected_draws(statistics_queries: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """(B, H_q, N, d) pre-RoPE queries -> (B, H_q, m, d) draws from the Gaussian of their mean and covariance.
+
+    NOTE: with the centred queries X (N, d) per head, μ + Xᵀw/√N for w ~ N(0, I_N) has mean μ and covariance
+    XᵀX/N, the queries' own: no factorisation of the covariance, one matmul.
+    """
+    mean = statistics_queries.mean(dim=2, keepdim=True)
+    return mean + draws.to(statistics_queries.dtype) @ (statistics_queries - mean)
+
+
 @dataclass(frozen=True)
-class _RopeRows:
-    """The rows of the RoPE tables and the positions that one prefill's surrogate queries share across layers."""
+class _PolicyRows:
+    """What one prefill's surrogate queries share across layers: the rows of the RoPE tables, the positions, and
+    (expected policy) the tokens whose queries give the statistics and the standard normal draws."""
 
     cos: torch.Tensor  # (B, 1, m, d)
     signed_sin: torch.Tensor  # (B, 1, m, d), the first half negated
-    token_positions: torch.Tensor  # (m,)
+    token_positions: torch.Tensor  # (m,) the prompt positions of the rows' tokens (expected: the future positions)
     positions: torch.Tensor | None  # (groups·m,) or None (non-causal)
+    statistics: slice | None = None  # the prompt positions whose queries give the expected policy's statistics
+    draws: torch.Tensor | None = None  # (m, N) ``standard_draws``
 
 
 # NOTE: every layer of a prefill receives the same (cos, sin) tensors, so the rows built for the first layer serve the
 # rest: one entry, keyed by those tensors' identity (and the policy's shape), replaced at the next prefill. Every
 # layer then also shares one ``positions`` tensor, which lets ``KeptRegression.stacks_with`` see them equal without
 # reading them.
-_LAST_ROPE_ROWS: list = [None, None]
+_LAST_POLICY_ROWS: list = [None, None]
 
 
-def _rope_rows(
+def _policy_rows(
     position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int, groups: int
-) -> _RopeRows:
+) -> _PolicyRows:
     cos, sin = position_embeddings
     key = (policy, m, length, groups)
-    cached_key, cached = _LAST_ROPE_ROWS
+    cached_key, cached = _LAST_POLICY_ROWS
     if cached_key is not None and cached_key[0] is cos and cached_key[1] is sin and cached_key[2:] == key:
         return cached
     device = cos.device
+    last = length - 1
+    statistics = draws = None
     if policy == "window":
         token_positions = torch.arange(length - m, length, device=device)
         cos_rows, sin_rows = cos[:, length - m :], sin[:, length - m :]
         positions = token_positions.repeat(groups)
-    else:
-        token_positions = ((torch.arange(m, device=device) * 2 + 1) * length) // (2 * m)
-        cos_rows, sin_rows = cos[:, length - 1 :].expand(-1, m, -1), sin[:, length - 1 :].expand(-1, m, -1)
+    elif policy == "stratified":
+        token_positions = _strata_midpoints(m, length, device)
+        cos_rows, sin_rows = cos[:, last:].expand(-1, m, -1), sin[:, last:].expand(-1, m, -1)
         positions = None
+    elif policy == "mixture":
+        window, strata = (m + 1) // 2, m // 2
+        token_positions = torch.cat(
+            [torch.arange(length - window, length, device=device), _strata_midpoints(strata, length - window, device)]
+        )
+        cos_rows = torch.cat([cos[:, length - window :], cos[:, last:].expand(-1, strata, -1)], dim=1)
+        sin_rows = torch.cat([sin[:, length - window :], sin[:, last:].expand(-1, strata, -1)], dim=1)
+        # NOTE: a stratum's row sits at the last position, so the causal mask lets it see every key.
+        positions = torch.cat([token_positions[:window], torch.full((strata,), last, device=device)]).repeat(groups)
+    else:
+        offsets = _future_offsets(m, length)
+        token_positions = last + offsets.to(device)
+        cos_rows, sin_rows = _rotation_sum(cos, sin, last, offsets.to(device))
+        positions = None
+        skipped = min(EXPECTED_SINKS, length - 1)
+        statistics = slice(skipped, length, max(1, (length - skipped) // EXPECTED_STATISTICS_TOKENS))
+        tokens = len(range(length)[statistics])
+        draws = standard_draws(m, tokens).to(device)
     half = sin_rows.shape[-1] // 2
     signed_sin = torch.cat([-sin_rows[..., :half], sin_rows[..., half:]], dim=-1)
-    rows = _RopeRows(cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions)
-    _LAST_ROPE_ROWS[:] = [(cos, sin, *key), rows]
+    rows = _PolicyRows(cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions, statistics, draws)
+    _LAST_POLICY_ROWS[:] = [(cos, sin, *key), rows]
     return rows
+
+
+def standard_draws(m: int, tokens: int) -> torch.Tensor:
+    """(m, ``tokens``) the expected policy's fixed weights, N(0, 1/``tokens``) each (``EXPECTED_DRAWS_SEED``): the
+    same draws at every layer and prefill, so a merge is reproducible."""
+    generator = torch.Generator().manual_seed(EXPECTED_DRAWS_SEED)
+    return torch.randn(m, tokens, generator=generator) / tokens**0.5
+
+
+def _strata_midpoints(count: int, length: int, device: torch.device) -> torch.Tensor:
+    """(count,) the midpoints of ``count`` equal strata of positions 0 … ``length`` − 1."""
+    return ((torch.arange(count, device=device) * 2 + 1) * length) // (2 * count)
+
+
+def _future_offsets(m: int, length: int) -> torch.Tensor:
+    """(m,) offsets in 1 … min(``EXPECTED_FUTURE_POSITIONS``, ``length`` − 1), spread evenly: how far past the
+    prompt's last position each expected draw is rotated (the offset's RoPE row must lie in the prompt's table)."""
+    future = max(1, min(EXPECTED_FUTURE_POSITIONS, length - 1))
+    return ((torch.arange(m) + 1) * future + m - 1) // m
+
+
+def _rotation_sum(
+    cos: torch.Tensor, sin: torch.Tensor, position: int, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, m, d) cos and sin of the RoPE angles of ``position`` + ``offsets``, from the table rows of both terms:
+    cos(a + b) = cos a cos b − sin a sin b, sin(a + b) = sin a cos b + cos a sin b.
+
+    NOTE: the tables hold s·cos and s·sin (s the RoPE type's attention scaling, 1 but for YaRN-like types), so the
+    products hold s²; row 0 (position 0) holds s itself, which divides them back.
+    """
+    cos_a, sin_a = cos[:, position : position + 1], sin[:, position : position + 1]
+    cos_b, sin_b = cos[:, offsets], sin[:, offsets]
+    scaling = cos[:, :1, :1]
+    return (cos_a * cos_b - sin_a * sin_b) / scaling, (sin_a * cos_b + cos_a * sin_b) / scaling
 
 
 def _prerope_from_projections(module: nn.Module, projections: torch.Tensor) -> torch.Tensor:

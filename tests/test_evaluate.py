@@ -310,7 +310,8 @@ def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None
 
 
-def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path):
+@pytest.mark.parametrize("only_variants", [False, True])
+def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path, only_variants):
     result = subprocess.run(
         [
             GRKV,
@@ -330,6 +331,7 @@ def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path):
             "--merge-variant",
             "grv=grkv:components=v",
             "--no-progress",
+            *(["--only-variants"] if only_variants else []),
         ],
         cwd=REPO,
         capture_output=True,
@@ -338,9 +340,9 @@ def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     names = {path.stem for path in tmp_path.glob("*.json")}
-    assert names == {"full", "snapkv-25pct", "snapkv-25pct+grkv", "snapkv-25pct+grv"}
+    assert names == {"full", "snapkv-25pct", "snapkv-25pct+grv"} | (set() if only_variants else {"snapkv-25pct+grkv"})
     losses = {
         name: json.loads((tmp_path / f"{name}.json").read_text())["summary"]["costs"]["window_loss"] for name in names
     }
-    assert losses["full"] == 0 and losses["snapkv-25pct+grkv"] < losses["snapkv-25pct"]
+    assert losses["full"] == 0 and losses["snapkv-25pct+grv"] < losses["snapkv-25pct"]
     assert (tmp_path / "table.md").read_text().splitlines()[2].startswith("full")

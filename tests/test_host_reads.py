@@ -22,6 +22,8 @@ from prefill_ops import CountedOperations  # noqa: E402
 SEARCHED = [
     {},
     {"query_policy": "stratified", "window_size": 16},
+    {"query_policy": "mixture", "window_size": 16},
+    {"query_policy": "expected", "window_size": 16},
     {"max_rel_update_k": 0.025, "max_rel_update_v": 0.1},
     {"accept": "objective"},
     {"accept": "validation"},

@@ -166,6 +166,8 @@ def test_batch_elements_are_compressed_independently(architecture):
         dict(steps=3),
         dict(lambda_k=0.0, lambda_v=0.0),
         dict(query_policy="stratified"),
+        dict(query_policy="mixture", window_size=9),
+        dict(query_policy="expected", window_size=64),
         dict(max_rel_update_k=0.025, max_rel_update_v=0.1),
         dict(accept="objective"),
         dict(accept="validation"),

@@ -1,0 +1,129 @@
+"""The surrogate-query policies (``grkv_core.queries``) against a float64 reference that writes each policy's rows out
+position by position and rotates them with the model's own rotary embedding at those positions."""
+
+import copy
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from conftest import tiny_model
+from kvpress.utils import get_prerope_query_states
+from transformers.models.llama.modeling_llama import rotate_half
+
+from grkv_core.evaluation.generation import prefill
+from grkv_core.options import QUERY_POLICIES
+from grkv_core.queries import (
+    EXPECTED_FUTURE_POSITIONS,
+    EXPECTED_SINKS,
+    EXPECTED_STATISTICS_TOKENS,
+    standard_draws,
+    surrogate_queries,
+)
+
+LENGTH = 150
+
+
+def layer_inputs(architecture, length=LENGTH, seed=0):
+    """A tiny model's first attention layer and its prefill inputs: (model, module, hidden states, (cos, sin))."""
+    model = tiny_model(architecture).model
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
+    captured = {}
+
+    def hook(module, args, kwargs, output):
+        captured.update(hidden_states=kwargs["hidden_states"], position_embeddings=kwargs["position_embeddings"])
+
+    module = model.model.layers[0].self_attn
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        prefill(model, ids)
+    finally:
+        handle.remove()
+    return model, module, captured["hidden_states"], captured["position_embeddings"]
+
+
+def reference_rows(policy, m, length):
+    """The policy's rows written out: [(token or None, position rotated to, causal position or None)], and for
+    ``"expected"`` the statistics tokens."""
+    last = length - 1
+    if policy == "window":
+        return [(t, t, t) for t in range(length - m, length)], None
+    if policy == "stratified":
+        return [(((2 * i + 1) * length) // (2 * m), last, None) for i in range(m)], None
+    if policy == "mixture":
+        window, strata = math.ceil(m / 2), m // 2
+        before = length - window
+        rows = [(t, t, t) for t in range(before, length)]
+        return rows + [(((2 * i + 1) * before) // (2 * strata), last, last) for i in range(strata)], None
+    future = min(EXPECTED_FUTURE_POSITIONS, length - 1)
+    offsets = [math.ceil((j + 1) * future / m) for j in range(m)]
+    stride = max(1, (length - EXPECTED_SINKS) // EXPECTED_STATISTICS_TOKENS)
+    return [(None, last + offset, None) for offset in offsets], list(range(EXPECTED_SINKS, length, stride))
+
+
+def reference_queries(model, module, hidden_states, policy, m):
+    """(B, H_kv, groups·m, d) float64 queries, (groups·m,) causal positions or None, the rows' loss weight."""
+    module64 = copy.deepcopy(module).double()
+    rotary = copy.deepcopy(model.model.rotary_emb).double()
+    hidden64 = hidden_states.double()
+    rows, statistics = reference_rows(policy, m, hidden_states.shape[1])
+    if statistics is None:
+        pre = get_prerope_query_states(module64, hidden64[:, [token for token, _, _ in rows]])
+    else:
+        queries = get_prerope_query_states(module64, hidden64[:, statistics])
+        mean = queries.mean(dim=2, keepdim=True)
+        pre = mean + standard_draws(m, len(statistics)).double() @ (queries - mean)
+    rotated_to = torch.tensor([[position for _, position, _ in rows]])
+    cos, sin = rotary(hidden64, rotated_to)
+    post = pre * cos[:, None] + rotate_half(pre) * sin[:, None]
+    groups = module.config.num_attention_heads // module.config.num_key_value_heads
+    stacked = post.reshape(post.shape[0], module.config.num_key_value_heads, groups * m, -1)
+    causal = [position for _, _, position in rows]
+    positions = None if causal[0] is None else torch.tensor(causal * groups)
+    return stacked, positions, 1.0 if policy == "window" else 6.0 / m
+
+
+@pytest.mark.parametrize("architecture", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("policy", QUERY_POLICIES)
+@pytest.mark.parametrize("m", [1, 7, 32])
+def test_each_policy_matches_its_float64_reference(architecture, policy, m):
+    model, module, hidden_states, position_embeddings = layer_inputs(architecture)
+    got = surrogate_queries(module, hidden_states, position_embeddings, policy=policy, n_queries=m)
+    want, positions, loss_weight = reference_queries(model, module, hidden_states, policy, m)
+    torch.testing.assert_close(got.queries.double(), want, rtol=1e-4, atol=1e-5)
+    if positions is None:
+        assert got.positions is None
+    else:
+        assert torch.equal(got.positions.cpu(), positions)
+    assert got.loss_weight == loss_weight
+    assert got.token_positions.numel() == m
+
+
+@pytest.mark.parametrize("length,m", [(40, 100), (2 * EXPECTED_STATISTICS_TOKENS + 60, 16)])
+def test_the_expected_policy_draws_as_many_queries_as_asked_from_strided_statistics(length, m):
+    # NOTE: 100 draws from a 40-token prompt (more than its length, rotated up to 39 positions past it), and a prompt
+    # long enough that the statistics take every second token.
+    model, module, hidden_states, position_embeddings = layer_inputs("tiny-llama", length=length)
+    got = surrogate_queries(module, hidden_states, position_embeddings, policy="expected", n_queries=m)
+    want, _, _ = reference_queries(model, module, hidden_states, "expected", m)
+    # NOTE: float32 RoPE tables round the angle p·θ to about p·2⁻²⁴ radians: past 2,000 positions, 1e-4 of |q|.
+    torch.testing.assert_close(got.queries.double(), want, rtol=1e-4, atol=1e-5 * max(1, length / 400))
+    future = min(EXPECTED_FUTURE_POSITIONS, length - 1)
+    assert got.token_positions.min() == length - 1 + math.ceil(future / m)
+    assert got.token_positions.max() == length - 1 + future
+
+
+def test_the_expected_draws_have_the_statistics_queries_mean_and_covariance():
+    from grkv_core.queries import _expected_draws
+
+    statistics = torch.randn(1, 2, 50, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    statistics = statistics * torch.tensor([3.0, 1.0, 0.5, 0.1], dtype=torch.float64) + 2.0
+    draws = _expected_draws(statistics, standard_draws(200_000, 50).double())
+    mean = statistics.mean(dim=2)
+    centred = statistics - mean[:, :, None]
+    covariance = centred.transpose(-1, -2) @ centred / 50
+    torch.testing.assert_close(draws.mean(dim=2), mean, atol=0.03, rtol=0)
+    drawn = draws - draws.mean(dim=2, keepdim=True)
+    torch.testing.assert_close(drawn.transpose(-1, -2) @ drawn / draws.shape[2], covariance, atol=0.1, rtol=0.02)
