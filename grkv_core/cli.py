@@ -240,8 +240,7 @@ def cmd_compare(args) -> int:
     variants = [parse_merge_variant(text) for text in args.merge_variant]
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
-        if not args.only_variants:
-            configs.append(_config(args, args.press, ratio, "grkv", {}))
+        configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", {})])
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
     names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
@@ -366,11 +365,7 @@ def _add_library_commands(commands) -> None:
         metavar="NAME=MERGE[:k=v,...]",
         help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective",
     )
-    compare.add_argument(
-        "--only-variants",
-        action="store_true",
-        help="no row of the press + GRKV's defaults: only the --merge-variant rows beside the full cache and the press",
-    )
+    compare.add_argument("--only-variants", action="store_true", help="no row of the press + GRKV's defaults")
     compare.add_argument("--output-dir", default="outputs/compare")
     _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)

@@ -181,7 +181,7 @@ def _policy_rows(
         cos_rows, sin_rows = _rotation_sum(cos, sin, last, offsets.to(device))
         positions = None
         skipped = min(EXPECTED_SINKS, length - 1)
-        statistics = slice(skipped, length, max(1, (length - skipped) // EXPECTED_STATISTICS_TOKENS))
+        statistics = slice(skipped, length, -(-(length - skipped) // EXPECTED_STATISTICS_TOKENS))
         tokens = len(range(length)[statistics])
         draws = standard_draws(m, tokens).to(device)
     half = sin_rows.shape[-1] // 2

@@ -59,8 +59,10 @@ def reference_rows(policy, m, length):
         return rows + [(((2 * i + 1) * before) // (2 * strata), last, last) for i in range(strata)], None
     future = min(EXPECTED_FUTURE_POSITIONS, length - 1)
     offsets = [math.ceil((j + 1) * future / m) for j in range(m)]
-    stride = max(1, (length - EXPECTED_SINKS) // EXPECTED_STATISTICS_TOKENS)
-    return [(None, last + offset, None) for offset in offsets], list(range(EXPECTED_SINKS, length, stride))
+    stride = math.ceil((length - EXPECTED_SINKS) / EXPECTED_STATISTICS_TOKENS)
+    statistics = list(range(EXPECTED_SINKS, length, stride))
+    assert len(statistics) <= EXPECTED_STATISTICS_TOKENS
+    return [(None, last + offset, None) for offset in offsets], statistics
 
 
 def reference_queries(model, module, hidden_states, policy, m):
@@ -104,7 +106,7 @@ def test_each_policy_matches_its_float64_reference(architecture, policy, m):
 @pytest.mark.parametrize("length,m", [(40, 100), (2 * EXPECTED_STATISTICS_TOKENS + 60, 16)])
 def test_the_expected_policy_draws_as_many_queries_as_asked_from_strided_statistics(length, m):
     # NOTE: 100 draws from a 40-token prompt (more than its length, rotated up to 39 positions past it), and a prompt
-    # long enough that the statistics take every second token.
+    # long enough that the statistics take every third token.
     model, module, hidden_states, position_embeddings = layer_inputs("tiny-llama", length=length)
     got = surrogate_queries(module, hidden_states, position_embeddings, policy="expected", n_queries=m)
     want, _, _ = reference_queries(model, module, hidden_states, "expected", m)
