@@ -35,7 +35,7 @@ PROTOCOLS = ("query_aware", "question_agnostic")
 
 
 @dataclass(frozen=True)
-class Test:
+class PairedTest:
     """One candidate's paired comparison with the base press in one cell, on one metric."""
 
     cell: str
@@ -62,7 +62,7 @@ def by_sample(path: Path) -> dict[str, dict]:
     return {row["sample_id"]: row for row in json.loads(path.read_text())["samples"]}
 
 
-def cell_tests(cell: str, base: dict[str, dict], candidate: dict[str, dict]) -> list[Test]:
+def cell_tests(cell: str, base: dict[str, dict], candidate: dict[str, dict]) -> list[PairedTest]:
     tests = []
     for metric in METRICS:
         differences = [
@@ -73,7 +73,7 @@ def cell_tests(cell: str, base: dict[str, dict], candidate: dict[str, dict]) -> 
         if differences:
             ci = paired_bootstrap_ci(differences)
             p = sign_flip_test(differences, n_resamples=SIGN_FLIP_RESAMPLES)
-            tests.append(Test(cell, metric, len(differences), ci.estimate, ci.low, ci.high, p))
+            tests.append(PairedTest(cell, metric, len(differences), ci.estimate, ci.low, ci.high, p))
     return tests
 
 
@@ -86,7 +86,7 @@ class Standing:
     """A candidate over every cell: its Holm-adjusted tests and what the rule reads from them."""
 
     name: str
-    tests: list[Test]
+    tests: list[PairedTest]
     cost: float  # median prefill ratio to the base press over all cells' samples
 
     def worse_cells(self) -> set[str]:
@@ -101,9 +101,11 @@ class Standing:
         return -sum(nll) / len(nll)
 
 
-def standing(name: str, tests: list[Test], cost: float) -> Standing:
+def standing(name: str, tests: list[PairedTest], cost: float) -> Standing:
     adjusted = holm([t.p for t in tests])
-    return Standing(name, [Test(**{**t.__dict__, "holm_p": p}) for t, p in zip(tests, adjusted, strict=True)], cost)
+    return Standing(
+        name, [PairedTest(**{**t.__dict__, "holm_p": p}) for t, p in zip(tests, adjusted, strict=True)], cost
+    )
 
 
 def choose(standings: list[Standing], cells: int) -> tuple[Standing, str]:
@@ -121,9 +123,9 @@ def choose(standings: list[Standing], cells: int) -> tuple[Standing, str]:
     return pick, "no candidate is harmless; the one worse in the fewest cells"
 
 
-def read_cells(root: Path) -> tuple[dict[str, dict[str, list[Test]]], dict[str, list[float]], dict[str, int]]:
+def read_cells(root: Path) -> tuple[dict[str, dict[str, list[PairedTest]]], dict[str, list[float]], dict[str, int]]:
     """{candidate: {cell: tests}}, {candidate: per-cell prefill ratios}, {cell: samples missing}."""
-    tests: dict[str, dict[str, list[Test]]] = {}
+    tests: dict[str, dict[str, list[PairedTest]]] = {}
     costs: dict[str, list[float]] = {}
     missing: dict[str, int] = {}
     for model, wanted in SAMPLES_PER_CELL.items():

@@ -12,7 +12,6 @@ base="lambda_k=0.01,lambda_v=0.01,beta=0.1,safeguard=true,cg_max_iter=4,cg_rtol=
 base="$base,max_rel_update_v=null,head_weighting=uniform,query_policy=window,window_size=32"
 candidates=(
   "window32=grkv:$base"
-  "paper=grkv:$base,safeguard=false,cg_max_iter=200,cg_rtol=1e-7"
   "lambda1=grkv:$base,lambda_k=1,lambda_v=1"
   "stratified64=grkv:$base,query_policy=stratified,window_size=64"
   "stratified128=grkv:$base,query_policy=stratified,window_size=128"
