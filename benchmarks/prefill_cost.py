@@ -36,7 +36,7 @@ import torch
 import transformers
 from solver_cost import HEAP_SETTINGS, heap_preparation
 
-from grkv_core.cli import parse_merge_variant
+from grkv_core.config import parse_merge_variant
 from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.evaluation.generation import prefill
 from grkv_core.models import load_model

@@ -25,8 +25,9 @@ from grkv_core.config import (
     QUESTION_AGNOSTIC,
     SEARCHABLE_SPECS,
     PressConfig,
+    parse_merge_variant,
 )
-from grkv_core.options import MERGER_OPTION_NAMES, MERGER_OPTION_SPECS, MERGER_OPTIONS, mergers_taking
+from grkv_core.options import GRKV_PRESETS, MERGER_OPTION_NAMES, MERGER_OPTION_SPECS, MERGER_OPTIONS, mergers_taking
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
@@ -85,6 +86,11 @@ def _add_merger_options(parser: argparse.ArgumentParser) -> None:
     """One flag per merger option, derived from its spec; it applies to the --merge that takes it, and an option left
     out keeps the merger's default."""
     group = parser.add_argument_group("merger options (each with a --merge that takes it)")
+    group.add_argument(
+        "--preset",
+        choices=sorted(GRKV_PRESETS),
+        help="GRKV's options of a preset ('paper': Alg. 1; implies --merge grkv), which flags override",
+    )
     for name in MERGER_OPTION_NAMES:
         spec = SEARCHABLE_SPECS[name]
         described = []
@@ -133,32 +139,17 @@ def _given_merge_options(args) -> dict:
 
 
 def _merge_options(args, merge: str) -> dict:
-    """The merger options given as flags, each one ``merge`` takes (a ValueError names any it does not)."""
+    """The merger options given as flags over the ``--preset``'s, each one ``merge`` takes (a ValueError names any it
+    does not)."""
     given = _given_merge_options(args)
     foreign = [name for name in given if name not in MERGER_OPTION_SPECS[merge]]
     if foreign:
         flags = " ".join("--" + name.replace("_", "-") for name in foreign)
         owners = sorted({owner for name in foreign for owner in mergers_taking(name)})
         raise ValueError(f"--merge {merge} takes no {flags} (options of {', '.join(owners)})")
-    return given
-
-
-def parse_merge_variant(text: str) -> tuple[str, str, dict]:
-    """``NAME=MERGE[:key=value,...]`` -> (name, merger, options); values parsed as JSON where they can be."""
-    name, _, spec = text.partition("=")
-    merge, _, option_text = spec.partition(":")
-    if not name or not merge:
-        raise ValueError(f"--merge-variant {text!r}: expected NAME=MERGE[:key=value,...]")
-    options = {}
-    for item in filter(None, option_text.split(",")):
-        key, separator, value = item.partition("=")
-        if not separator:
-            raise ValueError(f"--merge-variant {text!r}: option {item!r} is not key=value")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return name, merge, options
+    if args.preset and merge != "grkv":
+        raise ValueError(f"--preset {args.preset} is a set of GRKV's options; --merge {merge} takes none")
+    return {**GRKV_PRESETS[args.preset], **given} if args.preset else given
 
 
 def _config(
@@ -196,6 +187,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         "--press": args.press,
         "--compression-ratio": args.compression_ratio,
         "--merge": args.merge,
+        "--preset": args.preset,
         **{"--" + name.replace("_", "-"): value for name, value in _given_merge_options(args).items()},
     }
     if args.press_config:
@@ -205,7 +197,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         from grkv_core.registry import load_press_file
 
         return load_press_file(args.press_config)
-    merge = args.merge or PRESS_DEFAULTS.merge
+    merge = args.merge or ("grkv" if args.preset else PRESS_DEFAULTS.merge)
     return PressConfig(
         args.press or PRESS_DEFAULTS.press,
         PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,

@@ -12,6 +12,7 @@ parsing a command line stays instant; presses are built from a ``PressConfig`` b
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -166,3 +167,21 @@ class EvalConfig:
         key.pop("samples")
         key["tasks"] = list(key["tasks"]) if key["tasks"] is not None else None
         return key
+
+
+def parse_merge_variant(text: str) -> tuple[str, str, dict]:
+    """``NAME=MERGE[:key=value,...]`` -> (name, merger, options); values parsed as JSON where they can be."""
+    name, _, spec = text.partition("=")
+    merge, _, option_text = spec.partition(":")
+    if not name or not merge:
+        raise ValueError(f"--merge-variant {text!r}: expected NAME=MERGE[:key=value,...]")
+    options = {}
+    for item in filter(None, option_text.split(",")):
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"--merge-variant {text!r}: option {item!r} is not key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return name, merge, options

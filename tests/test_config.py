@@ -240,9 +240,57 @@ def test_the_paper_baseline_skips_what_a_searched_parameter_cannot_express():
     assert any("max_rel_update_k=None" in str(warning.message) for warning in caught)
 
 
-def test_paper_options_are_alg_1_and_build():
-    press = build(PressConfig("snapkv", 0.9, "grkv", PAPER_GRKV_OPTIONS))
-    assert press.safeguard is False and press.cg_max_iter >= 100 and press.lambda_k == press.lambda_v == 1e-2
+# The paper's Alg. 1 with its Sec. 4.1 settings, written out here apart from the code: surrogate queries are the last
+# 32 prompt tokens, λ_k = λ_v = 1e-2, β = 0.1, the sinks and the window fixed, one alternating step, keys and values,
+# the key step's conjugate gradients to convergence, no safeguard, cap, acceptance rule or row weights, every layer.
+ALG_1 = {
+    "lambda_k": 1e-2,
+    "lambda_v": 1e-2,
+    "beta": 0.1,
+    "window_size": 32,
+    "steps": 1,
+    "n_sink": 4,
+    "fix_window": True,
+    "components": "kv",
+    "query_policy": "window",
+    "max_rel_update_k": None,
+    "max_rel_update_v": None,
+    "accept": "always",
+    "cg_max_iter": 200,
+    "cg_rtol": 1e-7,
+    "safeguard": False,
+    "ridge_scale": "absolute",
+    "head_weighting": "uniform",
+    "merged_layers": "all",
+}
+# How the work is batched, not what is computed: the same results up to float rounding.
+BATCHING = {"layers_per_solve", "target_from_forward"}
+
+
+def test_the_paper_preset_is_alg_1_exactly_whatever_the_defaults():
+    from kvpress import SnapKVPress
+
+    from grkv_core.cli import _eval_press, build_parser
+    from grkv_core.presses.grkv import GRKVPress
+
+    assert set(ALG_1) | BATCHING == set(GRKV_OPTION_SPECS)
+    assert {name: PAPER_GRKV_OPTIONS[name] for name in ALG_1} == ALG_1
+    base = SnapKVPress(compression_ratio=0.8)
+    press = GRKVPress.paper(base)
+    assert press.press is base and {name: getattr(press, name) for name in ALG_1} == ALG_1
+    assert GRKVPress.paper(base, beta=0.3).beta == 0.3
+    from_cli, _ = _eval_press(build_parser().parse_args(["eval", "--merge", "grkv", "--preset", "paper"]))
+    built = build(from_cli)
+    assert {name: getattr(built, name) for name in ALG_1} == ALG_1
+    overridden, _ = _eval_press(build_parser().parse_args(["eval", "--preset", "paper", "--lambda-k", "0.1"]))
+    assert overridden.merge_options == {**PAPER_GRKV_OPTIONS, "lambda_k": 0.1}
+
+
+def test_a_preset_with_another_merger_is_refused():
+    from grkv_core.cli import _merge_options, build_parser
+
+    with pytest.raises(ValueError, match=r"^--preset paper is a set of GRKV's options; --merge cam takes none$"):
+        _merge_options(build_parser().parse_args(["eval", "--merge", "cam", "--preset", "paper"]), "cam")
 
 
 @pytest.mark.parametrize(

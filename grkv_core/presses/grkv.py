@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from grkv_core.options import SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
+from grkv_core.options import PAPER_GRKV_OPTIONS, SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress, options_docstring
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
@@ -61,6 +61,11 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         self._issues: SolveIssues | None = None
         # NOTE: set by ``post_init_from_model``, which kvpress (and its wrappers) call before any layer is hooked.
         self._merged_layers: frozenset[int] | None = None
+
+    @classmethod
+    def paper(cls, press, **options) -> GRKVPress:
+        """GRKV exactly as the paper's Alg. 1 (``PAPER_GRKV_OPTIONS``) behind ``press``; ``options`` override it."""
+        return cls(press=press, **{**PAPER_GRKV_OPTIONS, **options})
 
     def post_init_from_model(self, model) -> None:
         super().post_init_from_model(model)
