@@ -169,8 +169,12 @@ def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys)
 def test_the_demo_config_is_the_product_default():
     from sweeps.config import load_config
 
+    from grkv_core.options import QUERY_POLICIES
+
     config = load_config(DEMO_CONFIG)
     assert config.model.name == "smollm2-135m" and config.screening.trials and config.test_stage
+    # NOTE: the queries decide whether GRKV helps the answer (docs/results/hypotheses.md): the demo searches them.
+    assert config.search_space["query_policy"].choices == list(QUERY_POLICIES)
 
 
 def tiny_demo_config(tmp_path: Path) -> Path:

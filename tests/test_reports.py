@@ -1169,6 +1169,28 @@ def test_iso_memory_on_answer_nll_picks_the_lowest_as_best(store, answer_sweep):
     assert memory.loc["best of 3", "gain_vs_eviction"] == pytest.approx(0.02 - 0.10)
 
 
+def test_the_trade_offs_plot_what_the_sweep_optimised_and_the_score_only_where_it_varies(
+    store, answer_sweep, ablation_sweep, tmp_path
+):
+    from tracking.reports.sections.resources import traded_metrics
+
+    runs = load_sweep(MlflowClient(store), "answer-sweep")
+    # Tuned on the answer NLL, with a score of 100 on every run: the score's axis would be one flat line.
+    assert traded_metrics(runs, "mean_score") == ["answer_nll"]
+    assert traded_metrics(load_sweep(MlflowClient(store), "ablation-sweep"), "mean_score") == ["mean_score"]
+    build_report(
+        MlflowClient(store),
+        "answer-sweep",
+        tmp_path,
+        options=ReportOptions(bootstrap_resamples=200),
+        log_artifacts=False,
+    )
+    points = pd.read_csv(tmp_path / "tradeoff_answer_nll_kv_bytes.csv")
+    lowest = points.loc[points["answer_nll"].idxmin()]
+    assert lowest["pareto"] and not (tmp_path / "tradeoff_mean_score_kv_bytes.csv").exists()
+    assert imread(tmp_path / "tradeoffs.png")[..., :3].std() > 0.05
+
+
 def test_the_finding_states_the_tuned_pick_against_eviction_on_held_out_samples(store, answer_sweep):
     runs = load_sweep(MlflowClient(store), "answer-sweep")
     ci = paired_bootstrap_ci(TRIAL_2_NLL_EXCESS, n_resamples=2000, seed=0)

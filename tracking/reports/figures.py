@@ -176,10 +176,15 @@ def loss_performance_figure(
 
 
 def trade_off_figure(trade_offs: list[TradeOff], colors: dict[str, str], path: Path) -> Path:
-    """Score against each cost, the Pareto front (best score for the cost) drawn as a step line."""
-    figure = Figure(figsize=(6.2 * len(trade_offs), 5.2), layout="constrained")
-    for index, trade in enumerate(trade_offs):
-        ax = figure.add_subplot(1, len(trade_offs), index + 1)
+    """Each metric (a row) against each cost (a column), the Pareto front (best metric for the cost) drawn as a step
+    line."""
+    metrics = list(dict.fromkeys(trade.score for trade in trade_offs))
+    costs = list(dict.fromkeys(trade.cost for trade in trade_offs))
+    figure = Figure(figsize=(6.2 * len(costs), 5.2 * len(metrics)), layout="constrained")
+    for trade in trade_offs:
+        ax = figure.add_subplot(
+            len(metrics), len(costs), metrics.index(trade.score) * len(costs) + costs.index(trade.cost) + 1
+        )
         points = trade.points
         _scatter_trials(ax, points, "cost", trade.score, colors, labelled=points["pareto"])
         front = points[points["pareto"]].sort_values(["cost", trade.score])
@@ -189,7 +194,9 @@ def trade_off_figure(trade_offs: list[TradeOff], colors: dict[str, str], path: P
         )
         ax.set_xlabel(trade.cost_label)
         ax.set_ylabel(axis_label(trade.score))
-        ax.set_title(f"score vs {trade.cost_label}: {len(front)} Pareto-optimal trial(s)", fontsize=9)
+        ax.set_title(
+            f"{axis_label(trade.score)} vs {trade.cost_label}: {len(front)} Pareto-optimal trial(s)", fontsize=9
+        )
         ax.grid(alpha=0.3)
     _figure_legend(
         figure,
@@ -203,7 +210,7 @@ def trade_off_figure(trade_offs: list[TradeOff], colors: dict[str, str], path: P
                 marker="o",
                 markerfacecolor="none",
                 markersize=10,
-                label="Pareto front (higher score, lower cost)",
+                label="Pareto front (the best value for the cost)",
             )
         ],
     )

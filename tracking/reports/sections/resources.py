@@ -38,18 +38,30 @@ def resource_section(
     if len(result.points):
         section.figures.append(figures.budget_figure(result, colors, score, writer.path("budgets.png")))
     trade_offs = [
-        trade_off(runs, "kv_bytes", figures.axis_label("kv_bytes"), scale=MIB, score=score),
-        trade_off(runs, "ttft_s", figures.axis_label("ttft_s"), score=score),
+        trade
+        for metric in traded_metrics(runs, score)
+        for trade in (
+            trade_off(runs, "kv_bytes", figures.axis_label("kv_bytes"), scale=MIB, score=metric),
+            trade_off(runs, "ttft_s", figures.axis_label("ttft_s"), score=metric),
+        )
     ]
     for trade in trade_offs:
-        trade.points.to_csv(writer.path(f"tradeoff_{trade.cost}.csv"), index=False)
+        trade.points.to_csv(writer.path(f"tradeoff_{trade.score}_{trade.cost}.csv"), index=False)
         front = trade.points[trade.points["pareto"]].sort_values("cost")
         section.lines.append(
-            f"Pareto front, {score} vs {trade.cost_label}: trials "
+            f"Pareto front, {trade.score} vs {trade.cost_label}: trials "
             + (", ".join(str(int(n)) for n in front["trial_number"]) or "none (cost not logged)")
         )
     section.figures.append(figures.trade_off_figure(trade_offs, colors, writer.path("tradeoffs.png")))
     return section
+
+
+def traded_metrics(runs: SweepRuns, score: str) -> list[str]:
+    """What the trade-off figure plots against the costs: the sweep's first objective (what it optimised), then
+    ``score`` where it differs and varies across the trials (a score every trial ties on says nothing there)."""
+    objective = runs.objectives[0].metric
+    values = runs.trials[score].dropna() if score in runs.trials else pd.Series(dtype=float)
+    return [objective] + ([score] if score != objective and values.nunique() > 1 else [])
 
 
 def _resource_tables(
