@@ -59,6 +59,7 @@ from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
+from grkv_core.options import QUERY_POLICIES
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.capture import CAPTURED_SOLVES
@@ -171,9 +172,11 @@ def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedMode
 
 
 def prefill_costs(
-    report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int, decode_tokens: int
-) -> None:
-    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve``, per context and batch."""
+    report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int, decode_tokens: int,
+    query_policies: list[str],
+) -> None:  # fmt: skip
+    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve`` and with each of
+    ``query_policies`` (m = ``STRATIFIED_M``), per context and batch."""
     model, device = loaded.model, loaded.model.device
     stopwatch = Stopwatch(device)
     layers = loaded.num_layers
@@ -185,9 +188,10 @@ def prefill_costs(
         presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press(
             "snapkv", COMPRESSION_RATIO, merge="grkv", layers_per_solve=per_solve
         )
-    presses[f"snapkv+grkv stratified m={STRATIFIED_M}"] = build_press(
-        "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy="stratified", window_size=STRATIFIED_M
-    )
+    for policy in query_policies:
+        presses[f"snapkv+grkv {policy} m={STRATIFIED_M}"] = build_press(
+            "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy=policy, window_size=STRATIFIED_M
+        )
     for length in contexts:
         for batch in batches:
             ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
@@ -376,6 +380,9 @@ def main() -> int:
     parser.add_argument(
         "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
     )
+    policies = QUERY_POLICIES[1:]
+    parser.add_argument("--query-policies", nargs="+", default=["stratified"], choices=policies, help=f"timed at m={STRATIFIED_M}")
+    parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
     parser.add_argument("--output-dir", type=Path, required=True)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -411,8 +418,8 @@ def main() -> int:
     parity(report, device, args.tiny)
     for attention in attentions:
         loaded = random_model(device, args.tiny, attention)
-        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens)
-        if attention == "sdpa":
+        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens, args.query_policies)
+        if attention == "sdpa" and not args.prefill_only:
             # NOTE: a RULER prompt needs ~400 byte-level tokens besides its haystack
             trial_engine(
                 report,
@@ -422,7 +429,8 @@ def main() -> int:
                 trials=args.engine_trials or (2 if args.tiny else 16),
             )
         del loaded
-    out_of_memory(report, device)
+    if not args.prefill_only:
+        out_of_memory(report, device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "gpu_check.json").write_text(
         json.dumps(

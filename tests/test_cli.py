@@ -167,9 +167,8 @@ def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys)
 
 
 def test_the_demo_config_is_the_product_default():
-    from sweeps.config import load_config
-
     from grkv_core.options import QUERY_POLICIES
+    from sweeps.config import load_config
 
     config = load_config(DEMO_CONFIG)
     assert config.model.name == "smollm2-135m" and config.screening.trials and config.test_stage

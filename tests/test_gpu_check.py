@@ -122,3 +122,22 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
         "kv_bytes",
     }
     assert mismatches([reference], [reference]) == ([], 0.0)
+
+
+def test_the_prefill_only_check_times_the_query_policies_asked_for(tmp_path):
+    command = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--prefill-only"]
+    result = subprocess.run(
+        [*command, "--batches", "1", "--query-policies", "mixture", "expected", "--output-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["problems"] == [] and set(report["sections"]) == {"parity", "prefill"}
+    presses = {row["press"] for row in report["sections"]["prefill"]}
+    assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128"} <= presses
+    assert not any("stratified" in press for press in presses)
+    assert all(row["added host reads/layer"] * 4 <= 1 for row in report["sections"]["prefill"])
