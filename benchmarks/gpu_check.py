@@ -380,8 +380,8 @@ def main() -> int:
     parser.add_argument(
         "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
     )
-    policies = QUERY_POLICIES[1:]
-    parser.add_argument("--query-policies", nargs="+", default=["stratified"], choices=policies, help=f"timed at m={STRATIFIED_M}")
+    timed = f"the surrogate-query policies timed at m={STRATIFIED_M}"
+    parser.add_argument("--query-policies", nargs="+", default=["stratified"], choices=QUERY_POLICIES[1:], help=timed)
     parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
     parser.add_argument("--output-dir", type=Path, required=True)
     args = parser.parse_args()

@@ -176,14 +176,16 @@ def _policy_rows(
         # NOTE: a stratum's row sits at the last position, so the causal mask lets it see every key.
         positions = torch.cat([token_positions[:window], torch.full((strata,), last, device=device)]).repeat(groups)
     else:
-        offsets = _future_offsets(m, length)
-        token_positions = last + offsets.to(device)
-        cos_rows, sin_rows = _rotation_sum(cos, sin, last, offsets.to(device))
+        offsets = _future_offsets(m, length, device)
+        token_positions = last + offsets
+        cos_rows, sin_rows = _rotation_sum(cos, sin, last, offsets)
         positions = None
         skipped = min(EXPECTED_SINKS, length - 1)
         statistics = slice(skipped, length, -(-(length - skipped) // EXPECTED_STATISTICS_TOKENS))
         tokens = len(range(length)[statistics])
-        draws = standard_draws(m, tokens).to(device)
+        draws = standard_draws(m, tokens)
+        # NOTE: from pinned memory the copy to a GPU is asynchronous: no synchronisation of the host with the device.
+        draws = (draws.pin_memory() if device.type == "cuda" else draws).to(device, non_blocking=True)
     half = sin_rows.shape[-1] // 2
     signed_sin = torch.cat([-sin_rows[..., :half], sin_rows[..., half:]], dim=-1)
     rows = _PolicyRows(cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions, statistics, draws)
@@ -203,11 +205,11 @@ def _strata_midpoints(count: int, length: int, device: torch.device) -> torch.Te
     return ((torch.arange(count, device=device) * 2 + 1) * length) // (2 * count)
 
 
-def _future_offsets(m: int, length: int) -> torch.Tensor:
+def _future_offsets(m: int, length: int, device: torch.device) -> torch.Tensor:
     """(m,) offsets in 1 … min(``EXPECTED_FUTURE_POSITIONS``, ``length`` − 1), spread evenly: how far past the
     prompt's last position each expected draw is rotated (the offset's RoPE row must lie in the prompt's table)."""
     future = max(1, min(EXPECTED_FUTURE_POSITIONS, length - 1))
-    return ((torch.arange(m) + 1) * future + m - 1) // m
+    return ((torch.arange(m, device=device) + 1) * future + m - 1) // m
 
 
 def _rotation_sum(
