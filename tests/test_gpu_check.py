@@ -17,9 +17,20 @@ from grkv_core.evaluation.results import SampleResult
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
+def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
+    """``gpu_check.py --device cpu --tiny`` with ``arguments``: its JSON report and what it printed, once it has
+    exited 0."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--output-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            *arguments,
+            "--output-dir",
+            str(output_dir),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -27,7 +38,11 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((output_dir / "gpu_check.json").read_text()), result.stdout
+
+
+def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
+    report, printed_output = tiny_check(tmp_path)
     sections = report["sections"]
     assert report["problems"] == [] and set(sections) == {"parity", "prefill", "trial engine", "out of memory"}
     assert [row["cache dtype"] for row in sections["parity"]] == ["float32", "bfloat16"]
@@ -61,7 +76,7 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     (oom,) = sections["out of memory"]
     assert oom["failed trials"] == 2 and oom["next batch ok"] == 2 and oom["as expected"]
     # Every row is printed as it is measured, and the markdown holds every section.
-    printed = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    printed = [line for line in printed_output.splitlines() if line.startswith("[")]
     assert len(printed) == sum(len(rows) for rows in sections.values())
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {section}" in markdown for section in sections) and "problems: none" in markdown
@@ -125,17 +140,7 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
 
 
 def test_the_prefill_only_check_times_the_query_policies_asked_for(tmp_path):
-    command = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--tiny", "--prefill-only"]
-    result = subprocess.run(
-        [*command, "--batches", "1", "--query-policies", "mixture", "expected", "--output-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    report, _ = tiny_check(tmp_path, "--prefill-only", "--batches", "1", "--query-policies", "mixture", "expected")
     assert report["problems"] == [] and set(report["sections"]) == {"parity", "prefill"}
     presses = {row["press"] for row in report["sections"]["prefill"]}
     assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128"} <= presses
