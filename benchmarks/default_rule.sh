@@ -4,7 +4,7 @@
 #   bash benchmarks/default_rule.sh [OUTPUT_DIR]            # default benchmarks/results/default-rule; resumable
 #   PYTHONPATH=. .venv/bin/python benchmarks/default_rule.py benchmarks/results/default-rule
 # Each `grkv compare` resumes per sample from its result files, so a stopped run goes on where it stopped. Every
-# candidate names all the options any candidate varies, so a later change of the library's defaults changes none.
+# candidate names every option that any candidate varies (the rest at the defaults of the rule's date, 2026-11-28).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results/default-rule}"

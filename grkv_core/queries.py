@@ -68,7 +68,7 @@ def surrogate_queries(
         non-causal. Every policy but the window weights each row 6/``n_queries`` (the authors' code's weight for
         its non-causal rows).
     n_queries : int
-        m, the number of query rows per query head (but for ``"expected"``, at most the prompt's length).
+        m, the number of query rows per query head: at most the prompt's length, but for ``"expected"``, any number.
     window_projections : torch.Tensor, optional
         (B, m, H_q·d) the ``q_proj`` outputs of the window's tokens, kept from the prefill's own forward
         (window policy only): the queries are then built from them instead of projecting the hidden states
