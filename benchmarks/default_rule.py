@@ -17,10 +17,11 @@ fallback), else the one worse in the fewest cells. The verdict waits for every c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from paired_losses import by_sample
 
 from tracking.reports.stats import paired_bootstrap_ci, sign_flip_test
 
@@ -56,10 +57,6 @@ def holm(p_values: list[float]) -> list[float]:
         running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
         adjusted[index] = running
     return adjusted
-
-
-def by_sample(path: Path) -> dict[str, dict]:
-    return {row["sample_id"]: row for row in json.loads(path.read_text())["samples"]}
 
 
 def cell_tests(cell: str, base: dict[str, dict], candidate: dict[str, dict]) -> list[PairedTest]:
