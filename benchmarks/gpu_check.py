@@ -11,8 +11,8 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
    with a bfloat16 cache; the relative error of the update (‖fast − reference‖ / ‖reference − evicted‖).
 2. **prefill**: a Llama-3.1-8B-shaped model with random weights (cost does not depend on the weights' values) in
    bfloat16, sdpa (and flash-attention 2 if importable), at each context and batch: SnapKV 10% alone against SnapKV
-   + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1 and 6, and with stratified queries
-   (m = 128). Medians over rounds after a warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone
+   + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1 and 6, with stratified queries (m = 128)
+   and with the presets asked for (``--presets window32``: the default until 2026-11-28). Medians over rounds after a warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone
    (the TTFT ratio: prefill is the time to first token but one decoding step), the merge's ms per layer (GRKV's
    compression hooks minus SnapKV's) and its share of a layer's prefill, the operations and host reads
    (synchronisations) GRKV adds per layer (``prefill_ops``'s counts, in the untimed warm-up) and the merge's µs per
@@ -59,7 +59,7 @@ from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
-from grkv_core.options import QUERY_POLICIES
+from grkv_core.options import GRKV_PRESETS, QUERY_POLICIES
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.capture import CAPTURED_SOLVES
@@ -173,10 +173,10 @@ def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedMode
 
 def prefill_costs(
     report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int, decode_tokens: int,
-    query_policies: list[str],
+    query_policies: list[str], presets: list[str],
 ) -> None:  # fmt: skip
-    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve`` and with each of
-    ``query_policies`` (m = ``STRATIFIED_M``), per context and batch."""
+    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve``, with each of ``query_policies``
+    (m = ``STRATIFIED_M``) and with each of ``presets`` (``GRKV_PRESETS``), per context and batch."""
     model, device = loaded.model, loaded.model.device
     stopwatch = Stopwatch(device)
     layers = loaded.num_layers
@@ -191,6 +191,10 @@ def prefill_costs(
     for policy in query_policies:
         presses[f"snapkv+grkv {policy} m={STRATIFIED_M}"] = build_press(
             "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy=policy, window_size=STRATIFIED_M
+        )
+    for preset in presets:
+        presses[f"snapkv+grkv preset={preset}"] = build_press(
+            "snapkv", COMPRESSION_RATIO, "grkv", **GRKV_PRESETS[preset]
         )
     for length in contexts:
         for batch in batches:
@@ -382,6 +386,7 @@ def main() -> int:
     )
     timed = f"the surrogate-query policies timed at m={STRATIFIED_M}"
     parser.add_argument("--query-policies", nargs="+", default=["stratified"], choices=QUERY_POLICIES[1:], help=timed)
+    parser.add_argument("--presets", nargs="+", default=[], choices=sorted(GRKV_PRESETS), help="GRKV's presets timed")
     parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
     parser.add_argument("--output-dir", type=Path, required=True)
     args = parser.parse_args()
@@ -418,7 +423,7 @@ def main() -> int:
     parity(report, device, args.tiny)
     for attention in attentions:
         loaded = random_model(device, args.tiny, attention)
-        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens, args.query_policies)
+        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens, args.query_policies, args.presets)
         if attention == "sdpa" and not args.prefill_only:
             # NOTE: a RULER prompt needs ~400 byte-level tokens besides its haystack
             trial_engine(
@@ -432,11 +437,8 @@ def main() -> int:
     if not args.prefill_only:
         out_of_memory(report, device)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "gpu_check.json").write_text(
-        json.dumps(
-            {**report.settings, "device_name": name, "sections": report.sections, "problems": report.problems}, indent=1
-        )
-    )
+    result = {**report.settings, "device_name": name, "sections": report.sections, "problems": report.problems}
+    (args.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))
     (args.output_dir / "gpu_check.md").write_text(report.markdown())
     print(f"problems: {'; '.join(report.problems) if report.problems else 'none'}")
     print(f"report: {args.output_dir / 'gpu_check.md'}")

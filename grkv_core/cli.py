@@ -89,7 +89,10 @@ def _add_merger_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--preset",
         choices=sorted(GRKV_PRESETS),
-        help="GRKV's options of a preset ('paper': Alg. 1; implies --merge grkv), which flags override",
+        help=(
+            "GRKV's options of a preset ('paper': Alg. 1; 'window32': the default until 2026-11-28; implies --merge "
+            "grkv), which flags override"
+        ),
     )
     for name in MERGER_OPTION_NAMES:
         spec = SEARCHABLE_SPECS[name]

@@ -274,8 +274,16 @@ PAPER_GRKV_OPTIONS: dict[str, Any] = {
     "head_weighting": "uniform",
     "merged_layers": "all",
 }
-# Named sets of GRKV's options (``--preset``).
-GRKV_PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_GRKV_OPTIONS}
+# The library's default until 2026-11-28, every option written out: the paper's queries (the last m = 32 prompt
+# tokens) and ridges with the safeguard and a 4-iteration key step. The results of that date and before ran it.
+WINDOW32_GRKV_OPTIONS: dict[str, Any] = {
+    **PAPER_GRKV_OPTIONS,
+    "cg_max_iter": 4,
+    "cg_rtol": 1e-6,
+    "safeguard": True,
+}
+# Named sets of GRKV's options (``--preset``, a sweep's ``preset``).
+GRKV_PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_GRKV_OPTIONS, "window32": WINDOW32_GRKV_OPTIONS}
 
 # NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
 SOLVER_OPTION_NAMES = (

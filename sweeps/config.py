@@ -23,7 +23,7 @@ from grkv_core.config import (
     PressConfig,
 )
 from grkv_core.metrics import HIGHER_IS_BETTER, OBJECTIVE_METRICS, SCREENING_METRICS
-from grkv_core.options import PAPER_GRKV_OPTIONS, mergers_taking
+from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, mergers_taking
 from sweeps.entry_points import GRKV_HOME
 from sweeps.params import CategoricalParam, Param, Strict, can_fix, range_problem
 from workers.names import BASELINES, PAPER_DEFAULT
@@ -252,6 +252,13 @@ class SweepConfig(Strict):
     press: PressSection = PressSection()
     merge: list[str] = Field(default_factory=lambda: ["grkv"], min_length=1)
     search_space: dict[str, Param]
+    preset: Literal[tuple(GRKV_PRESETS)] | None = Field(
+        default=None,
+        description=(
+            "GRKV's options a trial does not search come from this preset (grkv_core.options.GRKV_PRESETS) instead "
+            "of GRKVPress's defaults; the baselines keep theirs"
+        ),
+    )
     objectives: list[Objective] = Field(
         default_factory=lambda: [Objective(metric="mean_score", direction="maximize")], min_length=1
     )
@@ -293,6 +300,10 @@ class SweepConfig(Strict):
             raise ValueError(f"sampler: {self.sampler.type} needs every search_space parameter to be categorical")
         if self.sampler.type == "one_at_a_time":
             self._check_one_at_a_time()
+        if self.preset and "grkv" not in self.merge:
+            raise ValueError(
+                f"preset: {self.preset} is a set of GRKV's options, and grkv is not among merge {self.merge}"
+            )
         ratio = self.search_space.get("compression_ratio")
         if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
             raise ValueError(

@@ -8,12 +8,20 @@ import warnings
 import optuna
 
 from grkv_core.config import PressConfig
-from grkv_core.options import GRKV_DEFAULTS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS
+from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS
 from sweeps.config import SweepConfig
 from sweeps.params import FloatParam, IntParam, can_fix
-from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, ZERO_SUFFIX
+from workers.names import (
+    BASELINE_TAG,
+    BASELINES,
+    DESIGN_ROW_ATTR,
+    EVICTION_ONLY,
+    LIBRARY_DEFAULT,
+    PAPER_DEFAULT,
+    ZERO_SUFFIX,
+)
 
-# The paper's Alg. 1 where it departs from GRKVPress's defaults (no safeguard, the key step to convergence).
+# The paper's Alg. 1 where it departs from GRKVPress's defaults.
 PAPER_OPTIONS_OFF_DEFAULT = {name: value for name, value in PAPER_GRKV_OPTIONS.items() if value != GRKV_DEFAULTS[name]}
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
@@ -27,7 +35,8 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     search space: it is the eviction press alone at the sweep's budget whatever the merge choices. The paper-default
     baseline runs the paper's Alg. 1 (``PAPER_GRKV_OPTIONS``): the searched options at the values it was enqueued
     with (``baseline_params``), every other option at the paper's value; so do the rows of a ``one_at_a_time``
-    design, which change one factor from it.
+    design, which change one factor from it. The library-default baseline is ``GRKVPress``'s defaults. Every other
+    trial takes the sweep's ``preset`` for the options it does not search (``GRKVPress``'s defaults without one).
     """
     space = dict(config.search_space)
     ratio_param = space.pop("compression_ratio", None)
@@ -39,8 +48,12 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     # keep their defaults, and the sampler is not asked for what the chosen merger does not read.
     taken = MERGER_OPTION_SPECS[merge]
     options = {name: _suggest(trial, name, param) for name, param in space.items() if name in taken}
-    if trial.user_attrs.get(BASELINE_TAG) == PAPER_DEFAULT or DESIGN_ROW_ATTR in trial.user_attrs:
+    baseline = trial.user_attrs.get(BASELINE_TAG)
+    if baseline == PAPER_DEFAULT or DESIGN_ROW_ATTR in trial.user_attrs:
         options = {**PAPER_OPTIONS_OFF_DEFAULT, **options}
+    elif config.preset and merge == "grkv" and baseline != LIBRARY_DEFAULT:
+        preset = GRKV_PRESETS[config.preset]
+        options = {**{name: value for name, value in preset.items() if value != GRKV_DEFAULTS[name]}, **options}
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 
@@ -65,31 +78,39 @@ def _suggest(trial: optuna.Trial, name: str, param):
 
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     """The trials enqueued first, as ``(name, params)`` (the driver tags each with its name): the paper's Alg. 1
-    behind the press (here its values of the searched options; ``suggest_press`` adds the others), and the press
-    alone (named, not proposed: see ``suggest_press``); both at the sweep's ``press.compression_ratio``, also when
-    the ratio is searched. A searched parameter that cannot propose the paper's value (a categorical one without
-    it among its choices, e.g. ``null`` for no cap) is left to the sampler, with a warning."""
+    behind the press (here its values of the searched options; ``suggest_press`` adds the others), the press
+    alone (named, not proposed: see ``suggest_press``) and GRKVPress's defaults behind the press (the library's
+    default, where a sweep starts); each at the sweep's ``press.compression_ratio``, also when the ratio is searched.
+    A searched parameter that cannot propose a baseline's value (a categorical one without it among its choices,
+    e.g. ``null`` for no cap) is left to the sampler, with a warning."""
     budget = {}
     if "compression_ratio" in config.search_space:
         budget = _fixed("compression_ratio", config.search_space["compression_ratio"], config.press.compression_ratio)
     baselines = []
-    if PAPER_DEFAULT in config.baselines and "grkv" in config.merge:
-        params = {**budget, "merge": "grkv"}
-        for name, value in PAPER_GRKV_OPTIONS.items():
-            param = config.search_space.get(name)
-            if param is None:
-                continue
-            if not can_fix(param, value):
-                warnings.warn(
-                    f"paper default {name}={value!r} cannot be proposed by the searched {param.type} "
-                    "parameter; left to the sampler"
-                )
-                continue
-            params.update(_fixed(name, param, value))
-        baselines.append((PAPER_DEFAULT, params))
-    if EVICTION_ONLY in config.baselines:
-        baselines.append((EVICTION_ONLY, budget))
+    for baseline in (name for name in BASELINES if name in config.baselines):
+        if baseline == EVICTION_ONLY:
+            baselines.append((EVICTION_ONLY, budget))
+        elif "grkv" in config.merge:
+            options = PAPER_GRKV_OPTIONS if baseline == PAPER_DEFAULT else GRKV_DEFAULTS
+            baselines.append((baseline, {**budget, "merge": "grkv", **_searched_at(config, baseline, options)}))
     return baselines
+
+
+def _searched_at(config: SweepConfig, baseline: str, options: dict) -> dict:
+    """The parameters that fix each searched option at its value in ``options`` (those that can propose it)."""
+    params = {}
+    for name, value in options.items():
+        param = config.search_space.get(name)
+        if param is None:
+            continue
+        if not can_fix(param, value):
+            warnings.warn(
+                f"{baseline} {name}={value!r} cannot be proposed by the searched {param.type} parameter; "
+                "left to the sampler"
+            )
+            continue
+        params.update(_fixed(name, param, value))
+    return params
 
 
 def one_at_a_time_params(config: SweepConfig) -> list[dict]:

@@ -177,13 +177,13 @@ def test_the_demo_config_is_the_product_default():
 
 
 def tiny_demo_config(tmp_path: Path) -> Path:
-    """The demo on the tiny model: 2 screening trials (1 promoted), the 2 baselines and the promoted one as full
+    """The demo on the tiny model: 2 screening trials (1 promoted), the 3 baselines and the promoted one as full
     trials, a test stage on 1 held-out sample."""
     config = yaml.safe_load(DEMO_CONFIG.read_text())
     config.update(
         name="tiny-demo",
         model={"name": "tiny-llama", "dtype": "float32"},
-        trials=3,
+        trials=4,
         screening={"trials": 2, "promote": 1, "metric": "question_loss"},
         test={"top_k": 1, "eviction_ratios": [0.7]},
         tracking={"tracking_uri": "http://127.0.0.1:5000", "experiment": "grkv-tiny-demo"},
@@ -218,7 +218,7 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
         first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         out = first.stdout
-        assert re.search(r"screen +2/2 +trial \d", out) and re.search(r"full +3/3 +trial \d", out)
+        assert re.search(r"screen +2/2 +trial \d", out) and re.search(r"full +4/4 +trial \d", out)
         assert re.search(rf"MLflow UI \(the sweep's parent run\): {tracking_uri}/#/experiments/\d+/runs/\w+", out)
         press_file = Path(re.search(r"recommended press configuration: (\S+)", out).group(1))
         assert press_file == state / "outputs" / "tiny-demo" / "press.yaml"
@@ -237,14 +237,14 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
         assert "report/report.html" in {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
         logged = Path(client.download_artifacts(parent.info.run_id, "press.yaml", str(tmp_path)))
         assert logged.read_text() == press_file.read_text()
-        # The chosen press is one the test stage confirmed (the test stage ran: 1 best + 2 baselines + 1 ratio).
-        assert sum(run.data.tags.get(STAGE_TAG) == TEST_STAGE for run in runs) == 4
+        # The chosen press is one the test stage confirmed (the test stage ran: 1 best + 3 baselines + 1 ratio).
+        assert sum(run.data.tags.get(STAGE_TAG) == TEST_STAGE for run in runs) == 5
 
         second = subprocess.run(
             [*command, "--stop"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-        assert "already running" in second.stdout and "resuming, 9 run(s) already finished" in second.stdout
+        assert "already running" in second.stdout and "resuming, 11 run(s) already finished" in second.stdout
         assert "local stack stopped" in second.stdout
         assert len(
             client_runs := MlflowClient(f"sqlite:///{state}/mlflow.db").search_runs(

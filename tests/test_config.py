@@ -333,13 +333,14 @@ def test_eviction_only_is_a_fixed_baseline_whatever_the_merge_choices():
     from sweeps.space import baseline_params, suggest_press
 
     for merge in (["grkv"], ["grkv", "none"]):
-        config = SweepConfig(name="baselines", trials=2, merge=merge, search_space={})
-        assert config.baselines == ["paper_default", "eviction_only"]
+        config = SweepConfig(name="baselines", trials=3, merge=merge, search_space={})
+        assert config.baselines == ["paper_default", "eviction_only", "library_default"]
         study = optuna.create_study()
         for name, params in baseline_params(config):
             study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
-        paper, eviction = (suggest_press(study.ask(), config) for _ in range(2))
-        assert (paper.merge, eviction.merge) == ("grkv", "none")
+        paper, eviction, library = (suggest_press(study.ask(), config) for _ in range(3))
+        assert (paper.merge, eviction.merge, library.merge) == ("grkv", "none", "grkv")
+        assert library == PressConfig(config.press.name, config.press.compression_ratio, "grkv")
         assert eviction == PressConfig(config.press.name, config.press.compression_ratio)
 
 

@@ -139,10 +139,12 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
     assert mismatches([reference], [reference]) == ([], 0.0)
 
 
-def test_the_prefill_only_check_times_the_query_policies_asked_for(tmp_path):
-    report, _ = tiny_check(tmp_path, "--prefill-only", "--batches", "1", "--query-policies", "mixture", "expected")
+def test_the_prefill_only_check_times_the_query_policies_and_presets_asked_for(tmp_path):
+    report, _ = tiny_check(
+        tmp_path, "--prefill-only", "--batches", "1", "--query-policies", "mixture", "expected", "--presets", "window32"
+    )
     assert report["problems"] == [] and set(report["sections"]) == {"parity", "prefill"}
     presses = {row["press"] for row in report["sections"]["prefill"]}
-    assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128"} <= presses
+    assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128", "snapkv+grkv preset=window32"} <= presses
     assert not any("stratified" in press for press in presses)
     assert all(row["added host reads/layer"] * 4 <= 1 for row in report["sections"]["prefill"])

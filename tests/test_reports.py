@@ -49,9 +49,13 @@ from tracking.reports import (
     significance,
 )
 from tracking.reports.stats import MAX_EXACT_SIGN_FLIP_UNITS
+from tracking.reports.summary import headline
 from workers.names import (
     BASELINE_TAG,
+    EVICTION_ONLY,
     FULL_STAGE,
+    LIBRARY_DEFAULT,
+    PAPER_DEFAULT,
     PARENT_TAG,
     ROLE_TAG,
     SAMPLER_PREFIX,
@@ -705,6 +709,52 @@ def test_significance_pairs_held_out_test_samples(store, staged_sweep):
     winners = result.tuned_winners.set_index("budget")
     assert winners.loc[0.1, "configuration"] == "trial 2" and winners.loc[0.1, "change"] < 0
     assert winners.loc[0.12, "configuration"] == "trial 5" and winners.loc[0.12, "change"] == pytest.approx(3.0)
+
+
+def test_a_tuned_trial_and_the_librarys_default_are_compared_with_the_defaults_before_them(store):
+    """A test stage with the library-default baseline: the tuned trial is paired with eviction only and both
+    defaults, the library's default with eviction only and the paper's (not the reverse), and the headline names
+    it among the anchors."""
+    config = {**sweep_config("library", STAGED_SPACE), "baselines": [PAPER_DEFAULT, EVICTION_ONLY, LIBRARY_DEFAULT]}
+    tracker = SweepTracker.open(store, EXPERIMENT, "library-sweep", config)
+    full = {  # trial: (params, baseline, score)
+        0: (STAGED_FULL[0][0], PAPER_DEFAULT, 55),
+        1: (STAGED_FULL[1][0], EVICTION_ONLY, 50),
+        2: ({"merge": "grkv", "compression_ratio": 0.9, "lambda_v": GRKV_DEFAULTS["lambda_v"]}, LIBRARY_DEFAULT, 60),
+        3: (STAGED_FULL[2][0], None, 70),
+    }
+    for number, (params, baseline, score) in full.items():
+        metrics = stage_costs(KV_AT_10_PERCENT, 1.0) | {"mean_score": score}
+        log_stage_run(tracker, config, FULL_STAGE, params, metrics, number=number, baseline=baseline)
+    tested = {  # test_of: (params, samples answered right)
+        "3": (full[3][0], set(range(9))),
+        PAPER_DEFAULT: (full[0][0], set(range(6))),
+        EVICTION_ONLY: (full[1][0], set(range(6))),
+        LIBRARY_DEFAULT: (full[2][0], {*range(6), 9}),
+    }
+    for test_of, (params, correct) in tested.items():
+        log_stage_run(
+            tracker, config, TEST_STAGE, params, stage_costs(KV_AT_10_PERCENT, 1.0), test_of=test_of, correct=correct
+        )
+    tracker.close("FINISHED")
+    runs = load_sweep(MlflowClient(store), "library-sweep")
+    result = significance(runs, n_resamples=2000)
+    name = {test_of: f"{test_of} (snapkv+grkv, 10%)" for test_of in (PAPER_DEFAULT, LIBRARY_DEFAULT)}
+    name |= {"3": "trial 3 (snapkv+grkv, 10%)", EVICTION_ONLY: "eviction_only (snapkv, 10%)"}
+    by_pair = {(c.treatment, c.control): c for c in result.comparisons}
+    assert set(by_pair) == {
+        (name["3"], name[EVICTION_ONLY]),
+        (name["3"], name[PAPER_DEFAULT]),
+        (name["3"], name[LIBRARY_DEFAULT]),
+        (name[PAPER_DEFAULT], name[EVICTION_ONLY]),
+        (name[LIBRARY_DEFAULT], name[EVICTION_ONLY]),
+        (name[LIBRARY_DEFAULT], name[PAPER_DEFAULT]),
+    }
+    # Samples 6, 7 and 8 right only for trial 3, sample 9 only for the library's default.
+    assert sorted(by_pair[(name["3"], name[LIBRARY_DEFAULT])].differences) == [-100.0] + [0.0] * 8 + [100.0] * 3
+    assert sorted(by_pair[(name[LIBRARY_DEFAULT], name[PAPER_DEFAULT])].differences) == [0.0] * 11 + [100.0]
+    assert not [note for note in result.notes if "library-default" in note]
+    assert f"{LIBRARY_DEFAULT} (trial 2)" in headline(runs)
 
 
 def test_budgets_compare_merging_with_eviction_at_every_larger_budget_on_the_test_stage(store, staged_sweep):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from grkv_core.config import EvalConfig
-from grkv_core.options import GRKV_DEFAULTS, PAPER_GRKV_OPTIONS
+from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, PAPER_GRKV_OPTIONS
 from grkv_core.registry import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (
@@ -26,7 +26,14 @@ from sweeps.space import (
     suggest_press,
 )
 from sweeps.stages import best_trials, configuration_distance, presses_to_test, promotions
-from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, EVICTION_ONLY, PAPER_DEFAULT, PROMOTED_FROM_TAG
+from workers.names import (
+    BASELINE_TAG,
+    DESIGN_ROW_ATTR,
+    EVICTION_ONLY,
+    LIBRARY_DEFAULT,
+    PAPER_DEFAULT,
+    PROMOTED_FROM_TAG,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
@@ -53,7 +60,7 @@ def smoke_with(tmp_path: Path, drop: tuple[str, ...] = (), **changes) -> Path:
     "changes, drop, field",
     [
         ({"screening.promote": 5}, (), "screening.promote"),
-        ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 2 baselines > 8 trials
+        ({"screening.promote": 7, "screening.trials": 9}, (), "screening.promote"),  # 7 + 3 baselines > 8 trials
         ({"screening.metric": "mean_score"}, (), "screening.metric"),
         ({"screening.trials": -1}, (), "screening.trials"),
         ({"screening.min_distance": 1.5}, (), "screening.min_distance"),
@@ -316,6 +323,33 @@ def test_the_paper_baseline_runs_alg_1_in_every_option_the_sweep_does_not_search
     assert ordinary["safeguard"] and ordinary["cg_max_iter"] < PAPER_GRKV_OPTIONS["cg_max_iter"]
     eviction = press_of(dict(baseline_params(config))[EVICTION_ONLY], config, {BASELINE_TAG: EVICTION_ONLY})
     assert eviction.merge == "none" and not eviction.merge_options
+
+
+def test_a_sweep_starts_from_the_librarys_default_and_a_preset_replaces_it(tmp_path):
+    """The library-default baseline runs ``GRKVPress``'s defaults, its searched options included (enqueued at
+    them); with a ``preset``, every other trial takes the preset's values for what it does not search, and the
+    baselines keep theirs."""
+    space = {
+        "lambda_k": {"type": "float", "low": 1e-3, "high": 1.0, "log": True},
+        "query_policy": {"type": "categorical", "choices": ["window", "stratified", "mixture"]},
+    }
+    config = load_config(smoke_with(tmp_path, search_space=space))
+    params = dict(baseline_params(config))
+    assert list(params) == [PAPER_DEFAULT, EVICTION_ONLY, LIBRARY_DEFAULT]
+    library = press_of(params[LIBRARY_DEFAULT], config, {BASELINE_TAG: LIBRARY_DEFAULT})
+    assert {name: resolved(library)[name] for name in GRKV_DEFAULTS} == GRKV_DEFAULTS
+    assert params[LIBRARY_DEFAULT]["query_policy"] == GRKV_DEFAULTS["query_policy"]
+
+    preset = GRKV_PRESETS["window32"]
+    with_preset = load_config(smoke_with(tmp_path, search_space=space, preset="window32"))
+    proposal = {**params[LIBRARY_DEFAULT], "lambda_k": 0.5, "query_policy": "mixture"}
+    ordinary = resolved(press_of(proposal, with_preset))
+    assert {name: ordinary[name] for name in preset} == {**preset, "lambda_k": 0.5, "query_policy": "mixture"}
+    for name, options in ((LIBRARY_DEFAULT, GRKV_DEFAULTS), (PAPER_DEFAULT, PAPER_GRKV_OPTIONS)):
+        ran = resolved(press_of(dict(baseline_params(with_preset))[name], with_preset, {BASELINE_TAG: name}))
+        assert {option: ran[option] for option in options} == options
+    with pytest.raises(ConfigError, match="preset: window32 is a set of GRKV's options"):
+        load_config(smoke_with(tmp_path, search_space={}, merge=["cam"], preset="window32"))
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUERY_AWARE
 from grkv_core.evaluation.leaderboard import read_runs
+from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.registry import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
@@ -37,6 +38,7 @@ from workers.names import (
     DESIGN_ROW_ATTR,
     EVICTION_ONLY,
     FULL_STAGE,
+    LIBRARY_DEFAULT,
     PAPER_DEFAULT,
     PRESS_ARTIFACT,
     PROMOTED_FROM_TAG,
@@ -330,14 +332,17 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert_one_finished_test_run_each(
         children, expected_tests(SMOKE, study), state / sweep_id, services["tracking_uri"]
     )
-    assert len(children) == 8 + 4 + 6  # the test stage: 2 best, 2 baselines, 1 larger budget, kvpress's merger
-    # Baselines first: the paper's defaults, then the eviction press alone; then the 2 best screened ones.
-    first = sorted(complete_trials(study), key=lambda t: t.number)[:4]
+    assert len(children) == 8 + 4 + 7  # the test stage: 2 best, 3 baselines, 1 larger budget, kvpress's merger
+    # Baselines first: the paper's defaults, the eviction press alone, the library's defaults; then the 2 best
+    # screened ones.
+    first = sorted(complete_trials(study), key=lambda t: t.number)[:5]
     assert first[0].params["merge"] == "grkv" and first[0].params["lambda_k"] == 1e-2
     assert first[1].params == {} and first[1].user_attrs[BASELINE_TAG] == EVICTION_ONLY
+    assert first[2].user_attrs[BASELINE_TAG] == LIBRARY_DEFAULT
+    assert first[2].params["lambda_k"] == GRKV_DEFAULTS["lambda_k"]
     screened = sorted(complete_trials(screen), key=lambda t: (t.value, t.number))
-    assert [t.user_attrs[PROMOTED_FROM_TAG] for t in first[2:]] == [t.number for t in screened[:2]]
-    assert [t.params for t in first[2:]] == [t.params for t in screened[:2]]
+    assert [t.user_attrs[PROMOTED_FROM_TAG] for t in first[3:]] == [t.number for t in screened[:2]]
+    assert [t.params for t in first[3:]] == [t.params for t in screened[:2]]
     promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_TAG in r.data.tags]
     assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [2, 3]
     # Screening generated nothing; full trials ran in batches of 2. Every run measured the answer metrics.
@@ -409,6 +414,7 @@ def test_a_one_at_a_time_design_runs_its_rows_and_fills_the_ablation_table(servi
         tmp_path,
         drop=("screening", "test", "data.test"),
         trials=4,
+        baselines=[PAPER_DEFAULT, EVICTION_ONLY],
         objectives=[{"metric": "answer_nll"}],
         sampler={"type": "one_at_a_time"},
         search_space={

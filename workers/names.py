@@ -40,9 +40,10 @@ DESIGN_ROW_ATTR = "grkv.design_row"
 # NOTE: a trial's MLflow run logs the press that ran under the options' own names (``lambda_k``,
 # ``press.window_size``) and the sampler's raw proposals under this prefix (``optuna.lambda_k_is_zero``).
 SAMPLER_PREFIX = "optuna."
-# Baseline trials a sweep enqueues first, and the suffix of the switch that proposes an exact zero for a
-# log-uniform float (the paper's lambda = 0 ablation).
+# Baseline trials a sweep enqueues first (the paper's Alg. 1, the base press alone, GRKVPress's defaults), and the
+# suffix of the switch that proposes an exact zero for a log-uniform float (the paper's lambda = 0 ablation).
 PAPER_DEFAULT = "paper_default"
 EVICTION_ONLY = "eviction_only"
-BASELINES = (PAPER_DEFAULT, EVICTION_ONLY)
+LIBRARY_DEFAULT = "library_default"
+BASELINES = (PAPER_DEFAULT, EVICTION_ONLY, LIBRARY_DEFAULT)
 ZERO_SUFFIX = "_is_zero"

@@ -15,11 +15,16 @@ from tracking.reports.analyses.screening import SCREEN_PREFIX
 from tracking.reports.optuna_study import Importance, RebuiltStudy
 from tracking.reports.render import p_value_text
 from tracking.reports.stats import PairedComparison
-from workers.names import EVICTION_ONLY, PAPER_DEFAULT, TEST_STAGE
+from workers.names import EVICTION_ONLY, LIBRARY_DEFAULT, PAPER_DEFAULT, TEST_STAGE
 
 DPI = 120
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
-BASELINE_MARKERS = {PAPER_DEFAULT: "*", EVICTION_ONLY: "s"}
+BASELINE_MARKERS = {PAPER_DEFAULT: "*", EVICTION_ONLY: "s", LIBRARY_DEFAULT: "D"}
+BASELINE_LABELS = {
+    PAPER_DEFAULT: "paper default",
+    EVICTION_ONLY: "eviction only (base press)",
+    LIBRARY_DEFAULT: "library default",
+}
 LABELS = {
     "mean_score": "mean score (0-100)",
     "window_loss": "window reconstruction discrepancy (relative)",
@@ -96,31 +101,20 @@ def _figure_legend(figure: Figure, colors: dict[str, str], frame: pd.DataFrame, 
         for method, color in colors.items()
         if method in set(frame["method"])
     ]
-    if (frame["configuration"] == PAPER_DEFAULT).any():
-        handles.append(
-            Line2D(
-                [],
-                [],
-                marker="*",
-                linestyle="",
-                color="lightgray",
-                markeredgecolor="black",
-                markersize=12,
-                label="paper default",
+    for baseline, marker in BASELINE_MARKERS.items():
+        if (frame["configuration"] == baseline).any():
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    marker=marker,
+                    linestyle="",
+                    color="lightgray",
+                    markeredgecolor="black",
+                    markersize=12 if marker == "*" else 6,
+                    label=BASELINE_LABELS[baseline],
+                )
             )
-        )
-    if (frame["configuration"] == EVICTION_ONLY).any():
-        handles.append(
-            Line2D(
-                [],
-                [],
-                marker="s",
-                linestyle="",
-                color="lightgray",
-                markeredgecolor="black",
-                label="eviction only (base press)",
-            )
-        )
     handles += extra
     figure.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=min(len(handles), 4))
 
@@ -239,7 +233,7 @@ def history_figure(rebuilt: RebuiltStudy, colors: dict[str, str], path: Path) ->
                 label=f"trial: {method}",
             )
         ax.step(history["trial_number"], best, where="post", color="tab:red", label="best so far")
-        for baseline, style in ((PAPER_DEFAULT, ":"), (EVICTION_ONLY, "--")):
+        for baseline, style in ((PAPER_DEFAULT, ":"), (EVICTION_ONLY, "--"), (LIBRARY_DEFAULT, "-.")):
             rows = history[history["baseline"] == baseline]
             if len(rows):
                 ax.axhline(
@@ -340,7 +334,7 @@ def budget_figure(result: IsoResource, colors: dict[str, str], score: str, path:
             line = rows[rows["selected"]].sort_values("budget")
             ax.plot(line[cost], line[score], color=colors[method], linewidth=1.4, zorder=2)
             for _, row in rows.iterrows():
-                marker = "s" if row["is_eviction"] else ("*" if row["configuration"] == PAPER_DEFAULT else "o")
+                marker = "s" if row["is_eviction"] else BASELINE_MARKERS.get(row["configuration"], "o")
                 ax.scatter(
                     row[cost],
                     row[score],

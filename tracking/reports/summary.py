@@ -10,20 +10,20 @@ from tracking.reports.analyses.metrics import higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns
 from tracking.reports.render import Section, format_value, metric_name, metric_text, p_value_text
-from workers.names import EVICTION_ONLY, PAPER_DEFAULT
+from workers.names import EVICTION_ONLY, LIBRARY_DEFAULT, PAPER_DEFAULT
 
 
 def headline(runs: SweepRuns, score: str = "mean_score") -> str:
-    """The sweep in a few lines: its id and status, the anchors (base press, paper default) and best trial on the
-    first objective, then every configuration's objective and ``score`` on the held-out test samples when the sweep
-    has a test stage."""
+    """The sweep in a few lines: its id and status, the anchors (base press, paper and library defaults) and best
+    trial on the first objective, then every configuration's objective and ``score`` on the held-out test samples
+    when the sweep has a test stage."""
     lines = [f"GRKV sweep {runs.sweep_id} ({runs.parent_status}, {len(runs.trials)} finished trial(s))"]
     trials = runs.trials
     objective = runs.objectives[0].metric if runs.objectives[0].metric in trials else score
     if trials.empty or objective not in trials:
         return "\n".join(lines)
     anchors = []
-    for name in (EVICTION_ONLY, PAPER_DEFAULT):
+    for name in (EVICTION_ONLY, PAPER_DEFAULT, LIBRARY_DEFAULT):
         row = runs.baseline_trial(name)
         if row is not None:
             anchors.append(f"{name} (trial {int(row['trial_number'])}) {metric_text(objective, row[objective])}")

@@ -1,4 +1,4 @@
-"""Paired tests of merging against the eviction-only base press (and the paper default), and the sweep's
+"""Paired tests of merging against the eviction-only base press (and the paper and library defaults), and the sweep's
 headline: its tuned pick against eviction only on the held-out test samples."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from tracking.reports.analyses.anchors import eviction_rows, representative_tria
 from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
 from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import PairedComparison, compare_configs
-from workers.names import EVICTION_ONLY, FULL_STAGE, PAPER_DEFAULT, TEST_STAGE
+from workers.names import EVICTION_ONLY, FULL_STAGE, LIBRARY_DEFAULT, PAPER_DEFAULT, TEST_STAGE
+
+# The merging baselines a confirmed configuration is compared with, besides eviction only.
+DEFAULT_BASELINES = (PAPER_DEFAULT, LIBRARY_DEFAULT)
 
 
 def tidy_task_scores(runs: SweepRuns) -> pd.DataFrame:
@@ -47,18 +50,18 @@ def trial_sample_scores(runs: SweepRuns, metric: str) -> pd.DataFrame:
 
 @dataclass
 class Significance:
-    """Paired tests of merging against the eviction-only base press (and the paper default).
+    """Paired tests of merging against the eviction-only base press (and the paper and library defaults).
 
     Attributes
     ----------
     metric : str
         What is compared: ``mean_score`` or an answer metric (direction from ``higher_is_better``).
     stage : str
-        ``test``: every confirmed merging configuration against eviction only at its budget, the paper default at
-        its budget and eviction only at every larger tested budget (which spends the memory the merge saves),
-        paired per held-out test sample. ``full`` (no test stage): the paper default and the best trial at the base
-        press's budget, on the tuning samples that also selected the best trial, paired per sample where the trials
-        logged predictions, else per task.
+        ``test``: every confirmed merging configuration against eviction only at its budget, the paper and library
+        defaults at its budget and eviction only at every larger tested budget (which spends the memory the merge
+        saves), paired per held-out test sample. ``full`` (no test stage): the paper default and the best trial at
+        the base press's budget, on the tuning samples that also selected the best trial, paired per sample where the
+        trials logged predictions, else per task.
     comparisons : list[PairedComparison]
     held_out : pandas.DataFrame
         Test stage only: per test run that confirms a full-stage trial, ``configuration``, ``method``,
@@ -149,15 +152,22 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
     for _, treatment in test[test["merge"] != "none"].iterrows():
         same_budget = test[np.isclose(test["compression_ratio"], treatment["compression_ratio"])]
         eviction = eviction_rows(same_budget, treatment["compression_ratio"])
-        default = same_budget[
-            (same_budget["baseline"] == PAPER_DEFAULT)
-            & (same_budget["merge"] != "none")
-            & (same_budget["run_id"] != treatment["run_id"])
+        merged_baselines = same_budget[
+            (same_budget["merge"] != "none") & (same_budget["run_id"] != treatment["run_id"])
         ]
+        # NOTE: a default is compared with the defaults before it (the library's with the paper's), not the reverse.
+        defaults = DEFAULT_BASELINES
+        if treatment["baseline"] in defaults:
+            defaults = defaults[: defaults.index(treatment["baseline"])]
         at_budget = []
-        for kind, controls in (("eviction-only", eviction), ("paper-default", default)):
-            if kind == "paper-default" and treatment["baseline"] == PAPER_DEFAULT:
-                continue
+        for kind, controls in (
+            ("eviction-only", eviction),
+            *(
+                (baseline.replace("_", "-"), merged_baselines[merged_baselines["baseline"] == baseline])
+                for baseline in defaults
+                if (test["baseline"] == baseline).any()
+            ),
+        ):
             if controls.empty:
                 notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare {_test_name(treatment)} with")
                 continue

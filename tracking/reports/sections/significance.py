@@ -1,5 +1,5 @@
-"""The paired significance section: merging against eviction only (and the paper default), on the held-out test
-samples when the sweep has them, on each compared metric."""
+"""The paired significance section: merging against eviction only (and the paper and library defaults), on the
+held-out test samples when the sweep has them, on each compared metric."""
 
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ def significance_section(runs: SweepRuns, writer: TableWriter, options: ReportOp
             lines=[
                 f"On {score.test_samples} held-out test samples (disjoint from the tuning samples that chose these "
                 "configurations): each confirmed merging configuration against eviction only and against the paper "
-                "default at its budget, paired per test sample (the mean score of its questions, in points; the "
-                "sample's "
-                "answer metrics), on each of " + ", ".join(metrics) + "; percentile "
+                "and library defaults at its budget, paired per test sample (the mean score of its questions, in "
+                "points; the sample's answer metrics), on each of " + ", ".join(metrics) + "; percentile "
                 f"bootstrap over the samples with {resamples} resamples and a two-sided sign-flip test (exact over all "
                 f"2^n sign assignments up to {MAX_EXACT_SIGN_FLIP_UNITS} samples, else {resamples} random ones).",
                 *_held_out_lines(score, options.score),
