@@ -12,8 +12,9 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
 2. **prefill**: a Llama-3.1-8B-shaped model with random weights (cost does not depend on the weights' values) in
    bfloat16, sdpa (and flash-attention 2 if importable), at each context and batch: SnapKV 10% alone against SnapKV
    + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1 and 6, with stratified queries (m = 128)
-   and with the presets asked for (``--presets window32``: the default until 2026-11-28). Medians over rounds after a warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone
-   (the TTFT ratio: prefill is the time to first token but one decoding step), the merge's ms per layer (GRKV's
+   and with the presets asked for (``--presets window32``: the default until 2026-11-28). Medians over rounds after a
+   warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to
+   first token but one decoding step), the merge's ms per layer (GRKV's
    compression hooks minus SnapKV's) and its share of a layer's prefill, the operations and host reads
    (synchronisations) GRKV adds per layer (``prefill_ops``'s counts, in the untimed warm-up) and the merge's µs per
    added operation, and, from ``torch.profiler`` over one more prefill, the kernels, kernel milliseconds and stream

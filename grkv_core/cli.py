@@ -235,7 +235,8 @@ def cmd_compare(args) -> int:
     variants = [parse_merge_variant(text) for text in args.merge_variant]
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
-        configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", {})])
+        preset = GRKV_PRESETS[args.preset] if args.preset else {}
+        configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", preset)])
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
     names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
@@ -361,6 +362,7 @@ def _add_library_commands(commands) -> None:
         help="extra rows, e.g. grkv-capped=grkv:max_rel_update_k=0.025,accept=objective",
     )
     compare.add_argument("--only-variants", action="store_true", help="no row of the press + GRKV's defaults")
+    compare.add_argument("--preset", choices=sorted(GRKV_PRESETS), help="that row with a preset's options instead")
     compare.add_argument("--output-dir", default="outputs/compare")
     _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)

@@ -2,11 +2,15 @@
 built with known effects."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from grkv_core.config import parse_merge_variant
+from grkv_core.options import GRKV_DEFAULTS, WINDOW32_GRKV_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from default_rule import BASE_PRESSES, PROTOCOLS, SAMPLES_PER_CELL, PairedTest, choose, holm, report, standing  # noqa: E402
@@ -96,3 +100,38 @@ def test_the_report_gives_a_verdict_only_once_every_cell_has_its_samples(tmp_pat
     assert text.endswith("Verdict: **helps** (passes: worse in no cell, better in at least half).")
     # NOTE: the larger mean gain, but worse in both of Gemma's 50% cells.
     assert "| harms-once | +0.06" in text and "| 14 | 2 | 1.200 |" in text
+
+
+REPO = Path(__file__).resolve().parents[1]
+# The verdict docs/results/default-rule.md records (2026-11-28), which the library's defaults are.
+RULE_VERDICT = "sweep-qag2"
+
+
+def rule_candidates() -> dict[str, dict]:
+    """``benchmarks/default_rule.sh``'s candidates as bash expands them, ``{name: options}``."""
+    script = (REPO / "benchmarks" / "default_rule.sh").read_text()
+    block = script[script.index("\nbase=") : script.index("\n)\n") + 3]
+    expanded = subprocess.run(
+        ["bash", "-c", block + 'printf "%s\\n" "${candidates[@]}"'], capture_output=True, text=True, check=True
+    ).stdout
+    return {name: options for name, _, options in map(parse_merge_variant, expanded.splitlines())}
+
+
+def test_grkv_press_with_no_options_builds_the_rules_choice_and_the_window32_preset_its_old_default():
+    from kvpress import SnapKVPress
+
+    from grkv_core import GRKVPress
+
+    candidates = rule_candidates()
+    assert len(candidates) == 8 and RULE_VERDICT in candidates
+    # What a candidate leaves out stayed at the defaults of the rule's date: the window32 preset.
+    chosen = {**WINDOW32_GRKV_OPTIONS, **candidates[RULE_VERDICT]}
+    press = GRKVPress(SnapKVPress(compression_ratio=0.8))
+    assert {name: getattr(press, name) for name in GRKV_DEFAULTS} == chosen
+    assert {**WINDOW32_GRKV_OPTIONS, **candidates["window32"]} == WINDOW32_GRKV_OPTIONS
+
+
+@pytest.mark.slow
+def test_the_committed_results_give_the_verdict_the_defaults_follow():
+    text = report(REPO / "benchmarks" / "results" / "default-rule")
+    assert f"Verdict: **{RULE_VERDICT}** (" in text

@@ -21,7 +21,7 @@ from grkv_core.evaluation.generation import render_sample, tokenize_sample
 from grkv_core.evaluation.run import EvaluationSetup, run_evaluation, run_evaluations
 from grkv_core.metrics import SAMPLE_MEAN_METRICS, SCREENING_METRICS
 from grkv_core.models.embedded import COMPLETION_TEMPLATE
-from grkv_core.options import GRKV_DEFAULTS
+from grkv_core.options import GRKV_DEFAULTS, WINDOW32_GRKV_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 GRKV = str(REPO / ".venv" / "bin" / "grkv")
@@ -310,8 +310,8 @@ def test_every_merger_reports_its_reconstruction_losses(tiny, samples, merge):
     assert result.window_loss is not None and result.window_loss > 0 and result.heldout_loss is not None
 
 
-@pytest.mark.parametrize("only_variants", [False, True])
-def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path, only_variants):
+@pytest.mark.parametrize("flags", [[], ["--only-variants"], ["--preset", "window32"]])
+def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path, flags):
     result = subprocess.run(
         [
             GRKV,
@@ -331,7 +331,7 @@ def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path, only_var
             "--merge-variant",
             "grv=grkv:components=v",
             "--no-progress",
-            *(["--only-variants"] if only_variants else []),
+            *flags,
         ],
         cwd=REPO,
         capture_output=True,
@@ -340,7 +340,11 @@ def test_compare_writes_one_result_file_per_row_and_the_table(tmp_path, only_var
     )
     assert result.returncode == 0, result.stderr
     names = {path.stem for path in tmp_path.glob("*.json")}
+    only_variants = "--only-variants" in flags
     assert names == {"full", "snapkv-25pct", "snapkv-25pct+grv"} | (set() if only_variants else {"snapkv-25pct+grkv"})
+    if "--preset" in flags:
+        ran = json.loads((tmp_path / "snapkv-25pct+grkv.json").read_text())["resolved_press"]
+        assert {name: ran[name] for name in WINDOW32_GRKV_OPTIONS} == WINDOW32_GRKV_OPTIONS
     losses = {
         name: json.loads((tmp_path / f"{name}.json").read_text())["summary"]["costs"]["window_loss"] for name in names
     }

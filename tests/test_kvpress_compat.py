@@ -79,14 +79,20 @@ PROPERTY_MODELS = ["tiny-llama", "tiny-gemma3"]
 CONTEXT, QUESTION, RATIO = 160, 32, 0.75
 
 
+# NOTE: GRKV holds the last m positions fixed; at its default m = 64 a 160-token prompt keeping 25% leaves some
+# layers nothing to refit, so these short prompts use m = 16 (its other options at their defaults).
+SHORT_PROMPT_OPTIONS = {**MERGE_ALL, "grkv": {"window_size": 16}}
+
+
 def merger(name, base="snapkv", ratio=RATIO, **options):
-    """A merger by name over a base press by name; D2O and KVMerger merge every evicted token (``MERGE_ALL``)."""
-    return build_press(base, ratio, merge=name, **MERGE_ALL.get(name, {}), **options)
+    """A merger by name over a base press by name; D2O and KVMerger merge every evicted token, GRKV fits 16
+    surrogate queries (``SHORT_PROMPT_OPTIONS``)."""
+    return build_press(base, ratio, merge=name, **SHORT_PROMPT_OPTIONS.get(name, {}), **options)
 
 
 def merger_over(name, base_press, **options):
     """A merger by name over a kvpress press object (the registry builds bases by name only)."""
-    return MERGERS[name](press=base_press, **MERGE_ALL.get(name, {}), **options)
+    return MERGERS[name](press=base_press, **SHORT_PROMPT_OPTIONS.get(name, {}), **options)
 
 
 def exact_merger_over(name, base_press):

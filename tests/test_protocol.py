@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grkv_core.config import PressConfig
-from grkv_core.options import GRKV_DEFAULTS
+from grkv_core.options import GRKV_DEFAULTS, HEAD_WEIGHTINGS
 from grkv_core.registry import resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key
@@ -115,15 +115,17 @@ def test_an_item_named_against_its_stage_is_refused():
 
 
 def test_a_configuration_key_names_only_the_options_off_their_defaults():
-    explicit = PressConfig("snapkv", 0.8, "grkv", {"lambda_k": 1e-2, "head_weighting": "uniform", "beta": 0.3})
+    at_defaults = {name: GRKV_DEFAULTS[name] for name in ("lambda_k", "head_weighting")}
+    explicit = PressConfig("snapkv", 0.8, "grkv", {**at_defaults, "beta": 0.3})
     implicit = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3})
     assert configuration_key(explicit) == configuration_key(implicit)
     settings = json.loads(configuration_key(implicit))
     assert settings["beta"] == 0.3 and settings["merge"] == "grkv" and settings["press.window_size"] == 32
     # An option at its default is absent, so adding one to GRKVOptions later renames no checkpoint.
     assert not set(settings) & {name for name in GRKV_DEFAULTS if name != "beta"}
-    weighted = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3, "head_weighting": "o_proj"})
-    assert json.loads(configuration_key(weighted))["head_weighting"] == "o_proj"
+    other = next(weighting for weighting in HEAD_WEIGHTINGS if weighting != GRKV_DEFAULTS["head_weighting"])
+    weighted = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3, "head_weighting": other})
+    assert json.loads(configuration_key(weighted))["head_weighting"] == other
     assert (
         TrialRequest(1, implicit, checkpoint_dir="c").checkpoint
         != TrialRequest(1, weighted, checkpoint_dir="c").checkpoint

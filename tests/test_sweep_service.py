@@ -344,7 +344,7 @@ def test_ray_job_submit_runs_the_smoke_sweep_end_to_end(services, tmp_path):
     assert [t.user_attrs[PROMOTED_FROM_TAG] for t in first[3:]] == [t.number for t in screened[:2]]
     assert [t.params for t in first[3:]] == [t.params for t in screened[:2]]
     promoted_runs = [r for r in of_stage(children, FULL_STAGE) if PROMOTED_FROM_TAG in r.data.tags]
-    assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [2, 3]
+    assert sorted(int(r.data.tags[TRIAL_TAG]) for r in promoted_runs) == [3, 4]
     # Screening generated nothing; full trials ran in batches of 2. Every run measured the answer metrics.
     assert all("mean_score" not in r.data.metrics for r in of_stage(children, SCREEN_STAGE))
     assert all({"answer_nll", "answer_kl", "answer_top1"} <= set(r.data.metrics) for r in children)

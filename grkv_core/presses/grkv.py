@@ -41,6 +41,11 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     compacted to the kept tokens. With per-head budgets (``AdaKVPress``, ``CriticalAdaKVPress``) kvpress
     masks evicted entries instead of removing them, so memory is *not* saved; GRKV still merges per head.
 
+    With no option it builds the library's default (``GRKVOptions``' defaults: stratified queries, m = 64, small
+    ridges, a key cap and output-projection row weights, chosen by a rule fixed before its runs,
+    docs/results/default-rule.md). ``GRKVPress.paper(press)`` builds the paper's Alg. 1;
+    ``GRKVPress(press, **GRKV_PRESETS["window32"])`` the default before 2026-11-28.
+
     Parameters
     ----------
     press : BasePress
