@@ -4,8 +4,8 @@
     PYTHONPATH=. python benchmarks/prefill_cost.py --variant cg8=grkv:cg_max_iter=8 --rounds 7
 
 Every round prefills the same prompt (``--tokens`` tokens of the Paul Graham essays, the RULER haystack) once
-under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), SnapKV + GRKV as the paper
-writes it (``safeguard=False``), and any ``--variant``. Alternating the presses inside each round exposes
+under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), the same without the safeguard
+(``safeguard=False``, the paper's key step), and any ``--variant``. Alternating the presses inside each round exposes
 them to the same background load, so the ratios stay meaningful on a shared machine; printed are the median
 time over ``--rounds`` rounds (after one untimed warm-up round) and the median of the per-round ratios to the
 base press (each round's presses share that round's load). On a shared 2-core machine a whole prefill still
@@ -147,7 +147,7 @@ def main() -> None:
     presses = {
         args.press: build_press(args.press, args.compression_ratio),
         f"{args.press}+grkv": build_press(args.press, args.compression_ratio, merge="grkv"),
-        f"{args.press}+grkv (paper, no safeguard)": build_press(
+        f"{args.press}+grkv (no safeguard)": build_press(
             args.press, args.compression_ratio, merge="grkv", safeguard=False
         ),
     }
