@@ -211,7 +211,9 @@ class GRKVOptions:
     target_from_forward: bool = _option(
         True,
         OptionSpec(
-            "take the regression target from the prefill's own attention outputs instead of recomputing it", bool
+            "take the regression target from the prefill's own attention outputs instead of recomputing it (with the "
+            "window policy; the others' targets are always recomputed)",
+            bool,
         ),
     )
     head_weighting: str = _option(
