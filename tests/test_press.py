@@ -616,6 +616,11 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert reusing._capture is None, "the window outputs it kept are released on exit"
+    # Other policies' queries are not the forward's rows: their target is recomputed whatever the option says.
+    supplied.clear()
+    stratified = dict(query_policy="stratified", window_size=16, target_from_forward=True)
+    prefill(model, ids, build_press(press_name, RATIO, merge="grkv", **stratified))
+    assert supplied and not any(supplied)
 
 
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")  # AdaKV leaves some heads only fixed rows
