@@ -233,9 +233,9 @@ def cmd_compare(args) -> int:
     output_dir = Path(args.output_dir)
     configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
     variants = [parse_merge_variant(text) for text in args.merge_variant]
+    preset = GRKV_PRESETS[args.preset] if args.preset else {}
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
-        preset = GRKV_PRESETS[args.preset] if args.preset else {}
         configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", preset)])
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention

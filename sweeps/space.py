@@ -21,8 +21,11 @@ from workers.names import (
     ZERO_SUFFIX,
 )
 
-# The paper's Alg. 1 where it departs from GRKVPress's defaults.
-PAPER_OPTIONS_OFF_DEFAULT = {name: value for name, value in PAPER_GRKV_OPTIONS.items() if value != GRKV_DEFAULTS[name]}
+# Each preset where it departs from GRKVPress's defaults (the paper's Alg. 1: ``"paper"``).
+PRESETS_OFF_DEFAULT = {
+    preset: {name: value for name, value in options.items() if value != GRKV_DEFAULTS[name]}
+    for preset, options in GRKV_PRESETS.items()
+}
 
 # NOTE: an exact zero is its own categorical switch (``name + ZERO_SUFFIX``), so log-uniform ranges stay valid
 # and TPE can learn "no ridge" as a separate mode (the paper's lambda = 0 ablation).
@@ -50,10 +53,9 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     options = {name: _suggest(trial, name, param) for name, param in space.items() if name in taken}
     baseline = trial.user_attrs.get(BASELINE_TAG)
     if baseline == PAPER_DEFAULT or DESIGN_ROW_ATTR in trial.user_attrs:
-        options = {**PAPER_OPTIONS_OFF_DEFAULT, **options}
+        options = {**PRESETS_OFF_DEFAULT["paper"], **options}
     elif config.preset and merge == "grkv" and baseline != LIBRARY_DEFAULT:
-        preset = GRKV_PRESETS[config.preset]
-        options = {**{name: value for name, value in preset.items() if value != GRKV_DEFAULTS[name]}, **options}
+        options = {**PRESETS_OFF_DEFAULT[config.preset], **options}
     return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
 
 

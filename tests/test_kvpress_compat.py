@@ -33,6 +33,7 @@ from kvpress import (
 from kvpress import MergingPress as KVPressMergingPress
 from kvpress.utils import compute_n_kept
 from test_baselines import MERGE_ALL
+from test_press import SHORT_PROMPT_GRKV
 from transformers import DynamicCache, pipeline
 
 from grkv_core.datasets import load_dataset_samples
@@ -79,9 +80,7 @@ PROPERTY_MODELS = ["tiny-llama", "tiny-gemma3"]
 CONTEXT, QUESTION, RATIO = 160, 32, 0.75
 
 
-# NOTE: GRKV holds the last m positions fixed; at its default m = 64 a 160-token prompt keeping 25% leaves some
-# layers nothing to refit, so these short prompts use m = 16 (its other options at their defaults).
-SHORT_PROMPT_OPTIONS = {**MERGE_ALL, "grkv": {"window_size": 16}}
+SHORT_PROMPT_OPTIONS = {**MERGE_ALL, "grkv": SHORT_PROMPT_GRKV}
 
 
 def merger(name, base="snapkv", ratio=RATIO, **options):
