@@ -5,21 +5,23 @@
     # anywhere, on tiny shapes: the same code path (the test suite runs it)
     PYTHONPATH=. python benchmarks/gpu_check.py --device cpu --tiny --output-dir /tmp/gpu-check
 
-Four sections, printed as they finish and written to ``gpu_check.json`` and ``gpu_check.md``:
+Four sections (and the bars), printed as they finish and written to ``gpu_check.json`` and ``gpu_check.md``:
 
 1. **parity**: ``grkv_merge`` on the device against the float64 reference (``solver.reference``), in float32 and
    with a bfloat16 cache; the relative error of the update (‖fast − reference‖ / ‖reference − evicted‖).
-2. **prefill**: a Llama-3.1-8B-shaped model with random weights (cost does not depend on the weights' values) in
-   bfloat16, sdpa (and flash-attention 2 if importable), at each context and batch: SnapKV 10% alone against SnapKV
-   + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1 and 6, with stratified queries (m = 128)
-   and with the presets asked for (``--presets window32``: the default until 2026-11-28). Medians over rounds after a
-   warm-up (CUDA events on the GPU): prefill ms, its ratio to SnapKV alone (the TTFT ratio: prefill is the time to
-   first token but one decoding step), the merge's ms per layer (GRKV's
-   compression hooks minus SnapKV's) and its share of a layer's prefill, the operations and host reads
-   (synchronisations) GRKV adds per layer (``prefill_ops``'s counts, in the untimed warm-up) and the merge's µs per
-   added operation, and, from ``torch.profiler`` over one more prefill, the kernels, kernel milliseconds and stream
-   synchronisations GRKV adds per layer (beside the wall time, where the merge's time goes: waiting on the host,
-   launching, or computing), peak memory, decode ms per token.
+2. **prefill** (``gpu_prefill.py``): a Llama-3.1-8B-shaped model with random weights (cost does not depend on the
+   weights' values) in bfloat16, sdpa (and flash-attention 2 if importable), at each context × batch: SnapKV 10% alone
+   against SnapKV + GRKV (defaults: every layer in one solve), with ``layers_per_solve`` 1, with the solves on a side
+   stream (``merge_stream="side"``, all layers in one solve or in groups of 8), with stratified
+   queries (m = 128) and with the presets asked for (``--presets window32``: the default until 2026-11-28). The time
+   to first token (TTFT: from the prefill's call to the compressed cache being ready) and to the second token (one
+   greedy decode step more), medians over rounds after a warm-up, timed with CUDA events and nothing synchronising
+   the device inside the rounds, and their ratios to SnapKV alone's; the first request's cost (the first GRKV prefill
+   of a fresh shape, which captures the solve's CUDA graphs) against a warm one; and, from passes apart from the timed
+   one: the merge's ms per layer with each compression hook synchronised (and that prefill's ``synced TTFT ratio``,
+   the TTFT ratio of the result pages before issue #50), the operations, host reads, kernels, kernel ms and stream
+   synchronisations GRKV adds per layer, peak allocated and reserved memory, decode ms per token; after each row the
+   memory reserved and held by CUDA graphs' pools. Last, issue #50's bars (``gpu_prefill.BARS``): whether each holds.
 3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
    prefill against the engine's one prefill per sample) in full and answer-metric modes, with its agreement check
    (exact in float32; in bfloat16 the batched forwards round differently, so float metrics to ``BATCHED_RTOL``).
@@ -28,7 +30,8 @@ Four sections, printed as they finish and written to ``gpu_check.json`` and ``gp
    evaluation instead (emulated: a CPU has no device memory to fill).
 
 Exits non-zero if a parity check fails, the engine's results differ (beyond a half-precision model's rounding:
-``sweep_throughput.BATCHED_RTOL``), or the out-of-memory batch does not behave.
+``sweep_throughput.BATCHED_RTOL``), or the out-of-memory batch does not behave; a bar that does not hold is a
+measurement, reported in the bars section, not a failure.
 """
 
 from __future__ import annotations
@@ -38,9 +41,7 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,20 +49,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import transformers
-from gpu_measure import Report, Stopwatch, profiled_prefill
-from prefill_cost import timed_hook
-from prefill_ops import CountedOperations
+from gpu_measure import Report
+from gpu_prefill import COMPRESSION_RATIO, STRATIFIED_M, check_bars, prefill_costs, row_spec
 from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
-from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
 from grkv_core.options import GRKV_PRESETS, QUERY_POLICIES
-from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.reference import grkv_merge_reference
@@ -93,8 +91,6 @@ PARITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 # A graph replay against the eager solve (largest absolute difference): the same kernels on a padded budget, so float
 # rounding of sums over the padding's zeros, and a bfloat16 cache's last bit.
 REPLAY_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
-COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%
-STRATIFIED_M = 128  # the stratified policy's m in the prefill section (the research's best configuration's)
 
 
 def parity(report: Report, device: torch.device, tiny: bool) -> None:
@@ -170,107 +166,6 @@ def random_model(device: torch.device, tiny: bool, attention: str) -> LoadedMode
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     return LoadedModel.of(model, tokenizer, "llama-3.1-8b-shape" if not tiny else "tiny-llama-shape")
-
-
-def prefill_costs(
-    report: Report, loaded: LoadedModel, contexts: list[int], batches: list[int], rounds: int, decode_tokens: int,
-    query_policies: list[str], presets: list[str],
-) -> None:  # fmt: skip
-    """Section 2: SnapKV alone against SnapKV + GRKV at each ``layers_per_solve``, with each of ``query_policies``
-    (m = ``STRATIFIED_M``) and with each of ``presets`` (``GRKV_PRESETS``), per context and batch."""
-    model, device = loaded.model, loaded.model.device
-    stopwatch = Stopwatch(device)
-    layers = loaded.num_layers
-    presses = {
-        "snapkv": build_press("snapkv", COMPRESSION_RATIO),
-        "snapkv+grkv": build_press("snapkv", COMPRESSION_RATIO, merge="grkv"),
-    }
-    for per_solve in sorted({1, min(6, layers)}):
-        presses[f"snapkv+grkv layers_per_solve={per_solve}"] = build_press(
-            "snapkv", COMPRESSION_RATIO, merge="grkv", layers_per_solve=per_solve
-        )
-    for policy in query_policies:
-        presses[f"snapkv+grkv {policy} m={STRATIFIED_M}"] = build_press(
-            "snapkv", COMPRESSION_RATIO, merge="grkv", query_policy=policy, window_size=STRATIFIED_M
-        )
-    for preset in presets:
-        presses[f"snapkv+grkv preset={preset}"] = build_press(
-            "snapkv", COMPRESSION_RATIO, "grkv", **GRKV_PRESETS[preset]
-        )
-    for length in contexts:
-        for batch in batches:
-            ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
-            hooks = {name: [0.0] for name in presses}
-            timed = {name: press.forward_hook for name, press in presses.items()}
-            for name, press in presses.items():
-                press.forward_hook = timed_hook(timed[name], hooks[name], device.type == "cuda")
-            prefill_ms = {name: [] for name in presses}
-            decode_ms = {name: [] for name in presses}
-            peaks, counted, profiled = {}, {}, {}
-            try:
-                for name, press in presses.items():  # NOTE: one more, untimed prefill each, under the profiler
-                    profiled[name] = profiled_prefill(model, ids, press, device)
-                for round_index in range(rounds + 1):
-                    for name, press in presses.items():
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                            torch.cuda.reset_peak_memory_stats(device)
-                        into = prefill_ms[name] if round_index else []
-                        # NOTE: the untimed warm-up round counts the operations (and host reads) each press dispatches.
-                        counting = CountedOperations() if round_index == 0 else nullcontext()
-                        with stopwatch.timed(into), counting as counts:
-                            cache = prefill(model, ids, press)
-                        if round_index == 0:
-                            counted[name] = counts
-                            hooks[name][0] = 0.0
-                            continue
-                        if device.type == "cuda":
-                            peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
-                        token = ids[:, -1:].to(device)
-                        with torch.inference_mode():
-                            for step in range(decode_tokens):
-                                with stopwatch.timed(decode_ms[name]):
-                                    run_tokens(model, cache, token, length + step)
-                        del cache
-            except torch.cuda.OutOfMemoryError:
-                report.add("prefill", {"context": length, "batch": batch, "press": "all", "result": "out of memory"})
-                continue
-            finally:
-                for name, press in presses.items():
-                    press.forward_hook = timed[name]
-            base = statistics.median(prefill_ms["snapkv"])
-            for name in presses:
-                median = statistics.median(prefill_ms[name])
-                merge_ms = 1000 * (hooks[name][0] - hooks["snapkv"][0]) / rounds / layers  # timed_hook sums seconds
-                added_operations = (counted[name].by_caller.total() - counted["snapkv"].by_caller.total()) / layers
-                added_host_reads = (counted[name].host_reads.total() - counted["snapkv"].host_reads.total()) / layers
-                kernels, kernel_ms, synchronisations = (
-                    (profiled[name][index] - profiled["snapkv"][index]) / layers
-                    if device.type == "cuda"
-                    else "n/a (CPU)"
-                    for index in range(3)
-                )
-                report.add(
-                    "prefill",
-                    {
-                        "context": length,
-                        "batch": batch,
-                        "attention": loaded.attn_implementation,
-                        "press": name,
-                        "prefill ms": median,
-                        "TTFT ratio": median / base,
-                        "merge ms/layer": merge_ms,
-                        "merge / layer prefill": merge_ms / (base / layers),
-                        "added ops/layer": added_operations,
-                        "added host reads/layer": added_host_reads,
-                        "added kernels/layer": kernels,
-                        "added kernel ms/layer": kernel_ms,
-                        "added stream syncs/layer": synchronisations,
-                        "merge µs/added op": 1000 * merge_ms / added_operations if added_operations else "",
-                        "peak GiB": peaks.get(name, "n/a (CPU)"),
-                        "decode ms/token": statistics.median(decode_ms[name]),
-                    },
-                )
 
 
 def trial_engine(report: Report, loaded: LoadedModel, context: int, samples_per_task: int, trials: int) -> None:
@@ -380,7 +275,18 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: every section in seconds (the test suite)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="default 4K 16K 32K (tiny: 256)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 4 (tiny: 1 2)")
+    parser.add_argument(
+        "--rows",
+        type=row_spec,
+        nargs="+",
+        default=None,
+        metavar="CONTEXTxBATCH",
+        help="the prefill rows, e.g. 4096x1 32768x1 4096x4 (instead of every context at every batch)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds after a warm-up (default 5; tiny 1)")
+    parser.add_argument(
+        "--synced-rounds", type=int, default=None, help="rounds of the instrumented pass (default 3; tiny 1)"
+    )
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument(
         "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
@@ -398,9 +304,13 @@ def main() -> int:
     if device.type == "cuda":
         # NOTE: seen on an H200: a fresh process whose first CUDA call was a batched Cholesky hit a MAGMA assertion.
         torch.backends.cuda.preferred_linalg_library("cusolver")
+    if args.rows and (args.contexts or args.batches):
+        parser.error("--rows names every row: give it without --contexts and --batches")
     contexts = args.contexts or ([256] if args.tiny else [4096, 16384, 32768])
     batches = args.batches or ([1, 2] if args.tiny else [1, 4])
+    rows = args.rows or [(context, batch) for context in contexts for batch in batches]
     rounds = args.rounds or (1 if args.tiny else 5)
+    synced_rounds = args.synced_rounds or (1 if args.tiny else 3)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     attentions = ["sdpa"]
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -411,9 +321,9 @@ def main() -> int:
         {
             "device": str(device),
             "tiny": args.tiny,
-            "contexts": contexts,
-            "batches": batches,
+            "rows": rows,
             "rounds": rounds,
+            "synced rounds": synced_rounds,
             "attentions": attentions,
             "versions": versions,
             "cuda": torch.version.cuda,
@@ -424,19 +334,22 @@ def main() -> int:
     parity(report, device, args.tiny)
     for attention in attentions:
         loaded = random_model(device, args.tiny, attention)
-        prefill_costs(report, loaded, contexts, batches, rounds, args.decode_tokens, args.query_policies, args.presets)
+        prefill_costs(
+            report, loaded, rows, rounds, synced_rounds, args.decode_tokens, args.query_policies, args.presets
+        )
         if attention == "sdpa" and not args.prefill_only:
             # NOTE: a RULER prompt needs ~400 byte-level tokens besides its haystack
             trial_engine(
                 report,
                 loaded,
-                max(contexts[0], 1024),
+                max(rows[0][0], 1024),
                 samples_per_task=1 if args.tiny else 2,
                 trials=args.engine_trials or (2 if args.tiny else 16),
             )
         del loaded
     if not args.prefill_only:
         out_of_memory(report, device)
+    check_bars(report)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     result = {**report.settings, "device_name": name, "sections": report.sections, "problems": report.problems}
     (args.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))

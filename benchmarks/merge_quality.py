@@ -71,7 +71,7 @@ class RecordingGRKVPress(GRKVPress):
                 keys,
                 values,
                 kept,
-                self._fixed(selection, kept),
+                self._fixed(kept, selection.scores.gather(-1, kept), keys.shape[2]),
                 context.scale,
                 context.full_outputs,
             )

@@ -3,6 +3,7 @@ own CPU time, against the base press alone (the same essay prompt as ``prefill_c
 
     PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py                          # SmolLM2-135M, SnapKV 10%
     PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py --option layers_per_solve=0
+    PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py --preset window32     # the default until 2026-11-28
 
 Counts come from a ``TorchDispatchMode`` over one prefill (each operation attributed to the nearest grkv_core or
 kvpress function on the stack), with the host reads among them (``bool(t)``, ``t.item()``, ``torch.equal``: on a GPU,
@@ -37,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from grkv_core.config import parse_merge_variant
 from grkv_core.evaluation.generation import prefill
 from grkv_core.models import load_model
+from grkv_core.options import GRKV_PRESETS
 from grkv_core.registry import build_press
 
 # The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
@@ -150,6 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_prefill_arguments(parser, rounds=3)
     parser.add_argument("--option", default="", metavar="k=v,...", help="GRKV options, e.g. layers_per_solve=0")
+    parser.add_argument("--preset", choices=sorted(GRKV_PRESETS), help="GRKV's options from a preset (--option wins)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=15, help="timings of each replayed linear-algebra call")
     args = parser.parse_args()
@@ -159,6 +162,7 @@ def main() -> None:
     before_each = heap_preparation(args.heap, loaded.model.device)
     ids = essay_prompt(loaded.tokenizer, args.tokens)
     _, merge, options = parse_merge_variant(f"grkv=grkv:{args.option}" if args.option else "grkv=grkv")
+    options = {**(GRKV_PRESETS[args.preset] if args.preset else {}), **options}
     presses = {
         "base": build_press(args.press, args.compression_ratio),
         "grkv": build_press(args.press, args.compression_ratio, merge=merge, **options),
@@ -182,7 +186,8 @@ def main() -> None:
         }
     print(
         f"model={args.model} tokens={args.tokens} press={args.press} keep={1 - args.compression_ratio:.0%} "
-        f"grkv options={options or 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}"
+        f"grkv options={args.preset or ''}{'+' if args.preset and args.option else ''}{args.option or ''}"
+        f"{'' if args.preset or args.option else 'defaults'} threads={torch.get_num_threads()} rounds={args.rounds}"
     )
     print(
         f"dispatched operations per prefill: base {counts['base'].total()}, +grkv {counts['grkv'].total()}; "

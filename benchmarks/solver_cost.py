@@ -49,11 +49,12 @@ class LayerShape:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
+    num_layers: int
 
 
 PRESETS = {
-    "smollm2-135m": LayerShape(576, 9, 3, 64, 1536),
-    "llama-3.1-8b": LayerShape(4096, 32, 8, 128, 14336),
+    "smollm2-135m": LayerShape(576, 9, 3, 64, 1536, 30),
+    "llama-3.1-8b": LayerShape(4096, 32, 8, 128, 14336, 32),
 }
 
 
@@ -118,7 +119,7 @@ def main() -> None:
         "--layers",
         type=int,
         default=GRKV_DEFAULTS["layers_per_solve"],
-        help="layers solved together (layers_per_solve; GRKVPress's default)",
+        help="layers solved together (layers_per_solve; GRKVPress's default; 0: the model's every layer)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -172,7 +173,7 @@ def main() -> None:
     groups = shape.num_attention_heads // kv_heads
     budget = int(args.tokens * args.keep)
     m = args.window
-    layers = args.layers
+    layers = args.layers or shape.num_layers
     # NOTE: one batch row per layer: row l holds layer l's cache, queries and fixed rows.
     keys = torch.randn(layers, kv_heads, args.tokens, head_dim, device=device, dtype=dtype)
     values = torch.randn_like(keys)

@@ -21,6 +21,7 @@ QUERY_POLICIES = ("window", "stratified", "mixture", "expected")
 ACCEPT_RULES = ("always", "objective", "validation")
 HEAD_WEIGHTINGS = ("uniform", "o_proj")
 MERGED_LAYERS = ("all", "early", "late")
+MERGE_STREAMS = ("serial", "side")
 
 
 def is_number(value) -> bool:
@@ -234,6 +235,16 @@ class GRKVOptions:
             choices=MERGED_LAYERS,
         ),
     )
+    merge_stream: str = _option(
+        "serial",
+        OptionSpec(
+            "'side' solves each group of layers on a side CUDA stream while the forward goes on through the later "
+            "layers, joined before anything reads the cache (at the end of the prefill's forward); 'serial' solves it "
+            "in line (the only way on the CPU; the same results either way)",
+            str,
+            choices=MERGE_STREAMS,
+        ),
+    )
 
 
 def option_specs(options: type) -> dict[str, OptionSpec]:
@@ -255,9 +266,9 @@ GRKV_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GRKVOptions)}
 
 # The paper's Alg. 1 with its Sec. 4.1 defaults, every option written out, whatever the library's defaults: the
 # last m = 32 prompt tokens as queries, λ = 1e-2, β = 0.1, one alternating step, no safeguard, the key step solved to
-# convergence. Only how the work is batched (``layers_per_solve``, ``target_from_forward``: the same results up to
-# float rounding) is the library's. A sweep enqueues it first (the searched options among these) so every sweep is
-# anchored to the paper; ``GRKVPress.paper`` and ``--preset paper`` build it.
+# convergence. Only how the work is batched (``layers_per_solve``, ``target_from_forward``, ``merge_stream``: the same
+# results up to float rounding) is the library's. A sweep enqueues it first (the searched options among these) so every
+# sweep is anchored to the paper; ``GRKVPress.paper`` and ``--preset paper`` build it.
 PAPER_GRKV_OPTIONS: dict[str, Any] = {
     **GRKV_DEFAULTS,
     "lambda_k": 1e-2,
@@ -290,7 +301,7 @@ WINDOW32_GRKV_OPTIONS: dict[str, Any] = {
 # Named sets of GRKV's options (``--preset``, a sweep's ``preset``).
 GRKV_PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_GRKV_OPTIONS, "window32": WINDOW32_GRKV_OPTIONS}
 
-# NOTE: the eight options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
+# NOTE: the ten options ``grkv_merge`` takes (the rest are the press's: which tokens, which queries, acceptance).
 SOLVER_OPTION_NAMES = (
     "lambda_k",
     "lambda_v",
@@ -300,12 +311,18 @@ SOLVER_OPTION_NAMES = (
     "cg_rtol",
     "safeguard",
     "ridge_scale",
+    "max_rel_update_k",
+    "max_rel_update_v",
 )
+# NOTE: the solver's own default for the trust-region caps is no cap (the regression's solution as the paper's Alg. 1
+# has it): ``grkv_merge`` called without them solves the plain regression, while ``GRKVPress`` passes its own
+# (``GRKVOptions``: a key cap of 0.1 by default).
+_SOLVER_DEFAULTS = {"max_rel_update_k": None, "max_rel_update_v": None}
 
 SolverOptions = make_dataclass(
     "SolverOptions",
     [
-        (item.name, item.type, field(default=item.default, metadata=item.metadata))
+        (item.name, item.type, field(default=_SOLVER_DEFAULTS.get(item.name, item.default), metadata=item.metadata))
         for item in fields(GRKVOptions)
         if item.name in SOLVER_OPTION_NAMES
     ],
@@ -315,7 +332,8 @@ SolverOptions = make_dataclass(
         "__module__": __name__,
         "__doc__": (
             "The solver's options (``grkv_merge``, ``solve_regression``): ``GRKVOptions``' fields of the same names, "
-            "with their defaults and specs, as one frozen value checked when made."
+            "with their defaults (but no trust-region cap, the plain regression's solution) and specs, as one frozen "
+            "value checked when made."
         ),
     },
 )

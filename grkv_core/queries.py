@@ -44,7 +44,8 @@ def surrogate_queries(
     *,
     policy: str = "window",
     n_queries: int = PAPER_WINDOW,
-    window_projections: torch.Tensor | None = None,
+    prompt_projections: torch.Tensor | None = None,
+    memo: PolicyRowsMemo | None = None,
 ) -> SurrogateQueries:
     """Build the surrogate queries of one attention layer.
 
@@ -69,34 +70,26 @@ def surrogate_queries(
         its non-causal rows).
     n_queries : int
         m, the number of query rows per query head: at most the prompt's length, but for ``"expected"``, any number.
-    window_projections : torch.Tensor, optional
-        (B, m, H_q·d) the ``q_proj`` outputs of the window's tokens, kept from the prefill's own forward
-        (window policy only): the queries are then built from them instead of projecting the hidden states
-        again.
+    prompt_projections : torch.Tensor, optional
+        (B, r, H_q·d) the ``q_proj`` outputs of the prompt rows the policy reads (``prompt_rows``), kept from the
+        prefill's own forward: the queries are then built from them instead of projecting the hidden states again.
+    memo : PolicyRowsMemo, optional
+        Where the rows that every layer of one prefill shares (RoPE rows, positions) are kept: computed at the first
+        layer, reused by the rest. None: computed anew.
     """
     if policy not in QUERY_POLICIES:
         raise ValueError(f"query_policy must be one of {QUERY_POLICIES}, got {policy!r}")
     length = hidden_states.shape[1]
-    rows = _policy_rows(
-        position_embeddings,
-        policy,
-        n_queries if policy == "expected" else min(n_queries, length),
-        length,
-        module.config.num_attention_heads // module.config.num_key_value_heads,
-    )
-    if (
-        window_projections is not None
-        and policy == "window"
-        and window_projections.shape[:2] == (hidden_states.shape[0], rows.token_positions.numel())
-    ):
-        queries = _prerope_from_projections(module, window_projections)
-    elif policy == "window":
-        # NOTE: a slice (a view), not an index copy: the window is the prompt's last m tokens.
-        queries = get_prerope_query_states(module, hidden_states[:, length - rows.token_positions.numel() :])
-    elif policy == "expected":
-        queries = _expected_draws(get_prerope_query_states(module, hidden_states[:, rows.statistics]), rows.draws)
+    m = n_queries if policy == "expected" else min(n_queries, length)
+    groups = module.config.num_attention_heads // module.config.num_key_value_heads
+    rows = (PolicyRowsMemo() if memo is None else memo).rows(position_embeddings, policy, m, length, groups)
+    if prompt_projections is not None and prompt_projections.shape[:2] == (hidden_states.shape[0], rows.read_count):
+        queries = _prerope_from_projections(module, prompt_projections)
     else:
-        queries = get_prerope_query_states(module, hidden_states[:, rows.token_positions])
+        # NOTE: a slice (the window's, the expected policy's strided statistics) reads a view, not an index copy.
+        queries = get_prerope_query_states(module, hidden_states[:, rows.read])
+    if policy == "expected":
+        queries = _expected_draws(queries, rows.draws)
     # NOTE: RoPE as q·cos + rotate_half(q)·sin, with rotate_half(q)·sin = roll(q)·sin' (sin' the sine with its first
     # half negated): the same products, one operation instead of four.
     queries = queries * rows.cos + queries.roll(queries.shape[-1] // 2, dims=-1) * rows.signed_sin
@@ -136,41 +129,70 @@ class _PolicyRows:
     signed_sin: torch.Tensor  # (B, 1, m, d), the first half negated
     token_positions: torch.Tensor  # (m,) the prompt positions of the rows' tokens (expected: the future positions)
     positions: torch.Tensor | None  # (groups·m,) or None (non-causal)
-    statistics: slice | None = None  # the prompt positions whose queries give the expected policy's statistics
+    read: slice | torch.Tensor  # the prompt rows whose queries the policy reads (``prompt_rows``)
+    read_count: int  # how many
     draws: torch.Tensor | None = None  # (m, N) ``standard_draws``
 
 
-# NOTE: every layer of a prefill receives the same (cos, sin) tensors, so the rows built for the first layer serve the
-# rest: one entry, keyed by those tensors' identity (and the policy's shape), replaced at the next prefill. Every
-# layer then also shares one ``positions`` tensor, which lets ``KeptRegression.stacks_with`` see them equal without
-# reading them.
-_LAST_POLICY_ROWS: list = [None, None]
+class PolicyRowsMemo:
+    """The last prefill's ``_PolicyRows``, for the layers after its first (one per press context).
+
+    NOTE: every layer of a prefill receives the same (cos, sin) tensors, so the rows built for the first layer serve the
+    rest: one entry, keyed by those tensors' identity (and the policy's shape), replaced at the next prefill. Every
+    layer then also shares one ``positions`` tensor, which lets a stacked solve see them equal without reading them.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._rows: _PolicyRows | None = None
+
+    def rows(
+        self, position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int, groups: int
+    ) -> _PolicyRows:
+        cos, sin = position_embeddings
+        key = (policy, m, length, groups)
+        if self._key is not None and self._key[0] is cos and self._key[1] is sin and self._key[2:] == key:
+            return self._rows
+        self._rows = _policy_rows(cos, sin, policy, m, length, groups)
+        self._key = (cos, sin, *key)
+        return self._rows
 
 
-def _policy_rows(
-    position_embeddings: tuple[torch.Tensor, torch.Tensor], policy: str, m: int, length: int, groups: int
-) -> _PolicyRows:
-    cos, sin = position_embeddings
-    key = (policy, m, length, groups)
-    cached_key, cached = _LAST_POLICY_ROWS
-    if cached_key is not None and cached_key[0] is cos and cached_key[1] is sin and cached_key[2:] == key:
-        return cached
+def prompt_rows(policy: str, m: int, length: int, device: torch.device) -> tuple[slice | torch.Tensor, int]:
+    """The prompt rows whose pre-RoPE queries ``policy`` reads with m queries from a ``length``-token prompt (an index
+    of the prompt axis: a slice, or a (r,) tensor), and how many: the window's last m, the strata midpoints, both
+    (``"mixture"``), or the tokens of the expected policy's statistics."""
+    if policy == "window":
+        return slice(length - m, length), m
+    if policy == "stratified":
+        return _strata_midpoints(m, length, device), m
+    if policy == "mixture":
+        window, strata = (m + 1) // 2, m // 2
+        rows = torch.cat(
+            [torch.arange(length - window, length, device=device), _strata_midpoints(strata, length - window, device)]
+        )
+        return rows, m
+    skipped = min(EXPECTED_SINKS, length - 1)
+    statistics = slice(skipped, length, -(-(length - skipped) // EXPECTED_STATISTICS_TOKENS))
+    return statistics, len(range(length)[statistics])
+
+
+def _policy_rows(cos: torch.Tensor, sin: torch.Tensor, policy: str, m: int, length: int, groups: int) -> _PolicyRows:
     device = cos.device
     last = length - 1
-    statistics = draws = None
+    read, read_count = prompt_rows(policy, m, length, device)
+    draws = None
     if policy == "window":
         token_positions = torch.arange(length - m, length, device=device)
         cos_rows, sin_rows = cos[:, length - m :], sin[:, length - m :]
         positions = token_positions.repeat(groups)
     elif policy == "stratified":
-        token_positions = _strata_midpoints(m, length, device)
+        token_positions = read
         cos_rows, sin_rows = cos[:, last:].expand(-1, m, -1), sin[:, last:].expand(-1, m, -1)
         positions = None
     elif policy == "mixture":
         window, strata = (m + 1) // 2, m // 2
-        token_positions = torch.cat(
-            [torch.arange(length - window, length, device=device), _strata_midpoints(strata, length - window, device)]
-        )
+        token_positions = read
         cos_rows = torch.cat([cos[:, length - window :], cos[:, last:].expand(-1, strata, -1)], dim=1)
         sin_rows = torch.cat([sin[:, length - window :], sin[:, last:].expand(-1, strata, -1)], dim=1)
         # NOTE: a stratum's row sits at the last position, so the causal mask lets it see every key.
@@ -180,17 +202,14 @@ def _policy_rows(
         token_positions = last + offsets
         cos_rows, sin_rows = _rotation_sum(cos, sin, last, offsets)
         positions = None
-        skipped = min(EXPECTED_SINKS, length - 1)
-        statistics = slice(skipped, length, -(-(length - skipped) // EXPECTED_STATISTICS_TOKENS))
-        tokens = len(range(length)[statistics])
-        draws = standard_draws(m, tokens)
+        draws = standard_draws(m, read_count)
         # NOTE: from pinned memory the copy to a GPU is asynchronous: no synchronisation of the host with the device.
         draws = (draws.pin_memory() if device.type == "cuda" else draws).to(device, non_blocking=True)
     half = sin_rows.shape[-1] // 2
     signed_sin = torch.cat([-sin_rows[..., :half], sin_rows[..., half:]], dim=-1)
-    rows = _PolicyRows(cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions, statistics, draws)
-    _LAST_POLICY_ROWS[:] = [(cos, sin, *key), rows]
-    return rows
+    return _PolicyRows(
+        cos_rows.unsqueeze(1), signed_sin.unsqueeze(1), token_positions, positions, read, read_count, draws
+    )
 
 
 def standard_draws(m: int, tokens: int) -> torch.Tensor:

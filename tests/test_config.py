@@ -264,7 +264,7 @@ ALG_1 = {
     "merged_layers": "all",
 }
 # How the work is batched, not what is computed: the same results up to float rounding.
-BATCHING = {"layers_per_solve", "target_from_forward"}
+BATCHING = {"layers_per_solve", "target_from_forward", "merge_stream"}
 
 
 def test_the_paper_preset_is_alg_1_exactly_whatever_the_defaults():

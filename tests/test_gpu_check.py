@@ -41,10 +41,21 @@ def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
     return json.loads((output_dir / "gpu_check.json").read_text()), result.stdout
 
 
+NOT_ON_CPU = "n/a (CPU)"
+
+
 def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     report, printed_output = tiny_check(tmp_path)
     sections = report["sections"]
-    assert report["problems"] == [] and set(sections) == {"parity", "prefill", "trial engine", "out of memory"}
+    assert report["problems"] == [] and set(sections) == {
+        "parity",
+        "prefill",
+        "first request",
+        "memory",
+        "trial engine",
+        "out of memory",
+        "bars",
+    }
     assert [row["cache dtype"] for row in sections["parity"]] == ["float32", "bfloat16"]
     assert all(row["passed"] and row["key error"] < row["tolerance"] for row in sections["parity"])
     presses = {row["press"] for row in sections["prefill"]}
@@ -52,25 +63,55 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
         "snapkv",
         "snapkv+grkv",
         "snapkv+grkv layers_per_solve=1",
-        "snapkv+grkv layers_per_solve=4",
+        "snapkv+grkv side stream layers_per_solve=0",
+        "snapkv+grkv side stream layers_per_solve=4",
         "snapkv+grkv stratified m=128",
     }
-    assert {(row["context"], row["batch"]) for row in sections["prefill"]} == {(256, 1), (256, 2)}
-    assert all(row["prefill ms"] > 0 and row["decode ms/token"] > 0 for row in sections["prefill"])
-    assert all(row["TTFT ratio"] == 1 for row in sections["prefill"] if row["press"] == "snapkv")
+    rows = {(256, 1), (256, 2)}
+    assert report["rows"] == [[256, 1], [256, 2]]
+    assert {(row["context"], row["batch"]) for row in sections["prefill"]} == rows
+    # The time to the second token is the prefill's and one decode step's, from the same start.
+    assert all(
+        row["second token ms"] > row["TTFT ms"] > 0 and row["synced prefill ms"] > 0 and row["decode ms/token"] > 0
+        for row in sections["prefill"]
+    )
+    ratios = ("TTFT ratio", "second token ratio", "synced TTFT ratio")
+    assert all(row[ratio] == 1 for row in sections["prefill"] if row["press"] == "snapkv" for ratio in ratios)
+    assert all(
+        row[column] == NOT_ON_CPU
+        for row in sections["prefill"]
+        for column in ("peak allocated GiB", "peak reserved GiB")
+    )
     # GRKV dispatches operations of its own on every layer, fewer per layer the more layers share a solve (the
-    # default: all of them), and reads the device on the host once per prefill (its warnings' counts).
+    # default: all of them), and reads the device on the host once per prefill (its warnings' counts). On the CPU a
+    # side stream is no stream: its solves run in line.
     added = {(row["context"], row["batch"], row["press"]): row["added ops/layer"] for row in sections["prefill"]}
-    for context, batch in {(256, 1), (256, 2)}:
-        alone, grouped = (added[context, batch, f"snapkv+grkv layers_per_solve={n}"] for n in (1, 4))
+    for context, batch in rows:
+        alone = added[context, batch, "snapkv+grkv layers_per_solve=1"]
+        grouped = added[context, batch, "snapkv+grkv side stream layers_per_solve=4"]
         assert added[context, batch, "snapkv"] == 0 and alone > grouped > 0
     assert all(
         row["added host reads/layer"] == 1 / 4
         and row["merge µs/added op"] != ""
-        and row["added kernels/layer"] == "n/a (CPU)"
+        and isinstance(row["merge ms/layer"], float)
+        and row["added kernels/layer"] == NOT_ON_CPU
         for row in sections["prefill"]
         if row["press"] != "snapkv"
     )
+    # The first request at each shape on its own line (no graph captured on the CPU), then the row's memory.
+    assert {(row["context"], row["batch"]) for row in sections["first request"]} == rows
+    assert all(
+        row["press"] == "snapkv+grkv" and row["first prefill ms"] > 0 and row["graphs captured"] == 0
+        for row in sections["first request"]
+    )
+    assert {(row["context"], row["batch"]) for row in sections["memory"]} == rows
+    assert all(
+        row[column] == NOT_ON_CPU
+        for row in sections["memory"]
+        for column in ("reserved GiB", "graph pools GiB", "CapturedSolves pool GiB")
+    )
+    # Issue #50's bars are at 4K and 32K: none measured on tiny shapes.
+    assert sections["bars"] and all(row["holds"] == "n/a (not measured)" for row in sections["bars"])
     assert [row["mode"] for row in sections["trial engine"]] == ["full", "answer"]
     assert all(row["agree"] and row["tolerance"] == "exact" for row in sections["trial engine"])
     (oom,) = sections["out of memory"]
@@ -80,6 +121,31 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
     assert len(printed) == sum(len(rows) for rows in sections.values())
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert all(f"## {section}" in markdown for section in sections) and "problems: none" in markdown
+
+
+def test_the_bars_say_whether_each_holds_where_their_row_was_measured():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_measure import Report
+    from gpu_prefill import BARS, check_bars
+
+    report = Report("test", {})
+    row = {"context": 32768, "batch": 1, "attention": "sdpa"}
+    base = {"TTFT ratio": 1.0, "second token ratio": 1.0, "peak reserved GiB": 20.0}
+    report.sections["prefill"] = [
+        {**row, "press": "snapkv", **base},
+        {**row, "press": "snapkv+grkv", "TTFT ratio": 1.01, "second token ratio": 1.03, "peak reserved GiB": 20.5},
+    ]
+    report.sections["memory"] = [{**row, "graph pools GiB": 2.5}]
+    check_bars(report)
+    bars = {(bar["bar"], bar["press"], bar["context"], bar["batch"]): bar for bar in report.sections["bars"]}
+    assert len(bars) == len(BARS)
+    assert bars["TTFT ratio <= 1.02", "snapkv+grkv", 32768, 1]["holds"] is True
+    assert bars["second token ratio <= 1.02", "snapkv+grkv", 32768, 1]["holds"] is False
+    assert bars["graph pools GiB <= 2", "", 32768, 1]["holds"] is False
+    reserved = bars["peak reserved GiB above SnapKV <= 1", "snapkv+grkv", 32768, 1]
+    assert reserved["holds"] is True and reserved["measured"] == 0.5
+    assert bars["TTFT ratio <= 1.05", "snapkv+grkv", 4096, 1]["holds"] == "n/a (not measured)"
+    assert bars["TTFT ratio <= 1.01", "snapkv+grkv preset=window32", 32768, 1]["measured"] == ""
 
 
 def _result(**changes) -> SampleResult:
@@ -141,9 +207,25 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
 
 def test_the_prefill_only_check_times_the_query_policies_and_presets_asked_for(tmp_path):
     report, _ = tiny_check(
-        tmp_path, "--prefill-only", "--batches", "1", "--query-policies", "mixture", "expected", "--presets", "window32"
+        tmp_path,
+        "--prefill-only",
+        "--rows",
+        "256x1",
+        "128x2",
+        "--query-policies",
+        "mixture",
+        "expected",
+        "--presets",
+        "window32",
     )
-    assert report["problems"] == [] and set(report["sections"]) == {"parity", "prefill"}
+    assert report["problems"] == [] and set(report["sections"]) == {
+        "parity",
+        "prefill",
+        "first request",
+        "memory",
+        "bars",
+    }
+    assert {(row["context"], row["batch"]) for row in report["sections"]["prefill"]} == {(256, 1), (128, 2)}
     presses = {row["press"] for row in report["sections"]["prefill"]}
     assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128", "snapkv+grkv preset=window32"} <= presses
     assert not any("stratified" in press for press in presses)

@@ -460,11 +460,8 @@ def test_top_beta_ranks_only_genuinely_scored_tokens(base_press, forced_ranges):
     scores = torch.rand(1, 2, length, generator=generator)
     scores[..., forced] = float(scores.max()) + 1
     kept = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
-    selection = TokenSelection(
-        scores=scores, kept_mask=torch.zeros(1, 2, length, dtype=torch.bool), uniform_budget=budget
-    )
     press = GRKVPress(press=base_press(), beta=0.25)
-    fixed = press._fixed(selection, kept)
+    fixed = press._fixed(kept, scores.gather(-1, kept), length)
     protected = (kept < press.n_sink) | (kept >= length - press.window_size)
     assert fixed[protected].all()
     ranked = fixed & ~protected
@@ -590,40 +587,33 @@ def test_inside_composed_press_each_layer_is_merged_at_once(five_layer_llama, mo
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "adakv"])
 def test_target_from_the_forward_matches_the_recomputed_target(architecture, press_name, monkeypatch):
-    from grkv_core.solver.regression import KeptRegression
+    import grkv_core.presses.grkv as grkv_module
 
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=8)
-    supplied = []
-    reduce = KeptRegression.of
+    recomputes = []
+    recompute = grkv_module.full_cache_outputs
     monkeypatch.setattr(
-        KeptRegression,
-        "of",
-        classmethod(
-            lambda cls, *args, **kwargs: (supplied.append(kwargs["full_outputs"] is not None), reduce(*args, **kwargs))[
-                1
-            ]
-        ),
+        grkv_module, "full_cache_outputs", lambda *args, **kwargs: (recomputes.append(1), recompute(*args, **kwargs))[1]
     )
     # NOTE: capped CG would amplify the targets' rounding differences; only the window policy's rows are the forward's.
     converged = dict(cg_max_iter=300, cg_rtol=1e-7, query_policy="window")
     reusing = build_press(press_name, RATIO, merge="grkv", target_from_forward=True, **converged)
     reused = prefill(model, ids, reusing)
-    assert supplied and all(supplied)
-    supplied.clear()
+    assert not recomputes
     recomputed = prefill(
         model, ids, build_press(press_name, RATIO, merge="grkv", target_from_forward=False, **converged)
     )
-    assert supplied and not any(supplied)
+    assert recomputes
     for layer_reused, layer_recomputed in zip(reused.layers, recomputed.layers):
         torch.testing.assert_close(layer_reused.keys, layer_recomputed.keys, rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(layer_reused.values, layer_recomputed.values, rtol=2e-4, atol=2e-4)
     assert reusing._capture is None, "the window outputs it kept are released on exit"
     # Other policies' queries are not the forward's rows: their target is recomputed whatever the option says.
-    supplied.clear()
+    recomputes.clear()
     stratified = dict(query_policy="stratified", target_from_forward=True, **SHORT_PROMPT_GRKV)
     prefill(model, ids, build_press(press_name, RATIO, merge="grkv", **stratified))
-    assert supplied and not any(supplied)
+    assert recomputes
 
 
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")  # AdaKV leaves some heads only fixed rows
@@ -632,16 +622,14 @@ def test_target_from_the_forward_matches_the_recomputed_target(architecture, pre
 def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projection(
     architecture, press_name, monkeypatch
 ):
-    from grkv_core.solver.regression import KeptRegression
+    from grkv_core.presses.surrogate_capture import OutputProjectionWeights
 
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=10)
     given = []
-    reduce = KeptRegression.of
+    rows = OutputProjectionWeights.rows
     monkeypatch.setattr(
-        KeptRegression,
-        "of",
-        classmethod(lambda cls, *args, **kwargs: (given.append(kwargs["row_weights"]), reduce(*args, **kwargs))[1]),
+        OutputProjectionWeights, "rows", lambda self, *args: (given.append(rows(self, *args)), given[-1])[1]
     )
     weighted = prefill(
         model, ids, build_press(press_name, RATIO, merge="grkv", head_weighting="o_proj", **SHORT_PROMPT_GRKV)
@@ -655,25 +643,45 @@ def test_o_proj_head_weighting_weighs_each_query_heads_rows_by_its_output_projec
             [weight[:, h * head_dim : (h + 1) * head_dim].square().sum() for h in range(config.num_attention_heads)]
         )
         expected.append((norms / norms.mean()).view(config.num_key_value_heads, groups))
-    # SnapKV merges a layer at once ((B, H_kv, groups·m) weights); AdaKV head by head ((1, 1, groups·m) each,
-    # batch-major then KV heads, as BaseMergerPress visits them).
-    per_head = [
-        (layer, batch, kv_head)
-        for layer in range(len(layers))
-        for batch in range(2)
-        for kv_head in range(config.num_key_value_heads)
-    ]
-    assert len(given) == (len(layers) if press_name == "snapkv" else len(per_head))
-    for index, row_weights in enumerate(given):
+    # NOTE: a layer's (B, H_kv, groups·m) weights, which AdaKV's per-head merges then restrict to each head.
+    assert len(given) == len(layers)
+    for layer, row_weights in enumerate(given):
         window = row_weights.shape[-1] // groups
         blocks = row_weights.double().unflatten(-1, (groups, window))  # (B, H, groups, m)
         assert torch.equal(blocks, blocks[..., :1].expand_as(blocks)), "one weight per query head"
-        layer, heads = (index, slice(None)) if press_name == "snapkv" else (per_head[index][0], per_head[index][2])
-        torch.testing.assert_close(blocks[..., 0], expected[layer][heads].expand_as(blocks[..., 0]))
+        torch.testing.assert_close(blocks[..., 0], expected[layer].expand_as(blocks[..., 0]))
     uniform = prefill(
         model, ids, build_press(press_name, RATIO, merge="grkv", head_weighting="uniform", **SHORT_PROMPT_GRKV)
     )
     assert any(not torch.allclose(a.values, b.values) for a, b in zip(weighted.layers, uniform.layers))
+
+
+def test_the_output_projection_weights_are_read_once_per_model_and_again_when_a_weight_changes(monkeypatch):
+    import grkv_core.presses.surrogate_capture as surrogate_capture
+
+    model = tiny_model().model
+    ids = context_ids(model.config.vocab_size, batch=1, seed=11)
+    reads = []
+    read = surrogate_capture.output_projection_head_weights
+    monkeypatch.setattr(
+        surrogate_capture,
+        "output_projection_head_weights",
+        lambda weight, head_dim: (reads.append(weight), read(weight, head_dim))[1],
+    )
+    press = build_press("snapkv", RATIO, merge="grkv", head_weighting="o_proj", **SHORT_PROMPT_GRKV)
+    layers = compressed_layers(model)
+    with press(model):
+        for _ in range(2):
+            model(input_ids=ids, past_key_values=DynamicCache())
+    assert len(reads) == len(layers), "each layer's weight once, in the first prefill only"
+    before = prefill(model, ids, press)
+    assert len(reads) == len(layers), "nor in a later context"
+    weight = layers[0].self_attn.o_proj.weight
+    with torch.no_grad():
+        weight[:, : layers[0].self_attn.head_dim] *= 3  # the first query head weighs more
+    after = prefill(model, ids, press)
+    assert len(reads) == len(layers) + 1 and reads[-1] is weight, "a changed weight is read again, alone"
+    assert not torch.allclose(before.layers[0].values, after.layers[0].values)
 
 
 @pytest.mark.filterwarnings("ignore:GRKV refits nothing")
@@ -769,3 +777,20 @@ def test_kept_positions_are_each_heads_kept_positions_in_increasing_order(batch,
     assert torch.equal(selection.kept_positions(), reference)
     assert selection.kept_positions() is selection.kept_positions()  # computed once per selection
     assert torch.equal(selection.kept_positions(), kept_mask.nonzero()[:, 2].view(batch, heads, budget))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream needs a CUDA device")
+@pytest.mark.parametrize("layers_per_solve", [0, 1])
+def test_solves_on_a_side_stream_give_the_serial_caches(layers_per_solve):
+    model = tiny_model().model.cuda()
+    ids = context_ids(model.config.vocab_size, batch=2, seed=13).cuda()
+    caches = {
+        stream: prefill(
+            model,
+            ids,
+            build_press("snapkv", RATIO, merge="grkv", merge_stream=stream, layers_per_solve=layers_per_solve),
+        )
+        for stream in ("serial", "side")
+    }
+    for serial, side in zip(caches["serial"].layers, caches["side"].layers):
+        assert torch.equal(serial.keys, side.keys) and torch.equal(serial.values, side.values)

@@ -711,8 +711,10 @@ def test_the_whole_solve_compiles_as_one_graph_and_matches_eager(policy):
     eager = merge_heads(regression, options)
     evicted = gather(problem["keys"], problem["kept"])
     assert not torch.equal(eager[0], evicted)
+    # NOTE: inductor's fused kernels sum in another order, which depends on the CPU: on some, 1 entry in 384 is 2.2e-4
+    # apart (relative), the same at 2c78dd0 as now.
     for fast, slow in zip(compiled[:2], eager[:2]):
-        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast, slow, rtol=1e-3, atol=1e-4)
     assert torch.equal(compiled[2], eager[2])
 
 
@@ -756,4 +758,67 @@ def test_a_captured_solve_replays_what_the_eager_solve_returns():
         eager = merge_heads(regression, SolverOptions())
         for fast, slow in zip(replayed, eager):
             torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
-    assert len(graphs._graphs) == 1
+    assert len(graphs._graphs) == 1 and graphs.captures == 1 and graphs.pool_bytes() > 0
+    # A budget in another bucket captures another graph, in the same memory pool.
+    problem = random_problem(seed=83, length=200, budget=100, causal=True)
+    regression = KeptRegression.of(
+        *(problem[name].cuda() for name in ("queries", "keys", "values", "kept", "fixed")),
+        query_positions=problem["query_positions"].cuda(),
+    )
+    for fast, slow in zip(graphs(merge_heads, regression, SolverOptions()), merge_heads(regression, SolverOptions())):
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
+    assert graphs.captures == 2 and len({entry.graph.pool() for entry in graphs._graphs.values()}) == 1
+    graphs.clear()
+    assert graphs.pool_bytes() == 0 and not graphs._graphs
+
+
+def test_a_solve_on_the_cpu_is_never_captured():
+    from grkv_core.solver.capture import CapturedSolves
+    from grkv_core.solver.merge import merge_heads
+
+    problem = random_problem(seed=84, causal=True)
+    regression = KeptRegression.of(
+        *(problem[name] for name in ("queries", "keys", "values", "kept", "fixed")),
+        query_positions=problem["query_positions"],
+    )
+    graphs = CapturedSolves()
+    for through_graphs, eager in zip(
+        graphs(merge_heads, regression, SolverOptions()), merge_heads(regression, SolverOptions())
+    ):
+        assert torch.equal(through_graphs, eager)
+    assert graphs.captures == 0 and graphs.pool_bytes() == 0 and not graphs._graphs
+
+
+@pytest.mark.parametrize("components", ["kv", "v"])
+def test_the_cpus_early_exits_give_the_fixed_count_results_bit_for_bit(monkeypatch, components):
+    """On the CPU the rounds and the conjugate gradients stop once every head has (a free host read); forced to run
+    their whole count, as on a GPU, they give the same merge bit for bit. (Refitting values alone, every head stops
+    alternating after its second round.)"""
+    import grkv_core.solver.key_step as key_step_module
+    import grkv_core.solver.merge as merge_module
+
+    problem = random_problem(seed=31, batch=3, heads=2, causal=True)
+    options = dict(steps=6, cg_max_iter=40, cg_rtol=1e-3, lambda_k=1e-2, lambda_v=1e-2, components=components)
+    stopped = grkv_merge(**problem, **options)
+    for module in (merge_module, key_step_module):
+        monkeypatch.setattr(module, "reads_are_free", lambda tensor: False)
+    full_count = grkv_merge(**problem, **options)
+    assert torch.equal(stopped[0], full_count[0]) and torch.equal(stopped[1], full_count[1])
+
+
+@pytest.mark.parametrize("cap_k,cap_v", [(0.05, None), (None, 0.05), (0.05, 0.2)])
+def test_the_solvers_trust_region_caps_shrink_each_heads_update_as_a_float64_cap_would(cap_k, cap_v):
+    problem = random_problem(seed=32, causal=True)
+    options = dict(lambda_k=1e-2, lambda_v=1e-2, cg_max_iter=100, cg_rtol=1e-7)
+    uncapped = grkv_merge(**problem, **options)
+    capped = grkv_merge(**problem, **options, max_rel_update_k=cap_k, max_rel_update_v=cap_v)
+    assert grkv_merge(**problem, **options, max_rel_update_k=None)[0].equal(uncapped[0]), "the solver's default: none"
+    for part, merged, got, cap in (("keys", uncapped[0], capped[0], cap_k), ("values", uncapped[1], capped[1], cap_v)):
+        start = gather(problem[part], problem["kept"]).double()
+        update = merged.double() - start
+        if cap is None:
+            assert torch.equal(got, merged)
+            continue
+        factor = (cap * start.flatten(2).norm(dim=-1) / update.flatten(2).norm(dim=-1)).clamp(max=1.0)
+        assert (factor < 1).any(), "some head's cap binds"
+        torch.testing.assert_close(got.double(), start + factor[..., None, None] * update, rtol=1e-5, atol=1e-6)

@@ -1,15 +1,17 @@
 """GRKV's rules after a solve, on their own: the trust-region caps and the two acceptance rules, each checked
 against an independent float64 computation."""
 
+import pytest
 import torch
 
 from grkv_core.options import SolverOptions
-from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
+from grkv_core.presses.update_rules import lowest_window_loss, passes_validation
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.losses import discrepancy_per_head
 from grkv_core.solver.merge import solve_regression
 from grkv_core.solver.regression import KeptRegression
+from grkv_core.solver.trust_region import cap_update
 
 
 def random_cache(seed: int, batch=2, heads=4, rows=8, length=64, budget=32, dim=8):
@@ -38,6 +40,20 @@ def test_the_cap_shrinks_each_heads_update_to_its_share_of_the_start_and_no_furt
     assert small.any() and (~small).any(), "both kinds of head are present"
     assert torch.equal(capped[small], merged[small]), "an update within the cap is left as it is"
     assert cap_update(start, merged, None) is merged
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_cap_leaves_a_head_with_a_non_finite_row_as_it_is_and_every_other_head_capped(bad):
+    generator = torch.Generator().manual_seed(2)
+    start = torch.randn(1, 2, 8, 4, generator=generator)
+    start[0, 0, 2] = bad
+    # NOTE: the solver hands a head with a non-finite row back unmerged: merged equals start there.
+    merged = start + torch.randn(1, 2, 8, 4, generator=generator) * torch.tensor([0.0, 1.0])[:, None, None]
+    capped = cap_update(start, merged, 0.1)
+    torch.testing.assert_close(capped[0, 0], merged[0, 0], equal_nan=True, rtol=0, atol=0)
+    assert (~torch.isfinite(capped)).any(dim=-1).sum() == 1, "only the bad row stays non-finite"
+    limit = 0.1 * start[0, 1].double().norm()
+    assert (capped[0, 1].double() - start[0, 1].double()).norm() <= limit * (1 + 1e-5)
 
 
 def test_the_validation_rule_passes_exactly_the_heads_whose_held_out_loss_falls():

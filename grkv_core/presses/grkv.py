@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from contextlib import contextmanager
@@ -13,18 +12,18 @@ import torch
 from torch import nn
 
 from grkv_core.options import PAPER_GRKV_OPTIONS, SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
-from grkv_core.presses.layer_groups import LayerGroups, keeps_returned_rows
+from grkv_core.presses.layer_groups import LayerGroups, LayerMerge, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress, options_docstring
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
-from grkv_core.presses.update_rules import cap_update, lowest_window_loss, passes_validation
-from grkv_core.presses.window_capture import (
-    WindowCapture,
+from grkv_core.presses.surrogate_capture import (
+    OutputProjectionWeights,
+    SurrogateCapture,
     WindowRegression,
-    output_projection_weights,
     stack_by_kv_head,
 )
-from grkv_core.queries import SurrogateQueries, surrogate_queries
+from grkv_core.presses.update_rules import lowest_window_loss, passes_validation
+from grkv_core.queries import PolicyRowsMemo, SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.problem import gather_rows
@@ -61,9 +60,12 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
     def __post_init__(self) -> None:
         super().__post_init__()
         # NOTE: these exist only within this press's own context manager (see ``__call__``).
-        self._capture: WindowCapture | None = None
+        self._capture: SurrogateCapture | None = None
         self._groups: LayerGroups | None = None
         self._issues: SolveIssues | None = None
+        self._policy_rows: PolicyRowsMemo | None = None
+        # NOTE: kept across contexts: the output projections' weights are read once per model (and again if changed).
+        self._row_weights = OutputProjectionWeights()
         # NOTE: set by ``post_init_from_model``, which kvpress (and its wrappers) call before any layer is hooked.
         self._merged_layers: frozenset[int] | None = None
 
@@ -78,25 +80,38 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
 
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager; with the window policy, the window's queries (and, with
-        ``target_from_forward``, its attention outputs) are kept from the forward itself (``WindowCapture``), and
+        """kvpress's context manager; the surrogate queries' rows (and, with the window policy and
+        ``target_from_forward``, their attention outputs) are kept from the forward itself (``SurrogateCapture``), and
         with ``layers_per_solve`` other than 1 the layers' merges wait for their group (``LayerGroups``)."""
         decoder = language_model(model)
         merged = merged_layer_indices(model, self.merged_layers)
         merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index in merged]
-        capture = WindowCapture(self.window_size, keep_outputs=self.target_from_forward)
+        capture = SurrogateCapture(
+            self.query_policy,
+            self.window_size,
+            keep_outputs=self.target_from_forward and self.query_policy == "window",
+        )
+        join = None
         try:
-            with capture.hooked(merged_attentions) if self.query_policy == "window" else contextlib.nullcontext():
-                with super().__call__(model):
-                    self._capture = capture
-                    self._issues = SolveIssues()
-                    self._groups = LayerGroups.for_press(
-                        self, decoder, self.layers_per_solve, self._capped, self._issues
-                    )
-                    yield
+            with capture.hooked(merged_attentions), super().__call__(model):
+                self._capture = capture
+                self._policy_rows = PolicyRowsMemo()
+                self._issues = SolveIssues()
+                self._groups = LayerGroups.for_press(
+                    self, decoder, self.layers_per_solve, self._fixed, self._issues, self.merge_stream == "side"
+                )
+                if self._groups is not None and self._groups.stream is not None:
+                    # NOTE: the prefill's forward ends once its merges are joined: whatever reads the cache next is
+                    # queued after them.
+                    join = decoder.register_forward_hook(lambda *args: self._groups.join())
+                yield
+                if self._groups is not None:
+                    self._groups.join()
             self._warn_issues()
         finally:
-            self._capture = self._groups = self._issues = None
+            if join is not None:
+                join.remove()
+            self._capture = self._groups = self._issues = self._policy_rows = None
 
     def _warn_issues(self) -> None:
         """Warn once about what this context's solves found (``SolveIssues``: its one read of the device)."""
@@ -128,7 +143,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             kwargs["position_embeddings"],
             policy=self.query_policy,
             n_queries=self.window_size,
-            window_projections=projections,
+            prompt_projections=projections,
+            memo=self._policy_rows,
         )
         full_outputs = stack_by_kv_head(outputs, surrogate)
         deferrable = (
@@ -136,7 +152,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             and self.accept == "always"
             and keeps_returned_rows(kwargs["past_key_values"], module.layer_idx)
         )
-        row_weights = output_projection_weights(module, surrogate) if self.head_weighting == "o_proj" else None
+        row_weights = self._row_weights.rows(module, surrogate) if self.head_weighting == "o_proj" else None
         return WindowRegression(surrogate, full_outputs, module.scaling, deferrable, row_weights)
 
     def head_context(
@@ -153,17 +169,19 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         row_weights = context.row_weights[head] if context.row_weights is not None else None
         return WindowRegression(head_queries, full_outputs, context.scale, deferrable=False, row_weights=row_weights)
 
-    def _fixed(self, selection: TokenSelection, kept: torch.Tensor) -> torch.Tensor:
-        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score.
+    def _fixed(self, kept: torch.Tensor, kept_scores: torch.Tensor, length: int) -> torch.Tensor:
+        """(B, H, c) bool: sinks, the recent window, and the top-beta of the other kept tokens by score, of kept
+        positions (B, H, c) with the base press's ``kept_scores`` (B, H, c) in a ``length``-token prompt
+        (``FixedRows``).
 
         NOTE: the top-beta ranking runs on the base press's genuine scores only: positions it scores
         artificially (its own observation window or sinks, ``forced_score_ranges``) are not candidates, else a
         base window wider than GRKV's would take every top-beta slot.
 
         NOTE: the ranges are host integers and the count of top-beta rows stays on the device: nothing here reads a
-        tensor on the host.
+        tensor on the host. Every row is decided from its own head's rows alone, so the layers of a group are decided
+        in one pass over their stacked batch.
         """
-        length = selection.scores.shape[-1]
         protected_ranges = [range(0, self.n_sink)]
         if self.fix_window:
             protected_ranges.append(range(length - self.window_size, length))
@@ -171,7 +189,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         if self.beta == 0:
             return protected
         not_candidate = in_ranges(kept, protected_ranges + forced_score_ranges(self.press, length), length)
-        kept_scores = selection.scores.gather(-1, kept).masked_fill_(not_candidate, float("-inf"))
+        kept_scores = kept_scores.masked_fill(not_candidate, float("-inf"))
         rank = kept_scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         n_top = ((kept.shape[-1] - not_candidate.sum(dim=-1, keepdim=True)) * self.beta).floor_()
         # NOTE: the protected rows are among the non-candidates, so a candidate is fixed by its rank alone.
@@ -190,42 +208,43 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         if context is None:
             return gather_rows(kept, keys, values)
         surrogate, full_outputs, scale = context.surrogate, context.full_outputs, context.scale
-        fixed = self._fixed(selection, kept)
-        if self.accept != "always" and full_outputs is None:
+        if full_outputs is None:
             # NOTE: one full-cache pass serves every merge and every candidate's loss below.
             full_outputs = full_cache_outputs(
-                surrogate.queries, keys, values, query_positions=surrogate.positions, scale=scale
+                surrogate.queries, keys, values, query_positions=surrogate.positions, scale=scale, in_cache_dtype=True
             )
+        kept_keys, kept_values = gather_rows(kept, keys, values)
         # NOTE: kept comes from the base press's own selection and the query positions from an arange: their values
         # need no check, which would cost operations (and GPU synchronisations) at every layer.
-        regression = KeptRegression.of(
-            surrogate.queries,
-            keys,
-            values,
-            kept,
-            fixed,
+        merge = LayerMerge(
+            queries=surrogate.queries,
+            target=full_outputs.float(),
+            kept_keys=kept_keys,
+            kept_values=kept_values,
+            kept=kept,
+            kept_scores=selection.scores.gather(-1, kept),
+            length=keys.shape[2],
             query_positions=surrogate.positions,
             scale=scale,
-            full_outputs=full_outputs,
             row_weights=context.row_weights,
-            check_values=False,
         )
         options = self._solver_options(surrogate.loss_weight)
         if context.deferrable:
-            self._groups.defer(regression, options)
-            return regression.kept_keys, regression.kept_values
-        merged = self._capped_solve(regression, options)
+            self._groups.defer(merge, options)
+            return kept_keys, kept_values
+        regression = LayerMerge.regression([merge], self._fixed)
+        merged = self._solve(regression, options)
         if self.accept == "always":
             return merged
         if self.accept == "validation":
             passes = passes_validation(
-                regression, options, self._capped_solve, keys, values, full_outputs, surrogate.token_positions.numel()
+                regression, options, self._solve, keys, values, full_outputs, surrogate.token_positions.numel()
             )[..., None, None]
             return (
                 torch.where(passes, merged[0], regression.kept_keys),
                 torch.where(passes, merged[1], regression.kept_values),
             )
-        _, values_only = self._capped_solve(regression, replace(options, components="v"))
+        _, values_only = self._solve(regression, replace(options, components="v"))
         evicted = (regression.kept_keys, regression.kept_values)
         return lowest_window_loss(
             [evicted, (evicted[0], values_only), merged],
@@ -261,17 +280,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             **{**options, "lambda_k": self.lambda_k / loss_weight, "lambda_v": self.lambda_v / loss_weight}
         )
 
-    def _capped(
-        self, regression: KeptRegression, merged_keys: torch.Tensor, merged_values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trust-region caps (``max_rel_update_k``/``_v``) applied to a merge of ``regression``."""
-        return (
-            cap_update(regression.kept_keys, merged_keys, self.max_rel_update_k),
-            cap_update(regression.kept_values, merged_values, self.max_rel_update_v),
-        )
-
-    def _capped_solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._capped(regression, *solve_regression(regression, options, self._issues))
+    def _solve(self, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        return solve_regression(regression, options, self._issues)
 
 
 # NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.options``), the one source of their help.

@@ -1,4 +1,5 @@
-"""What GRKV does with a merge once solved: the authors' trust-region caps and the acceptance rules.
+"""What GRKV does with a merge once solved: the acceptance rules (the trust-region caps are the solver's,
+``grkv_core.solver.trust_region``).
 
 Each takes a solved merge and the evicted cache it started from, per (batch, KV head); ``accept="always"`` (the
 paper) uses the merge as it is.
@@ -16,17 +17,6 @@ from grkv_core.solver.regression import KeptRegression
 
 # (regression, options) -> (B, H_kv, c, d) merged keys and values: the solve, caps included.
 Solve = Callable[[KeptRegression, SolverOptions], tuple[torch.Tensor, torch.Tensor]]
-
-
-def cap_update(start: torch.Tensor, merged: torch.Tensor, max_relative: float | None) -> torch.Tensor:
-    """Shrink each head's update so that ‖merged − start‖_F ≤ max_relative·‖start‖_F (no-op when None)."""
-    if max_relative is None:
-        return merged
-    update = merged.float() - start.float()
-    update_norm = update.flatten(2).norm(dim=-1)
-    limit = max_relative * start.float().flatten(2).norm(dim=-1)
-    factor = (limit / update_norm.clamp_min(1e-30)).clamp(max=1.0)[..., None, None]
-    return (start.float() + factor * update).to(merged.dtype)
 
 
 def passes_validation(

@@ -42,13 +42,23 @@ class _Graph:
 class CapturedSolves:
     """CUDA graphs of a solve, one per (solve, options, padded shapes), the ``capacity`` most recently used kept.
 
-    ``enabled`` False runs every solve eagerly (as on the CPU).
+    ``enabled`` False runs every solve eagerly (as on the CPU). Every graph allocates from one memory pool, created at
+    the first capture: a capture reuses the memory the graphs captured before it freed (their intermediate tensors, an
+    evicted graph's outputs), so the pool holds about the largest graph's work space plus the kept graphs' outputs,
+    not every graph's work space (a pool per graph held 19.4 GiB on an H200, issue #50).
+
+    NOTE: sharing the pool is safe because replays run one at a time, on the current stream, and every replay's
+    outputs are cloned at once, before another replay can overwrite them (its intermediate tensors may lie where
+    this graph's outputs do); a graph's live outputs are never handed to a later capture, and its inputs are
+    allocated outside the pool.
     """
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
         self.enabled = True
+        self.captures = 0  # graphs captured so far (successfully or not), for the benchmarks' first-request cost
         self._graphs: collections.OrderedDict[tuple, _Graph | None] = collections.OrderedDict()
+        self._pool = None
 
     def __call__(self, solve: Solve, regression: KeptRegression, options: SolverOptions) -> tuple[torch.Tensor, ...]:
         if not (self.enabled and regression.kept_keys.is_cuda):
@@ -65,7 +75,10 @@ class CapturedSolves:
             ),
         )
         if key not in self._graphs:
-            self._graphs[key] = _capture(solve, padded, options)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._graphs[key] = _capture(solve, padded, options, self._pool)
+            self.captures += 1
             while len(self._graphs) > self.capacity:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
@@ -81,7 +94,22 @@ class CapturedSolves:
         return (merged_keys[:, :, :budget], merged_values[:, :, :budget], *rest)
 
     def clear(self) -> None:
+        """Drop every graph and the pool's handle (the next capture starts a new pool; the old one's memory goes back
+        to the device at the next ``torch.cuda.empty_cache()``)."""
         self._graphs.clear()
+        self._pool = None
+
+    def pool_bytes(self) -> int:
+        """Bytes of device memory the graphs' pool holds (its segments: in use or cached for the next capture); 0
+        before the first capture."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        return sum(
+            segment["total_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment["segment_pool_id"]) == pool
+        )
 
 
 def pad_budget(regression: KeptRegression, extra: int) -> KeptRegression:
@@ -106,10 +134,10 @@ def pad_budget(regression: KeptRegression, extra: int) -> KeptRegression:
     )
 
 
-def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -> _Graph | None:
+def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions, pool) -> _Graph | None:
     """Capture ``solve`` on copies of ``regression``'s tensors (the graph's inputs from then on), after two warm-up
-    runs on a side stream (cuBLAS and cuSOLVER set up their workspaces outside the capture); None, with a warning,
-    where the capture fails."""
+    runs on a side stream (cuBLAS and cuSOLVER set up their workspaces outside the capture), into the memory pool
+    ``pool`` (``torch.cuda.graph_pool_handle()``); None, with a warning, where the capture fails."""
     # NOTE: cuSOLVER for the factorisations while capturing: MAGMA's batched routines have met an assertion in a fresh
     # process on an H200, and a capture fails on any routine that synchronises.
     linear_algebra = torch.backends.cuda.preferred_linalg_library()
@@ -131,7 +159,7 @@ def _capture(solve: Solve, regression: KeptRegression, options: SolverOptions) -
                     solve(inputs, options)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 outputs = solve(inputs, options)
         return _Graph(graph, inputs, tuple(outputs))
     except RuntimeError as error:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grkv_core.solver.problem import MergeProblem, scale_rows
+from grkv_core.solver.problem import MergeProblem, reads_are_free, scale_rows
 
 # On the CPU, how often the conjugate gradients check whether every head has stopped (``_conjugate_gradients``).
 EXIT_CHECK_EVERY = 8
@@ -200,7 +200,7 @@ def _conjugate_gradients(
     running = residual_dot > threshold
     solvable = running.clone()
     stepped = torch.zeros_like(running)
-    checks_exit = rhs.device.type == "cpu" and not torch.compiler.is_compiling()
+    checks_exit = reads_are_free(rhs)
     for iteration in range(max_iter):
         if checks_exit and iteration % EXIT_CHECK_EVERY == 0 and iteration and not bool(running.any()):
             break

@@ -10,9 +10,10 @@ import torch
 from grkv_core.options import SOLVER_OPTION_NAMES, SolverOptions
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.key_step import key_step
-from grkv_core.solver.problem import MergeProblem, gather_rows
+from grkv_core.solver.problem import MergeProblem, gather_rows, reads_are_free
 from grkv_core.solver.regression import KeptRegression
 from grkv_core.solver.safeguard import safeguarded
+from grkv_core.solver.trust_region import cap_update
 from grkv_core.solver.value_step import value_step
 
 # NOTE: Alg. 1 stops alternating once no entry of K or V moves by more than this (per head here).
@@ -78,6 +79,9 @@ def grkv_merge(
     row_weights : torch.Tensor, optional
         (B, H_kv, M) non-negative weights w of the query rows: the loss becomes Σ_r w_r ‖y_r − a_r V‖² (the
         ridge terms unweighted), in both steps and in the safeguard's test. None (the paper): every row 1.
+    max_rel_update_k, max_rel_update_v : float or None
+        The authors' trust-region caps: each head's update of the keys (values) is shrunk to at most this fraction
+        of its kept rows' Frobenius norm (``trust_region.cap_update``). None (the default here): no cap.
 
     Returns
     -------
@@ -184,6 +188,8 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     moving = None  # (P, 1, 1) bool: the heads still alternating (None: all of them)
     steps, components = options.steps, options.components
     for round_index in range(steps):
+        if moving is not None and reads_are_free(fixed) and not bool(moving.any()):
+            break  # NOTE: every head has stopped: the rounds left would keep every head as it is
         # Both steps of one round see the attention at the current keys (the key step linearises there).
         logits = problem.logits(new_keys)
         attention = problem.softmax(logits)
@@ -226,6 +232,10 @@ def merge_heads(regression: KeptRegression, options: SolverOptions) -> tuple[tor
     merged_values = torch.where(head_ok[:, None, None], merged_values, evicted_values)
     counts = torch.stack([(~head_ok).sum(), stalled.sum(), fixed.all(dim=-1).sum()])
     merged_keys, merged_values = gather_rows(order.argsort(dim=-1), merged_keys, merged_values)
+    # NOTE: the caps compare with the kept rows in their own order, so that a head's norms sum as they always have.
+    start_keys, start_values = regression.kept_keys.flatten(0, 1), regression.kept_values.flatten(0, 1)
+    merged_keys = cap_update(start_keys, merged_keys, options.max_rel_update_k)
+    merged_values = cap_update(start_values, merged_values, options.max_rel_update_v)
     return merged_keys.view(batch, heads, budget, head_dim), merged_values.view(batch, heads, budget, head_dim), counts
 
 

@@ -69,6 +69,13 @@ class MergeProblem:
         return self.weighted(torch.baddbmm(self.target, attention, values, alpha=-1.0)).square_().sum(dim=(-2, -1))
 
 
+def reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading a flag of ``tensor`` on the host costs nothing: on the CPU, outside ``torch.compile``. There the
+    solver's loops end once every head has stopped (the same results as running their fixed count: a stopped head's
+    steps are zero); on a GPU such a read would wait for the device, and a captured graph cannot hold one."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def scale_rows(rows: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
     """(P, M, X) query rows times (P, M, 1) ``row_scale``; the rows themselves when it is None (every row 1)."""
     return rows if row_scale is None else rows * row_scale

@@ -1,10 +1,12 @@
-"""WindowCapture on its own: what it keeps of a forward, checked against the layers' own projections recomputed."""
+"""SurrogateCapture on its own: what it keeps of a forward, checked against the layers' own projections recorded by
+plain hooks."""
 
 import pytest
 import torch
 from conftest import TINY_ARCHITECTURES, tiny_model
 
-from grkv_core.presses.window_capture import OUTPUTS_BEFORE_O_PROJ, WindowCapture
+from grkv_core.presses.surrogate_capture import OUTPUTS_BEFORE_O_PROJ, SurrogateCapture
+from grkv_core.queries import prompt_rows
 
 WINDOW = 8
 
@@ -32,7 +34,7 @@ def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outp
     language_model = model.model
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     calls, handles = recorded_calls(language_model)
-    capture = WindowCapture(WINDOW, keep_outputs=keep_outputs)
+    capture = SurrogateCapture("window", WINDOW, keep_outputs=keep_outputs)
     try:
         with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
@@ -51,12 +53,32 @@ def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outp
             handle.remove()
 
 
+@pytest.mark.parametrize("policy", ["stratified", "mixture", "expected"])
+def test_it_keeps_the_rows_each_query_policy_reads(policy):
+    model = tiny_model().model
+    language_model = model.model
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    calls, handles = recorded_calls(language_model)
+    capture = SurrogateCapture(policy, WINDOW, keep_outputs=False)
+    rows, count = prompt_rows(policy, WINDOW, ids.shape[1], ids.device)
+    try:
+        with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
+            language_model(input_ids=ids)
+            for layer in language_model.layers:
+                projections, outputs = capture.take(layer.self_attn.layer_idx)
+                assert projections.shape[1] == count and outputs is None
+                torch.testing.assert_close(projections, calls["q", layer.self_attn.layer_idx][:, rows], rtol=0, atol=0)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
     model = tiny_model().model
     language_model = model.model
     attention = language_model.layers[0].self_attn
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
-    capture = WindowCapture(WINDOW, keep_outputs=True)
+    capture = SurrogateCapture("window", WINDOW, keep_outputs=True)
     calls, handles = recorded_calls(language_model)
 
     def project_something_else(module, args, kwargs, output):
@@ -88,7 +110,7 @@ def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
         )
         for layer in language_model.layers
     ]
-    capture = WindowCapture(WINDOW, keep_outputs=True)
+    capture = SurrogateCapture("window", WINDOW, keep_outputs=True)
     with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
         language_model(input_ids=ids)
     assert capture.take(0) == (None, None)
