@@ -24,7 +24,8 @@ Four sections (and the bars), printed as they finish and written to ``gpu_check.
    memory reserved and held by CUDA graphs' pools. Last, issue #50's bars (``gpu_prefill.BARS``): whether each holds.
 3. **trial engine**: ``benchmarks/sweep_throughput.py``'s comparison on the same model (every trial with its own
    prefill against the engine's one prefill per sample) in full and answer-metric modes, with its agreement check
-   (exact in float32; in bfloat16 the batched forwards round differently, so float metrics to ``BATCHED_RTOL``).
+   (exact in float32; in bfloat16 the batched forwards round differently, so the answer metrics to ``BATCHED_RTOL``,
+   and the held-out loss, which bfloat16 measures to a few percent on either path, not at all).
 4. **out of memory**: a trial worker's batch run with the device's memory filled: its trials come back failed, the
    process survives and the next batch finishes. On the CPU (``--tiny``) the out-of-memory error is raised by the
    evaluation instead (emulated: a CPU has no device memory to fill).

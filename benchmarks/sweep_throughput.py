@@ -16,9 +16,10 @@ decoding) and answer (the answer metrics alone: the question and reference answe
 script checks that the per-sample results are identical: predictions, scores, memory, window and question losses
 exactly; the held-out loss within 1e-5 relative (its queries come from the decoding's hidden states, which a batched
 matmul may round differently in the last bit), and the answer metrics within 1e-5 (absolute; top-1 exactly), since
-the engine teacher-forces caches of one budget as one batch. It prints the largest answer-metric difference, and the
-throughput of answer-metric trials on the engine against full scoring trials on either path. It exits non-zero when
-a check fails.
+the engine teacher-forces caches of one budget as one batch. In half precision the answer metrics agree to
+``BATCHED_RTOL``, and neither the decoded fields nor the held-out loss are compared (``BATCHED_RTOL``'s note). It
+prints the largest answer-metric difference, and the throughput of answer-metric trials on the engine against full
+scoring trials on either path. It exits non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ DECODED_FIELDS = ("predictions", "scores", "score", "generated_tokens", "answer_
 HELDOUT_RTOL = 1e-5
 ANSWER_ATOL = 1e-5
 # In half precision the engine's batched forwards round differently from single-trial ones (GPU kernels are not
-# batch-invariant): float metrics then agree to the format's precision, not bit for bit (docs/results/gpu.md)
+# batch-invariant): float metrics then agree to the format's precision, not bit for bit (docs/results/gpu.md).
+# NOTE: but for the held-out loss, which like the decoded fields is not compared there: its queries come from each
+# cache's own decoding, and in bfloat16 either path measures it only to a few percent of its float64 value (median
+# 3.3%, up to 30%; the engine as precisely as the per-trial path: benchmarks/heldout_precision.py,
+# docs/results/critical-path.md), so a difference of the two beyond 2⁻⁸ tells nothing about the engine.
 BATCHED_RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-10}
 # mode -> Evaluator.evaluate_trials arguments
 MODES = {
@@ -67,6 +72,20 @@ MODES = {
     "answer": dict(decode=False, measure_reconstruction=False),
 }
 NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
+
+
+def needle_samples(tokenizer, context_length: int, count: int) -> list:
+    """The first ``count`` offline RULER needle samples at ``context_length`` tokens (seed 0), the tasks in turn."""
+    per_task = math.ceil(count / len(NEEDLE_TASKS))
+    samples = load_dataset_samples(
+        "ruler",
+        tasks=NEEDLE_TASKS,
+        context_length=context_length,
+        samples_per_task=per_task,
+        seed=0,
+        tokenizer=tokenizer,
+    )
+    return [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][:count]
 
 
 def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConfig]:
@@ -117,9 +136,9 @@ def fixed_trials(press: str, ratio: float, wider_ratio: float) -> list[PressConf
 
 def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], float]:
     """The differences beyond tolerance between the engine's and the per-trial results, and the largest absolute
-    difference of an answer NLL or KL. ``rtol`` (``BATCHED_RTOL`` of a half-precision model): the float metrics
-    agree to this relative tolerance and the decoded fields are not compared; ``None``: every field as exactly as
-    float32 allows."""
+    difference of an answer NLL or KL. ``rtol`` (``BATCHED_RTOL`` of a half-precision model): the answer metrics
+    agree to this relative tolerance and neither the decoded fields nor the held-out loss are compared; ``None``:
+    every field as exactly as float32 allows."""
     exact = EXACT_FIELDS if rtol is None else tuple(name for name in EXACT_FIELDS if name not in DECODED_FIELDS)
     found, largest = [], 0.0
     for ours, theirs in zip(engine, alone):
@@ -129,7 +148,7 @@ def mismatches(engine, alone, rtol: float | None = None) -> tuple[list[str], flo
             for name in exact
             if ours[name] != theirs[name]
         ]
-        for name in ("heldout_loss", "answer_nll", "answer_kl"):
+        for name in ("answer_nll", "answer_kl") if rtol is not None else ("heldout_loss", "answer_nll", "answer_kl"):
             a, b = ours[name], theirs[name]
             if (a is None) != (b is None):
                 found.append(f"{ours['sample_id']}: {name} {a!r} != {b!r}")
@@ -180,16 +199,7 @@ def main() -> int:
     args = parser.parse_args()
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    per_task = math.ceil(args.samples / len(NEEDLE_TASKS))
-    samples = load_dataset_samples(
-        "ruler",
-        tasks=NEEDLE_TASKS,
-        context_length=args.context_length,
-        samples_per_task=per_task,
-        seed=0,
-        tokenizer=loaded.tokenizer,
-    )
-    samples = [samples[i * per_task + j] for j in range(per_task) for i in range(len(NEEDLE_TASKS))][: args.samples]
+    samples = needle_samples(loaded.tokenizer, args.context_length, args.samples)
     trials = fixed_trials(args.press, args.ratio, args.wider_ratio)[: args.trials]
     evaluator = Evaluator(loaded)
     seconds = {(mode, path): 0.0 for mode in args.modes for path in ("per_trial", "engine")}

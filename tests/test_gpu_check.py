@@ -194,6 +194,8 @@ def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
         "answer_top1",
     }
     assert mismatches([rounded], [reference], rtol) == ([], abs(12.7278 - 12.7047))
+    # The held-out loss comes from each cache's own decoding, which bfloat16 measures to a few percent on either path.
+    assert mismatches([_result(answer_nll=12.7047, heldout_loss=0.2)], [reference], rtol) == ([], 0.0)
     # Beyond the format's precision, or in what the merge computes once per trial, it is still a difference.
     far = _result(answer_nll=12.7047 * (1 + 2 * rtol), heldout_loss=0.19652)
     assert [problem.split()[1] for problem in mismatches([far], [reference], rtol)[0]] == ["answer_nll"]

@@ -28,13 +28,19 @@ def recorded_calls(language_model):
 
 
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
-@pytest.mark.parametrize("keep_outputs", [True, False])
-def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outputs(architecture, keep_outputs):
+@pytest.mark.parametrize(
+    "policy,keep_outputs",
+    [("window", True), ("window", False), ("stratified", False), ("mixture", False), ("expected", False)],
+)
+def test_it_keeps_the_rows_each_policy_reads_of_each_layers_queries_and_attention_outputs(
+    architecture, policy, keep_outputs
+):
     model = tiny_model(architecture).model
     language_model = model.model
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     calls, handles = recorded_calls(language_model)
-    capture = SurrogateCapture("window", WINDOW, keep_outputs=keep_outputs)
+    capture = SurrogateCapture(policy, WINDOW, keep_outputs=keep_outputs)
+    rows, count = prompt_rows(policy, WINDOW, ids.shape[1], ids.device)
     try:
         with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
@@ -42,32 +48,13 @@ def test_it_keeps_the_last_window_rows_of_each_layers_queries_and_attention_outp
                 index = layer.self_attn.layer_idx
                 projections, outputs = capture.take(index)
                 assert isinstance(layer.self_attn, OUTPUTS_BEFORE_O_PROJ)
-                torch.testing.assert_close(projections, calls["q", index][:, -WINDOW:], rtol=0, atol=0)
+                assert projections.shape[1] == count
+                torch.testing.assert_close(projections, calls["q", index][:, rows], rtol=0, atol=0)
                 if keep_outputs:
-                    torch.testing.assert_close(outputs, calls["o", index][:, -WINDOW:], rtol=0, atol=0)
+                    torch.testing.assert_close(outputs, calls["o", index][:, rows], rtol=0, atol=0)
                 else:
                     assert outputs is None
                 assert capture.take(index) == (None, None), "handed over once"
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@pytest.mark.parametrize("policy", ["stratified", "mixture", "expected"])
-def test_it_keeps_the_rows_each_query_policy_reads(policy):
-    model = tiny_model().model
-    language_model = model.model
-    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
-    calls, handles = recorded_calls(language_model)
-    capture = SurrogateCapture(policy, WINDOW, keep_outputs=False)
-    rows, count = prompt_rows(policy, WINDOW, ids.shape[1], ids.device)
-    try:
-        with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
-            language_model(input_ids=ids)
-            for layer in language_model.layers:
-                projections, outputs = capture.take(layer.self_attn.layer_idx)
-                assert projections.shape[1] == count and outputs is None
-                torch.testing.assert_close(projections, calls["q", layer.self_attn.layer_idx][:, rows], rtol=0, atol=0)
     finally:
         for handle in handles:
             handle.remove()
