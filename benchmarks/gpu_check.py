@@ -292,8 +292,8 @@ def main() -> int:
     parser.add_argument(
         "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
     )
-    timed = f"the surrogate-query policies timed at m={STRATIFIED_M}"
-    parser.add_argument("--query-policies", nargs="+", default=["stratified"], choices=QUERY_POLICIES[1:], help=timed)
+    timed = f"the surrogate-query policies timed at m={STRATIFIED_M} (none: give the flag alone)"
+    parser.add_argument("--query-policies", nargs="*", default=["stratified"], choices=QUERY_POLICIES[1:], help=timed)
     parser.add_argument("--presets", nargs="+", default=[], choices=sorted(GRKV_PRESETS), help="GRKV's presets timed")
     parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
     parser.add_argument("--output-dir", type=Path, required=True)

@@ -3,8 +3,8 @@
 #   bash scripts/gpu_wheels.sh                        # here: the 15 MiB of wheels to carry (.gpu-wheels, ignored)
 #   bash benchmarks/gpu_speed.sh "$OUT"              # there, from the repository root, with .gpu-wheels carried
 # gpu_check.py's parity (the solve against float64 and a captured graph against eager), its prefill rows at 4K × 1,
-# 32K × 1 and 4K × 4 (SnapKV 10% alone; + GRKV's defaults, layers_per_solve 1 and 6, stratified m = 128, and the
-# default until 2026-11-28, preset window32: the time to first token and to the second token, timed with CUDA events
+# 32K × 1 and 4K × 4 (SnapKV 10% alone; + GRKV's defaults, layers_per_solve 1, the solves on a side stream with all
+# layers in one solve and in groups of 8, and the default until 2026-11-28, preset window32: the time to first token and to the second token, timed with CUDA events
 # and no synchronisation inside the rounds, and their ratios; the first request's graph capture against a warm
 # request; in an instrumented pass apart, the merge's ms per layer with its hooks synchronised, the synced TTFT ratio
 # of earlier pages, the kernels, kernel ms and synchronisations GRKV adds per layer, peak allocated and reserved
@@ -20,6 +20,6 @@ mkdir -p "$out"
 python3 -m pip install -q --upgrade --no-deps --no-index --target /tmp/grkv-site .gpu-wheels/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 PYTHONPATH=/tmp/grkv-site:. HF_HUB_OFFLINE=1 timeout 540 python3 benchmarks/gpu_check.py --device cuda \
-    --rows 4096x1 32768x1 4096x4 --rounds 5 --synced-rounds 3 --decode-tokens 4 --engine-trials 8 \
-    --presets window32 --output-dir "$out/gpu-check" \
+    --rows 4096x1 32768x1 4096x4 --rounds 5 --synced-rounds 2 --decode-tokens 4 --engine-trials 8 \
+    --query-policies --presets window32 --output-dir "$out/gpu-check" \
     2>&1 | tee "$out/gpu-check.log"
