@@ -2,7 +2,7 @@
 service's: ``sweep`` (a sweep on the local Ray + MLflow stack), ``report``, ``export`` and ``demo`` (the whole
 path for a newcomer: services, a small SmolLM2 sweep, its report and the recommended press).
 
-NOTE: this module sits on top of every package (grkv_core, service, workers, tracking, sweeps); nothing below it
+NOTE: this module sits on top of every package (grkv_core, workers, tracking, sweeps); nothing below it
 imports from here. The local stack and a sweep's Ray job are ``sweeps.local_stack``'s. Both console scripts start
 here: ``grkv`` (``main``) and ``grkv-report`` (``report_main``, the alias of ``grkv report`` kept for existing
 scripts).
