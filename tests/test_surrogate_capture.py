@@ -1,6 +1,8 @@
 """SurrogateCapture on its own: what it keeps of a forward, checked against the layers' own projections recorded by
 plain hooks."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from conftest import TINY_ARCHITECTURES, tiny_model
@@ -11,8 +13,10 @@ from grkv_core.queries import prompt_rows
 WINDOW = 8
 
 
+@contextmanager
 def recorded_calls(language_model):
-    """Each layer's first q_proj output and o_proj input in the forwards that follow, recorded by plain hooks."""
+    """Each layer's first q_proj output and o_proj input in the forwards inside, recorded by plain hooks (and the hooks'
+    handles, to which a test may add its own: all are removed on exit)."""
     calls, handles = {}, []
     for layer in language_model.layers:
         attention = layer.self_attn
@@ -24,7 +28,11 @@ def recorded_calls(language_model):
             calls.setdefault(("o", index), args[0].detach().clone())
 
         handles += [attention.q_proj.register_forward_hook(keep_q), attention.o_proj.register_forward_pre_hook(keep_o)]
-    return calls, handles
+    try:
+        yield calls, handles
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
@@ -38,10 +46,9 @@ def test_it_keeps_the_rows_each_policy_reads_of_each_layers_queries_and_attentio
     model = tiny_model(architecture).model
     language_model = model.model
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    calls, handles = recorded_calls(language_model)
     capture = SurrogateCapture(policy, WINDOW, keep_outputs=keep_outputs)
     rows, count = prompt_rows(policy, WINDOW, ids.shape[1], ids.device)
-    try:
+    with recorded_calls(language_model) as (calls, _):
         with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
             for layer in language_model.layers:
@@ -55,9 +62,6 @@ def test_it_keeps_the_rows_each_policy_reads_of_each_layers_queries_and_attentio
                 else:
                     assert outputs is None
                 assert capture.take(index) == (None, None), "handed over once"
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
@@ -66,23 +70,19 @@ def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
     attention = language_model.layers[0].self_attn
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
     capture = SurrogateCapture("window", WINDOW, keep_outputs=True)
-    calls, handles = recorded_calls(language_model)
 
     def project_something_else(module, args, kwargs, output):
         # A base press scoring other tokens calls q_proj again after the forward's own call.
         module.q_proj(torch.randn_like(kwargs["hidden_states"]))
 
-    handles.append(attention.register_forward_hook(project_something_else, with_kwargs=True))
-    try:
+    with recorded_calls(language_model) as (calls, handles):
+        handles.append(attention.register_forward_hook(project_something_else, with_kwargs=True))
         with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
             projections, _ = capture.take(0)
             torch.testing.assert_close(projections, calls["q", 0][:, -WINDOW:], rtol=0, atol=0)
             language_model(input_ids=ids[:, :1])  # one token: a decoding step
             assert capture.take(0) == (None, None)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
