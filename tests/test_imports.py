@@ -90,3 +90,22 @@ def test_no_source_module_is_over_450_lines():
     modules = [path for package in (*PACKAGES, "benchmarks") for path in (REPO / package).rglob("*.py")]
     long = {str(path.relative_to(REPO)): n for path in modules if (n := len(path.read_text().splitlines())) > 450}
     assert long == {}
+
+
+def test_the_package_declares_ranges_and_the_install_pins_every_declared_distribution():
+    """pyproject.toml declares ranges (the library installs beside an existing stack); scripts/install.sh installs the
+    exact versions of scripts/constraints.txt, which pins every distribution it installs (the package and its dev and
+    sweep extras; flash-attn, for CUDA machines, is not among them)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"].values()
+    requirements = [*project["dependencies"], *(requirement for extra in extras for requirement in extra)]
+    assert [requirement for requirement in requirements if "==" in requirement] == []
+    pinned = {
+        _distribution(name): version
+        for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+        for name, version in [line.split("==")]
+    }
+    assert declared_distributions() - {"grkv", "flash-attn"} <= set(pinned), "every installed distribution is pinned"
+    install = (REPO / "scripts" / "install.sh").read_text()
+    assert install.count("-c scripts/constraints.txt") == 2 and f'"torch=={pinned["torch"]}"' in install
