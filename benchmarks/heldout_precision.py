@@ -15,6 +15,7 @@ on it exceeds 2⁻⁸, a tolerance of 2⁻⁸ between two bfloat16 paths is too 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import statistics
@@ -41,7 +42,7 @@ def main() -> None:
 
     loaded = {name: load_model(args.model, dtype=name) for name in ("float32", "bfloat16")}
     loaded["float64"] = dataclasses.replace(
-        loaded["float32"], model=load_model(args.model, dtype="float32").model.double(), dtype=torch.float64
+        loaded["float32"], model=copy.deepcopy(loaded["float32"].model).double(), dtype=torch.float64
     )
     samples = needle_samples(loaded["float32"].tokenizer, args.context_length, args.samples)
     trials = fixed_trials("snapkv", 0.9, 0.88)[: args.trials]

@@ -80,12 +80,12 @@ class MergeParts:
     def installed(self):
         """Time ``GRKVPress``'s set-up and solves, and ``LayerGroups.solve``, while the context is open."""
         originals = {
-            (GRKVPress, name): getattr(GRKVPress, name) for name in ("layer_context", "merge_selected", "_capped_solve")
+            (GRKVPress, name): getattr(GRKVPress, name) for name in ("layer_context", "merge_selected", "_solve")
         }
         originals[(LayerGroups, "solve")] = LayerGroups.solve
-        # NOTE: a group's solve belongs to the press whose ``_capped`` finishes it.
-        owner = {LayerGroups: lambda groups: groups.finish.__self__, GRKVPress: lambda press: press}
-        part = {"layer_context": "set-up", "merge_selected": "set-up", "_capped_solve": "solve", "solve": "solve"}
+        # NOTE: a group's solve belongs to the press whose ``_fixed`` chooses its fixed rows.
+        owner = {LayerGroups: lambda groups: groups.fixed_rows.__self__, GRKVPress: lambda press: press}
+        part = {"layer_context": "set-up", "merge_selected": "set-up", "_solve": "solve", "solve": "solve"}
         for (cls, name), method in originals.items():
             setattr(cls, name, self._timed(method, part[name], owner[cls]))
         try:

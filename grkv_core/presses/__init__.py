@@ -6,7 +6,8 @@
 - ``local_merging``: ``LocalMergePress`` and ``MergeInputs``, what the local baselines share; one baseline per
   file: ``cam`` (CaM), ``d2o`` (D2O), ``asymkv`` (AsymKV), ``kvmerger`` (KVMerger).
 - ``sliding_layers``: every press leaves a model's sliding-window layers whole (``compressing``).
-- ``layer_groups``, ``window_capture``, ``update_rules``: GRKV's batched solves, captured windows and update rules.
+- ``layer_groups``, ``surrogate_capture``, ``update_rules``: GRKV's batched solves, the query rows captured from the
+  forward, and acceptance rules.
 """
 
 import logging

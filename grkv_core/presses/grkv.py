@@ -105,8 +105,6 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                     # queued after them.
                     join = decoder.register_forward_hook(lambda *args: self._groups.join())
                 yield
-                if self._groups is not None:
-                    self._groups.join()
             self._warn_issues()
         finally:
             if join is not None:
@@ -218,7 +216,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         # need no check, which would cost operations (and GPU synchronisations) at every layer.
         merge = LayerMerge(
             queries=surrogate.queries,
-            target=full_outputs.float(),
+            target=full_outputs,
             kept_keys=kept_keys,
             kept_values=kept_values,
             kept=kept,

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grkv_core.options import SolverOptions
 from grkv_core.solver.merge import SolveIssues, solve_regression
-from grkv_core.solver.regression import KeptRegression
+from grkv_core.solver.regression import KeptRegression, concatenated, stackable
 
 # The largest (heads, query rows, kept rows) float32 attention matrix of one group's solve; a group whose next layer
 # would exceed it is solved first. NOTE: the solve keeps several tensors of this size alive at once, and on a GPU its
@@ -50,7 +50,8 @@ class LayerMerge:
     queries : torch.Tensor
         (B, H_kv, M, d) surrogate queries, RoPE applied, stacked by KV head.
     target : torch.Tensor
-        (B, H_kv, M, d) float32 their attention outputs over the full cache.
+        (B, H_kv, M, d) their attention outputs over the full cache (the forward's own in the cache's dtype, or
+        computed in float32): widened to float32 once per group, not once per layer.
     kept_keys, kept_values : torch.Tensor
         (B, H_kv, c, d) the kept rows, the very tensors the cache stores.
     kept : torch.Tensor
@@ -83,39 +84,23 @@ class LayerMerge:
         return self.kept.shape[0]
 
     def stacks_with(self, other: LayerMerge) -> bool:
-        """Whether ``other`` can join this merge in one solve: same shapes, prompt length, scale and query positions
-        (the same tensor: comparing values would read them on the host), and row weights on both or neither."""
-        return (
-            self.queries.shape[1:] == other.queries.shape[1:]
-            and self.kept.shape[1:] == other.kept.shape[1:]
-            and self.kept_keys.dtype == other.kept_keys.dtype
-            and self.queries.device == other.queries.device
-            and self.length == other.length
-            and self.scale == other.scale
-            and self.query_positions is other.query_positions
-            and (self.row_weights is None) == (other.row_weights is None)
-        )
+        """Whether ``other`` can join this merge in one solve: as regressions stack (``stackable``), from prompts of
+        one length."""
+        return self.length == other.length and stackable(self, other)
 
     @staticmethod
     def regression(merges: list[LayerMerge], fixed_rows: FixedRows) -> KeptRegression:
         """The ``KeptRegression`` of ``merges`` (which stack) along the batch axis, their fixed rows chosen at once."""
         first = merges[0]
-
-        def joined(name: str) -> torch.Tensor:
-            parts = [getattr(merge, name) for merge in merges]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        kept = joined("kept")
+        rows = ("queries", "target", "kept_keys", "kept_values", "kept", "kept_scores")
+        joined = concatenated(merges, rows + (("row_weights",) if first.row_weights is not None else ()))
+        kept_scores = joined.pop("kept_scores")
+        joined["target"] = joined["target"].float()
         return KeptRegression(
-            queries=joined("queries"),
-            target=joined("target"),
-            kept_keys=joined("kept_keys"),
-            kept_values=joined("kept_values"),
-            kept=kept,
-            fixed=fixed_rows(kept, joined("kept_scores"), first.length),
+            **joined,
+            fixed=fixed_rows(joined["kept"], kept_scores, first.length),
             query_positions=first.query_positions,
             scale=first.scale,
-            row_weights=None if first.row_weights is None else joined("row_weights"),
         )
 
 

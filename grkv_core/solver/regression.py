@@ -104,23 +104,8 @@ class KeptRegression:
         return self.kept.shape[0]
 
     def stacks_with(self, other: KeptRegression) -> bool:
-        """Whether ``other`` can join this regression in one solve: same shapes, query positions and scale, and
-        row weights on both or neither."""
-        same_shapes = (
-            self.queries.shape[1:] == other.queries.shape[1:]
-            and self.kept.shape[1:] == other.kept.shape[1:]
-            and self.kept_keys.dtype == other.kept_keys.dtype
-            and self.queries.device == other.queries.device
-            and self.scale == other.scale
-            and (self.row_weights is None) == (other.row_weights is None)
-        )
-        mine, theirs = self.query_positions, other.query_positions
-        # NOTE: the same tensor needs no comparison of values (``GRKVPress`` hands every layer of a prefill one
-        # positions tensor); comparing the values reads them on the host, a GPU synchronisation.
-        return same_shapes and (
-            mine is theirs
-            or (mine is not None and theirs is not None and mine.shape == theirs.shape and torch.equal(mine, theirs))
-        )
+        """Whether ``other`` can join this regression in one solve (``stackable``)."""
+        return stackable(self, other)
 
     @classmethod
     def stack(cls, regressions: list[KeptRegression]) -> KeptRegression:
@@ -139,8 +124,35 @@ class KeptRegression:
             "fixed",
             *(("row_weights",) if first.row_weights is not None else ()),
         )
-        joined = {name: torch.cat([getattr(regression, name) for regression in regressions]) for name in stacked}
-        return cls(**joined, query_positions=first.query_positions, scale=first.scale)
+        return cls(**concatenated(regressions, stacked), query_positions=first.query_positions, scale=first.scale)
+
+
+def stackable(first, other) -> bool:
+    """Whether two regressions can be solved as one: same shapes, query positions and scale, and row weights on both
+    or neither. Either may be anything holding ``KeptRegression``'s tensors under its names (``queries``, ``kept``,
+    ``kept_keys``, ``query_positions``, ``scale``, ``row_weights``), such as a press's layer waiting for its group."""
+    same_shapes = (
+        first.queries.shape[1:] == other.queries.shape[1:]
+        and first.kept.shape[1:] == other.kept.shape[1:]
+        and first.kept_keys.dtype == other.kept_keys.dtype
+        and first.queries.device == other.queries.device
+        and first.scale == other.scale
+        and (first.row_weights is None) == (other.row_weights is None)
+    )
+    mine, theirs = first.query_positions, other.query_positions
+    # NOTE: the same tensor needs no comparison of values (``GRKVPress`` hands every layer of a prefill one
+    # positions tensor); comparing the values reads them on the host, a GPU synchronisation.
+    return same_shapes and (
+        mine is theirs
+        or (mine is not None and theirs is not None and mine.shape == theirs.shape and torch.equal(mine, theirs))
+    )
+
+
+def concatenated(items: list, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``{name: the items' tensors of that name joined along the batch axis}`` (one item's own tensors, uncopied)."""
+    if len(items) == 1:
+        return {name: getattr(items[0], name) for name in names}
+    return {name: torch.cat([getattr(item, name) for item in items]) for name in names}
 
 
 def _validate(
