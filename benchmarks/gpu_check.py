@@ -55,12 +55,13 @@ from gpu_prefill import COMPRESSION_RATIO, STRATIFIED_M, check_bars, prefill_cos
 from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from grkv_core.catalog import QUERY_POLICIES
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.models import LoadedModel
 from grkv_core.models.tiny import byte_level_chatml_tokenizer
-from grkv_core.options import GRKV_PRESETS, QUERY_POLICIES
+from grkv_core.options import GRKV_PRESETS
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.capture import CAPTURED_SOLVES
 from grkv_core.solver.reference import grkv_merge_reference
@@ -293,7 +294,9 @@ def main() -> int:
         "--engine-trials", type=int, default=None, help="trials of the trial-engine section (default 16; tiny 2)"
     )
     timed = f"the surrogate-query policies timed at m={STRATIFIED_M} (none: give the flag alone)"
-    parser.add_argument("--query-policies", nargs="*", default=["stratified"], choices=QUERY_POLICIES[1:], help=timed)
+    parser.add_argument(
+        "--query-policies", nargs="*", default=["stratified"], choices=list(QUERY_POLICIES)[1:], help=timed
+    )
     parser.add_argument("--presets", nargs="+", default=[], choices=sorted(GRKV_PRESETS), help="GRKV's presets timed")
     parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
     parser.add_argument("--output-dir", type=Path, required=True)

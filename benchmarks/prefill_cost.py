@@ -36,9 +36,9 @@ import torch
 import transformers
 from solver_cost import HEAP_SETTINGS, heap_preparation
 
-from grkv_core.config import parse_merge_variant
 from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.evaluation.generation import prefill
+from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.layer_groups import LayerGroups

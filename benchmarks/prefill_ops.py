@@ -35,8 +35,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from grkv_core.config import parse_merge_variant
 from grkv_core.evaluation.generation import prefill
+from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_PRESETS
 from grkv_core.registry import build_press

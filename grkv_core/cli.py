@@ -9,25 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
+from grkv_core.catalog import EVICTION_PRESSES, merger_names
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
     DATASETS,
     DEVICES,
     DTYPES,
-    EVICTION_PRESS_NAMES,
     FULL_CACHE,
-    MERGER_NAMES,
     PROTOCOLS,
     QUESTION_AGNOSTIC,
-    SEARCHABLE_SPECS,
     PressConfig,
-    parse_merge_variant,
 )
-from grkv_core.options import GRKV_PRESETS, MERGER_OPTION_NAMES, MERGER_OPTION_SPECS, MERGER_OPTIONS, mergers_taking
+from grkv_core.merger_flags import add_merger_options, given_merge_options, merge_options, parse_merge_variant
+from grkv_core.options import GRKV_PRESETS
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
@@ -82,37 +79,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _add_merger_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per merger option, derived from its spec; it applies to the --merge that takes it, and an option left
-    out keeps the merger's default."""
-    group = parser.add_argument_group("merger options (each with a --merge that takes it)")
-    group.add_argument(
-        "--preset",
-        choices=sorted(GRKV_PRESETS),
-        help=(
-            "GRKV's options of a preset ('paper': Alg. 1; 'window32': the default until 2026-11-28; implies --merge "
-            "grkv), which flags override"
-        ),
-    )
-    for name in MERGER_OPTION_NAMES:
-        spec = SEARCHABLE_SPECS[name]
-        described = []
-        for merge in mergers_taking(name):
-            defaults = (
-                {item.name: item.default for item in fields(MERGER_OPTIONS[merge])} if merge in MERGER_OPTIONS else {}
-            )
-            default = f" (default: {'none' if defaults[name] is None else defaults[name]})" if name in defaults else ""
-            described.append(f"{merge}: {MERGER_OPTION_SPECS[merge][name].help}{default}")
-        text = "; ".join(described).replace("%", "%%")
-        flag = "--" + name.replace("_", "-")
-        if spec.kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        elif spec.kind is str:
-            group.add_argument(flag, dest=name, choices=spec.choices, help=text)
-        else:
-            group.add_argument(flag, dest=name, type=spec.kind, metavar=spec.kind.__name__.upper(), help=text)
-
-
 def _add_evaluation_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kvpress-dir",
@@ -135,24 +101,6 @@ def _quiet_model_loading() -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-
-
-def _given_merge_options(args) -> dict:
-    return {name: getattr(args, name) for name in MERGER_OPTION_NAMES if getattr(args, name) is not None}
-
-
-def _merge_options(args, merge: str) -> dict:
-    """The merger options given as flags over the ``--preset``'s, each one ``merge`` takes (a ValueError names any it
-    does not)."""
-    given = _given_merge_options(args)
-    foreign = [name for name in given if name not in MERGER_OPTION_SPECS[merge]]
-    if foreign:
-        flags = " ".join("--" + name.replace("_", "-") for name in foreign)
-        owners = sorted({owner for name in foreign for owner in mergers_taking(name)})
-        raise ValueError(f"--merge {merge} takes no {flags} (options of {', '.join(owners)})")
-    if args.preset and merge != "grkv":
-        raise ValueError(f"--preset {args.preset} is a set of GRKV's options; --merge {merge} takes none")
-    return {**GRKV_PRESETS[args.preset], **given} if args.preset else given
 
 
 def _config(
@@ -191,7 +139,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         "--compression-ratio": args.compression_ratio,
         "--merge": args.merge,
         "--preset": args.preset,
-        **{"--" + name.replace("_", "-"): value for name, value in _given_merge_options(args).items()},
+        **{"--" + name.replace("_", "-"): value for name, value in given_merge_options(args).items()},
     }
     if args.press_config:
         given = [flag for flag, value in flags.items() if value is not None]
@@ -205,7 +153,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         args.press or PRESS_DEFAULTS.press,
         PRESS_DEFAULTS.compression_ratio if args.compression_ratio is None else args.compression_ratio,
         merge,
-        _merge_options(args, merge),
+        merge_options(args, merge),
     ), None
 
 
@@ -321,7 +269,7 @@ def _add_library_commands(commands) -> None:
     evaluate.add_argument(
         "--press",
         default=None,
-        choices=(*EVICTION_PRESS_NAMES, FULL_CACHE),
+        choices=(*EVICTION_PRESSES, FULL_CACHE),
         help=f"eviction press (default: {PRESS_DEFAULTS.press})",
     )
     evaluate.add_argument(
@@ -331,7 +279,10 @@ def _add_library_commands(commands) -> None:
         help=f"fraction of the KV pairs removed (default: {PRESS_DEFAULTS.compression_ratio})",
     )
     evaluate.add_argument(
-        "--merge", default=None, choices=MERGER_NAMES, help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})"
+        "--merge",
+        default=None,
+        choices=merger_names(),
+        help=f"merger behind the press (default: {PRESS_DEFAULTS.merge})",
     )
     evaluate.add_argument(
         "--press-config",
@@ -339,7 +290,7 @@ def _add_library_commands(commands) -> None:
         metavar="FILE",
         help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the merger options",
     )
-    _add_merger_options(evaluate)
+    add_merger_options(evaluate)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     _add_evaluation_outputs(evaluate)
     evaluate.set_defaults(handler=cmd_eval)
@@ -352,7 +303,7 @@ def _add_library_commands(commands) -> None:
     )
     _add_common(compare)
     compare.set_defaults(tasks=list(DEFAULT_COMPARE_TASKS), samples=3)
-    compare.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
+    compare.add_argument("--press", default="snapkv", choices=tuple(EVICTION_PRESSES))
     compare.add_argument("--compression-ratios", type=float, nargs="+", default=[0.9])
     compare.add_argument(
         "--merge-variant",
@@ -375,9 +326,13 @@ def _add_library_commands(commands) -> None:
     )
     _add_common(analyze)
     analyze.set_defaults(tasks=["niah_single_2", "qa_2"], samples=2)
-    analyze.add_argument("--press", default="snapkv", choices=EVICTION_PRESS_NAMES)
+    analyze.add_argument("--press", default="snapkv", choices=tuple(EVICTION_PRESSES))
     analyze.add_argument(
-        "--compare", nargs="*", default=["h2o"], choices=EVICTION_PRESS_NAMES, help="more eviction presses to tabulate"
+        "--compare",
+        nargs="*",
+        default=["h2o"],
+        choices=tuple(EVICTION_PRESSES),
+        help="more eviction presses to tabulate",
     )
     analyze.add_argument("--compression-ratio", type=float, default=0.9)
     analyze.add_argument(

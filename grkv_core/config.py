@@ -1,43 +1,23 @@
-"""The project's vocabulary, defined once: names, GRKV's options with their checks, the paper's defaults, and
-the press and evaluation configurations.
+"""The configurations, as plain validated data: what compresses the cache (``PressConfig``) and what an evaluation
+runs (``EvalConfig``), with the protocols and the other choices they name.
 
-Everything else derives from this module: ``GRKVPress`` takes its fields from ``GRKVOptions``, the ``grkv``
-command line builds one flag per option, a sweep's searchable parameters and their validation come from
-``GRKV_OPTION_SPECS``, and MLflow logs the resolved options. A new GRKV option added here is reachable from the
-command line and from a sweep config without touching either.
+A configuration checks its names against the catalog (``grkv_core.catalog``) and its merger options against their
+specs (``grkv_core.options``) when it is made, so a bad one fails in one line before anything is loaded; a press is
+built from it by ``grkv_core.registry.build``.
 
 NOTE: this module imports nothing heavy (no torch, kvpress or transformers), so validating a sweep config or
-parsing a command line stays instant; presses are built from a ``PressConfig`` by ``grkv_core.registry.build``.
+parsing a command line stays instant.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from grkv_core.options import (
-    MERGER_OPTION_NAMES,
-    MERGER_OPTION_SPECS,
-    PAPER_WINDOW,
-    OptionSpec,
-    mergers_taking,
-)
+from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_specs
+from grkv_core.options import PAPER_WINDOW, OptionSpec
 
-# Names: the registry (grkv_core.registry) maps each to its implementation; a test checks the two agree.
-EVICTION_PRESS_NAMES = (
-    "snapkv",
-    "pyramidkv",
-    "streamingllm",
-    "h2o",
-    "expected_attention",
-    "knorm",
-    "criticalkv",
-    "adakv",
-    "criticaladakv",
-)
 FULL_CACHE = "full"
-MERGER_NAMES = ("none", "grkv", "cam", "d2o", "asymkv", "kvmerger", "kvpress_merging")
 # "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
 # copies pinned to a revision).
 DATASETS = ("ruler", "ruler-hub", "longbench")
@@ -62,14 +42,9 @@ PROTOCOL_SPEC = OptionSpec(
     choices=PROTOCOLS,
 )
 
-# A sweep searches the budget and every merger's options (each applied to the mergers that take it).
 COMPRESSION_RATIO_SPEC = OptionSpec(
     "fraction of the context's KV pairs removed", float, low=0.0, high=1.0, high_open=True
 )
-SEARCHABLE_SPECS: dict[str, OptionSpec] = {
-    "compression_ratio": COMPRESSION_RATIO_SPEC,
-    **{name: MERGER_OPTION_SPECS[mergers_taking(name)[0]][name] for name in MERGER_OPTION_NAMES},
-}
 
 
 @dataclass(frozen=True)
@@ -78,22 +53,22 @@ class PressConfig:
 
     press: str = "snapkv"
     compression_ratio: float = 0.9
-    merge: str = "none"
+    merge: str = NO_MERGER
     merge_options: dict[str, Any] = field(default_factory=dict)
     variant: str | None = None
 
     def __post_init__(self) -> None:
         """Check every name and option against its spec (nothing is built, nothing heavy imported)."""
         if self.press == FULL_CACHE:
-            if self.merge != "none" or self.merge_options:
+            if self.merge != NO_MERGER or self.merge_options:
                 raise ValueError("press 'full' keeps the whole cache: it takes no merger or merger options")
             return
-        if self.press not in EVICTION_PRESS_NAMES:
-            raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESS_NAMES]}")
+        if self.press not in EVICTION_PRESSES:
+            raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESSES]}")
         COMPRESSION_RATIO_SPEC.check("compression_ratio", self.compression_ratio)
-        if self.merge not in MERGER_NAMES:
-            raise ValueError(f"unknown merge {self.merge!r}; choose from {list(MERGER_NAMES)}")
-        specs = MERGER_OPTION_SPECS[self.merge]
+        if self.merge != NO_MERGER:
+            MERGERS.check(self.merge)
+        specs = merger_option_specs(self.merge)
         unknown = set(self.merge_options) - set(specs)
         if unknown:
             valid = f"valid: {sorted(specs)}" if specs else "it takes none"
@@ -106,7 +81,7 @@ class PressConfig:
         if self.press == FULL_CACHE:
             return FULL_CACHE
         budget = f"{1 - self.compression_ratio:.0%}"
-        merger = "" if self.merge == "none" else f" + {self.variant or self.merge}"
+        merger = "" if self.merge == NO_MERGER else f" + {self.variant or self.merge}"
         return f"{self.press} {budget}{merger}"
 
 
@@ -167,21 +142,3 @@ class EvalConfig:
         key.pop("samples")
         key["tasks"] = list(key["tasks"]) if key["tasks"] is not None else None
         return key
-
-
-def parse_merge_variant(text: str) -> tuple[str, str, dict]:
-    """``NAME=MERGE[:key=value,...]`` -> (name, merger, options); values parsed as JSON where they can be."""
-    name, _, spec = text.partition("=")
-    merge, _, option_text = spec.partition(":")
-    if not name or not merge:
-        raise ValueError(f"--merge-variant {text!r}: expected NAME=MERGE[:key=value,...]")
-    options = {}
-    for item in filter(None, option_text.split(",")):
-        key, separator, value = item.partition("=")
-        if not separator:
-            raise ValueError(f"--merge-variant {text!r}: option {item!r} is not key=value")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return name, merge, options

@@ -11,13 +11,14 @@ import math
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+from grkv_core.catalog import QUERY_POLICIES
+
 # The paper's window: its surrogate queries are the last 32 prompt positions (m), and it pairs GRKV with
 # SnapKV's 32-token observation window; the reconstruction probe measures the window loss on as many.
 PAPER_WINDOW = 32
 
 COMPONENTS = ("kv", "k", "v")
 RIDGE_SCALES = ("absolute", "relative")
-QUERY_POLICIES = ("window", "stratified", "mixture", "expected")
 ACCEPT_RULES = ("always", "objective", "validation")
 HEAD_WEIGHTINGS = ("uniform", "o_proj")
 MERGED_LAYERS = ("all", "early", "late")
@@ -87,7 +88,8 @@ class OptionSpec:
             raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
 
 
-def _option(default, spec: OptionSpec):
+def option(default, spec: OptionSpec):
+    """A field of an options dataclass: its default and the spec that checks it (``option_specs`` reads it)."""
     return field(default=default, metadata={"spec": spec})
 
 
@@ -104,7 +106,7 @@ class GRKVOptions:
     NOTE: not frozen, because ``GRKVPress`` inherits these fields and kvpress presses are mutable.
     """
 
-    lambda_k: float = _option(
+    lambda_k: float = option(
         2.498e-3,
         OptionSpec(
             "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)",
@@ -113,8 +115,8 @@ class GRKVOptions:
             symbol="λk",
         ),
     )
-    lambda_v: float = _option(1.32e-3, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
-    beta: float = _option(
+    lambda_v: float = option(1.32e-3, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
+    beta: float = option(
         8.825e-3,
         OptionSpec(
             "fraction of the kept tokens (besides sinks and the window) with the highest base-press scores that are "
@@ -125,10 +127,10 @@ class GRKVOptions:
             symbol="β",
         ),
     )
-    window_size: int = _option(64, OptionSpec("m, the number of surrogate query tokens", int, low=1, symbol="m"))
-    steps: int = _option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1, symbol="S"))
-    n_sink: int = _option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
-    fix_window: bool = _option(
+    window_size: int = option(64, OptionSpec("m, the number of surrogate query tokens", int, low=1, symbol="m"))
+    steps: int = option(1, OptionSpec("S, the maximum number of alternating value/key steps", int, low=1, symbol="S"))
+    n_sink: int = option(4, OptionSpec("the first n_sink positions are held fixed when kept", int, low=0))
+    fix_window: bool = option(
         True,
         OptionSpec(
             "hold the last window_size positions fixed when kept (paper; off: the window's own tokens are refitted "
@@ -136,10 +138,10 @@ class GRKVOptions:
             bool,
         ),
     )
-    components: str = _option(
+    components: str = option(
         "kv", OptionSpec("refit keys and values (GRKV), keys (GRK) or values (GRV)", str, choices=COMPONENTS)
     )
-    query_policy: str = _option(
+    query_policy: str = option(
         "stratified",
         OptionSpec(
             "surrogate queries: the last m prompt tokens (paper), strata of the prompt (authors' code), half of each "
@@ -149,7 +151,7 @@ class GRKVOptions:
             choices=QUERY_POLICIES,
         ),
     )
-    max_rel_update_k: float | None = _option(
+    max_rel_update_k: float | None = option(
         0.1,
         OptionSpec(
             "trust-region cap per head, |dK| <= cap |K0| (authors' code: 0.025)",
@@ -159,7 +161,7 @@ class GRKVOptions:
             nullable=True,
         ),
     )
-    max_rel_update_v: float | None = _option(
+    max_rel_update_v: float | None = option(
         None,
         OptionSpec(
             "trust-region cap per head, |dV| <= cap |V0| (authors' code: 0.1)",
@@ -169,7 +171,7 @@ class GRKVOptions:
             nullable=True,
         ),
     )
-    accept: str = _option(
+    accept: str = option(
         "always",
         OptionSpec(
             "'objective' keeps, per head, the best of evicted / values-only / full merge (authors' code); "
@@ -179,8 +181,8 @@ class GRKVOptions:
             choices=ACCEPT_RULES,
         ),
     )
-    cg_max_iter: int = _option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
-    cg_rtol: float = _option(
+    cg_max_iter: int = option(4, OptionSpec("conjugate-gradient iteration cap of the key step", int, low=1))
+    cg_rtol: float = option(
         1e-6,
         OptionSpec(
             "relative residual tolerance of the key step's conjugate gradients",
@@ -191,14 +193,14 @@ class GRKVOptions:
             high_open=True,
         ),
     )
-    safeguard: bool = _option(
+    safeguard: bool = option(
         True, OptionSpec("shorten the key step where it would raise the window loss (off: the paper's Alg. 1)", bool)
     )
-    ridge_scale: str = _option(
+    ridge_scale: str = option(
         "absolute",
         OptionSpec("'relative' multiplies lambda by a per-head scale of its system", str, choices=RIDGE_SCALES),
     )
-    layers_per_solve: int = _option(
+    layers_per_solve: int = option(
         0,
         OptionSpec(
             "layers whose merges are solved together in one batched call, at the last of them; 0: every layer the "
@@ -209,7 +211,7 @@ class GRKVOptions:
             low=0,
         ),
     )
-    target_from_forward: bool = _option(
+    target_from_forward: bool = option(
         True,
         OptionSpec(
             "take the regression target from the prefill's own attention outputs instead of recomputing it (with the "
@@ -217,7 +219,7 @@ class GRKVOptions:
             bool,
         ),
     )
-    head_weighting: str = _option(
+    head_weighting: str = option(
         "o_proj",
         OptionSpec(
             "'o_proj' weights each query head's rows of the loss by its output projection's squared norm (what the "
@@ -226,7 +228,7 @@ class GRKVOptions:
             choices=HEAD_WEIGHTINGS,
         ),
     )
-    merged_layers: str = _option(
+    merged_layers: str = option(
         "all",
         OptionSpec(
             "which of the compressed layers GRKV merges: 'all' (paper), the first half ('early') or the second half "
@@ -235,7 +237,7 @@ class GRKVOptions:
             choices=MERGED_LAYERS,
         ),
     )
-    merge_stream: str = _option(
+    merge_stream: str = option(
         "serial",
         OptionSpec(
             "'side' solves each group of layers on a side CUDA stream while the forward goes on through the later "
@@ -343,10 +345,10 @@ SolverOptions = make_dataclass(
 class CaMOptions:
     """CaM's options (``CaMPress``)."""
 
-    merge_budget: int = _option(
+    merge_budget: int = option(
         32, OptionSpec("m, the number of subsequent kept tokens each evicted value is spread over", int, low=1)
     )
-    window_size: int = _option(
+    window_size: int = option(
         PAPER_WINDOW, OptionSpec("the number of last prompt queries whose attention weights the merge", int, low=1)
     )
 
@@ -355,10 +357,10 @@ class CaMOptions:
 class D2OOptions:
     """D2O's options (``D2OPress``)."""
 
-    threshold: float = _option(
+    threshold: float = option(
         0.5, OptionSpec("minimum key cosine similarity for an evicted token to be merged", float, low=-1.0, high=1.0)
     )
-    candidate_range: int | None = _option(
+    candidate_range: int | None = option(
         None,
         OptionSpec(
             "only kept tokens at most this many positions away are candidates (None: every kept token)",
@@ -373,10 +375,10 @@ class D2OOptions:
 class KVMergerOptions:
     """KVMerger's options (``KVMergerPress``)."""
 
-    threshold: float = _option(
+    threshold: float = option(
         0.75, OptionSpec("cosine similarity that links two adjacent keys", float, low=-1.0, high=1.0)
     )
-    sigma: float | None = _option(
+    sigma: float | None = option(
         None,
         OptionSpec(
             "a fixed Gaussian-kernel width in key units (None: adapted per merging set)",
@@ -388,43 +390,27 @@ class KVMergerOptions:
     )
 
 
-# Our mergers' options, declared as dataclasses whose fields the presses inherit (AsymKV has none).
-MERGER_OPTIONS: dict[str, type] = {
-    "grkv": GRKVOptions,
-    "cam": CaMOptions,
-    "d2o": D2OOptions,
-    "kvmerger": KVMergerOptions,
-}
-# Every merger's options by name. NOTE: kvpress's own MergingPress checks its options with asserts; these specs refuse
-# bad values in one line, as our mergers do (its defaults stay kvpress's).
-MERGER_OPTION_SPECS: dict[str, dict[str, OptionSpec]] = {
-    "none": {},
-    **{merge: option_specs(options) for merge, options in MERGER_OPTIONS.items()},
-    "asymkv": {},
-    "kvpress_merging": {
-        "similarity_threshold": OptionSpec(
+@dataclass
+class KVPressMergingOptions:
+    """kvpress's ``MergingPress`` options, with kvpress's defaults. NOTE: kvpress checks them with asserts; these specs
+    refuse bad values in one line, as our mergers do."""
+
+    similarity_threshold: float = option(
+        0.0,
+        OptionSpec(
             "minimum key cosine similarity of an evicted token to its survivor for its value to be merged",
             float,
             low=0.0,
             high=1.0,
         ),
-        "merge_fraction": OptionSpec(
+    )
+    merge_fraction: float = option(
+        1.0,
+        OptionSpec(
             "fraction of the evicted tokens, most similar first, whose values are merged",
             float,
             low=0.0,
             high=1.0,
             low_open=True,
         ),
-    },
-}
-# Each option name once, in the order of the mergers (a flag, a searchable parameter). NOTE: a name two mergers share
-# means the same kind of value in both (``window_size``: GRKV's m and CaM's window; ``threshold``: D2O's and
-# KVMerger's cosine similarity), so one spec checks it; a test holds them to that.
-MERGER_OPTION_NAMES: tuple[str, ...] = tuple(
-    dict.fromkeys(name for specs in MERGER_OPTION_SPECS.values() for name in specs)
-)
-
-
-def mergers_taking(name: str) -> list[str]:
-    """The mergers that have an option ``name``."""
-    return [merge for merge, specs in MERGER_OPTION_SPECS.items() if name in specs]
+    )

@@ -6,73 +6,29 @@ import functools
 import json
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
-from kvpress import (
-    AdaKVPress,
-    BasePress,
-    CriticalAdaKVPress,
-    CriticalKVPress,
-    ExpectedAttentionPress,
-    KnormPress,
-    ObservedAttentionPress,
-    PyramidKVPress,
-    ScorerPress,
-    SnapKVPress,
-    StreamingLLMPress,
-)
+from kvpress import BasePress, ScorerPress
 from kvpress import MergingPress as KVPressMergingPress
 
+from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NEEDS_EAGER, NO_MERGER, REFUSES_EAGER
 from grkv_core.config import FULL_CACHE, PROTOCOL_SPEC, PressConfig
-from grkv_core.options import PAPER_WINDOW
-from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, GRKVPress, KVMergerPress
-
-# NOTE: the paper pairs GRKV with SnapKV's 32-token observation window and pooling kernel 5 (Sec. 4.1, "as in
-# prior KV-cache eviction methods"; the authors' code: window 32, kernel 5), so SnapKV and the presses built
-# on it (CriticalKV, AdaKV, CriticalAdaKV) use it here instead of kvpress's window of 64. The paper gives no
-# window for PyramidKV, which keeps kvpress's default.
-PAPER_SNAPKV_WINDOW = dict(window_size=PAPER_WINDOW, kernel_size=5)
-
-
-def _snapkv(ratio: float) -> SnapKVPress:
-    return SnapKVPress(compression_ratio=ratio, **PAPER_SNAPKV_WINDOW)
-
-
-EVICTION_PRESSES: dict[str, Callable[[float], BasePress]] = {
-    "snapkv": _snapkv,
-    "pyramidkv": lambda ratio: PyramidKVPress(compression_ratio=ratio),
-    "streamingllm": lambda ratio: StreamingLLMPress(compression_ratio=ratio),
-    "h2o": lambda ratio: ObservedAttentionPress(compression_ratio=ratio),
-    "expected_attention": lambda ratio: ExpectedAttentionPress(compression_ratio=ratio),
-    "knorm": lambda ratio: KnormPress(compression_ratio=ratio),
-    "criticalkv": lambda ratio: CriticalKVPress(_snapkv(ratio)),
-    "adakv": lambda ratio: AdaKVPress(_snapkv(ratio)),
-    "criticaladakv": lambda ratio: CriticalAdaKVPress(_snapkv(ratio)),
-}
-
-# NOTE: presses that read the attention matrix need eager attention; masking presses refuse it.
-EAGER_ONLY = frozenset({"h2o"})
-NOT_EAGER = frozenset({"adakv", "criticaladakv"})
-
-MERGERS: dict[str, type[BasePress] | None] = {
-    "none": None,
-    "grkv": GRKVPress,
-    "cam": CaMPress,
-    "d2o": D2OPress,
-    "asymkv": AsymKVPress,
-    "kvmerger": KVMergerPress,
-    # NOTE: kvpress's own merger (0.5.4+): each evicted value folded into its most key-similar survivor, keys kept.
-    "kvpress_merging": KVPressMergingPress,
-}
-
-# NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
-MERGING_TYPES = tuple(merger for merger in MERGERS.values() if merger is not None)
 
 
 def required_attention(press_name: str) -> str | None:
     """The attention implementation a press needs ("eager"), or None when sdpa/flash work."""
-    return "eager" if press_name in EAGER_ONLY else None
+    return "eager" if NEEDS_EAGER in EVICTION_PRESSES[press_name].traits else None
+
+
+def refuses_eager(press_name: str) -> bool:
+    """Whether a press masks per head through the attention mask, which eager attention ignores (AdaKV)."""
+    return REFUSES_EAGER in EVICTION_PRESSES[press_name].traits
+
+
+def merging_types() -> tuple[type, ...]:
+    """The classes of every registered merger."""
+    return tuple(entry.load() for entry in MERGERS.values())
 
 
 def protected_window(press: BasePress | None) -> int:
@@ -80,7 +36,8 @@ def protected_window(press: BasePress | None) -> int:
     or wraps (SnapKV's 32 here), 0 for a press without one and for the full cache (which keeps everything)."""
     while press is not None:
         window = getattr(press, "window_size", None)
-        if isinstance(window, int) and not isinstance(press, MERGING_TYPES):
+        # NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
+        if isinstance(window, int) and not isinstance(press, merging_types()):
             return window
         press = getattr(press, "press", None)
     return 0
@@ -89,7 +46,7 @@ def protected_window(press: BasePress | None) -> int:
 def build_press(
     press: str = "snapkv",
     compression_ratio: float = 0.9,
-    merge: str = "none",
+    merge: str = NO_MERGER,
     **merge_options: Any,
 ) -> BasePress | None:
     """Build an eviction press by name, optionally wrapped by a merger: ``build`` of that ``PressConfig``.
@@ -97,11 +54,11 @@ def build_press(
     Parameters
     ----------
     press : str
-        "full" (no compression: returns None) or one of ``EVICTION_PRESSES``.
+        "full" (no compression: returns None) or one of ``grkv_core.catalog.EVICTION_PRESSES``.
     compression_ratio : float
         Fraction of the context's KV pairs removed, in [0, 1).
     merge : str
-        "none" or one of ``MERGERS``.
+        "none" or one of ``grkv_core.catalog.MERGERS``.
     **merge_options
         Fields of the merger press (e.g. ``lambda_k=1e-2, beta=0.1`` for GRKV).
     """
@@ -113,10 +70,10 @@ def build(config: PressConfig) -> BasePress | None:
     configuration was made."""
     if config.press == FULL_CACHE:
         return None
-    base = EVICTION_PRESSES[config.press](float(config.compression_ratio))
-    merger = MERGERS[config.merge]
-    if merger is None:
+    base = EVICTION_PRESSES[config.press].load()(compression_ratio=float(config.compression_ratio))
+    if config.merge == NO_MERGER:
         return base
+    merger = MERGERS[config.merge].load()
     if merger is KVPressMergingPress and not isinstance(base, ScorerPress):
         raise ValueError(
             f"merge {config.merge!r} (kvpress's MergingPress) takes a kvpress ScorerPress; press "
@@ -149,7 +106,7 @@ def _resolved(config_json: str) -> dict[str, Any]:
     settings: dict[str, Any] = {"press": press, "compression_ratio": compression_ratio, "merge": merge}
     if built is None:
         return settings
-    if merge != "none":
+    if merge != NO_MERGER:
         merger = _scalar_fields(built)
         merger.pop("class")
         settings.update(merger)

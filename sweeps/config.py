@@ -9,21 +9,26 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from grkv_core.catalog import (
+    EVICTION_PRESSES,
+    MERGERS,
+    merger_names,
+    merger_option_names,
+    merger_option_spec,
+    mergers_taking,
+)
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
     COMPRESSION_RATIO_SPEC,
     DATASETS,
     DEVICES,
     DTYPES,
-    EVICTION_PRESS_NAMES,
-    MERGER_NAMES,
     PROTOCOLS,
-    SEARCHABLE_SPECS,
     EvalConfig,
     PressConfig,
 )
 from grkv_core.metrics import HIGHER_IS_BETTER, OBJECTIVE_METRICS, SCREENING_METRICS
-from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, mergers_taking
+from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, OptionSpec
 from sweeps.entry_points import GRKV_HOME
 from sweeps.params import CategoricalParam, Param, Strict, can_fix, range_problem
 from workers.names import BASELINES, PAPER_DEFAULT
@@ -38,6 +43,15 @@ def _defaults(config_class) -> dict[str, Any]:
 # does), except ``model.device``, which follows the workers' GPUs when unset.
 EVAL_DEFAULTS = _defaults(EvalConfig)
 PRESS_DEFAULTS = _defaults(PressConfig)
+
+
+def searchable_specs() -> dict[str, OptionSpec]:
+    """What a sweep may search: the budget and every registered merger's options (each applied to the mergers that
+    take it)."""
+    return {
+        "compression_ratio": COMPRESSION_RATIO_SPEC,
+        **{name: merger_option_spec(name) for name in merger_option_names()},
+    }
 
 
 class ConfigError(ValueError):
@@ -86,8 +100,7 @@ class PressSection(Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, name):
-        if name not in EVICTION_PRESS_NAMES:
-            raise ValueError(f"unknown press {name!r}; choose from {sorted(EVICTION_PRESS_NAMES)}")
+        EVICTION_PRESSES.check(name)
         return name
 
     @field_validator("compression_ratio")
@@ -202,9 +215,9 @@ class TestSection(Strict):
     @field_validator("mergers")
     @classmethod
     def _other_mergers(cls, mergers):
-        unknown = [name for name in mergers if name not in MERGER_NAMES or name == "none"]
+        unknown = [name for name in mergers if name not in MERGERS]
         if unknown:
-            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(set(MERGER_NAMES) - {'none'})}")
+            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)}")
         if len(set(mergers)) != len(mergers):
             raise ValueError(f"mergers must differ, got {mergers}")
         return mergers
@@ -276,18 +289,19 @@ class SweepConfig(Strict):
     @field_validator("merge")
     @classmethod
     def _mergers(cls, merge):
-        unknown = [name for name in merge if name not in MERGER_NAMES]
+        unknown = [name for name in merge if name not in merger_names()]
         if unknown:
-            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGER_NAMES)}")
+            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(merger_names())}")
         return merge
 
     @model_validator(mode="after")
     def _consistent(self):
-        unknown = sorted(set(self.search_space) - set(SEARCHABLE_SPECS))
+        searchable = searchable_specs()
+        unknown = sorted(set(self.search_space) - set(searchable))
         if unknown:
-            raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(SEARCHABLE_SPECS)}")
+            raise ValueError(f"search_space: unknown parameter(s) {unknown}; searchable: {sorted(searchable)}")
         for name, param in self.search_space.items():
-            problem = range_problem(param, SEARCHABLE_SPECS[name])
+            problem = range_problem(param, searchable[name])
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
             if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):

@@ -7,8 +7,9 @@ import warnings
 
 import optuna
 
+from grkv_core.catalog import merger_option_specs
 from grkv_core.config import PressConfig
-from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, MERGER_OPTION_SPECS, PAPER_GRKV_OPTIONS
+from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, PAPER_GRKV_OPTIONS
 from sweeps.config import SweepConfig
 from sweeps.params import FloatParam, IntParam, can_fix
 from workers.names import (
@@ -49,7 +50,7 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     merge = trial.suggest_categorical("merge", config.merge)
     # NOTE: each searched option reaches the mergers that take it (GRKV's window_size is CaM's too); the others
     # keep their defaults, and the sampler is not asked for what the chosen merger does not read.
-    taken = MERGER_OPTION_SPECS[merge]
+    taken = merger_option_specs(merge)
     options = {name: _suggest(trial, name, param) for name, param in space.items() if name in taken}
     baseline = trial.user_attrs.get(BASELINE_TAG)
     if baseline == PAPER_DEFAULT or DESIGN_ROW_ATTR in trial.user_attrs:

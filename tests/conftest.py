@@ -9,11 +9,10 @@ import pytest
 import torch
 from kvpress import ScorerPress
 
-from grkv_core.config import MERGER_NAMES
+from grkv_core.catalog import EVICTION_PRESSES, merger_names
 from grkv_core.evaluation.generation import prefill
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES
-from grkv_core.registry import EVICTION_PRESSES
 
 # Every tiny test model: the architecture-parametrised tests run on each.
 TINY_ARCHITECTURES = tuple(TINY_CONFIG_CLASSES)
@@ -127,6 +126,6 @@ def mergers_over(press: str) -> list[str]:
     ``kvpress_merging`` takes a ScorerPress only (not AdaKV or CriticalAdaKV)."""
     return [
         merge
-        for merge in MERGER_NAMES
-        if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press](0.5), ScorerPress)
+        for merge in merger_names()
+        if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press].load()(compression_ratio=0.5), ScorerPress)
     ]

@@ -18,7 +18,8 @@ import pytest
 import torch
 from conftest import mergers_over, tiny_model
 
-from grkv_core.config import EVICTION_PRESS_NAMES, PROTOCOLS, QUERY_AWARE, EvalConfig, PressConfig
+from grkv_core.catalog import EVICTION_PRESSES
+from grkv_core.config import PROTOCOLS, QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples
 from grkv_core.evaluation.answer_metrics import reference_ids, reference_text
 from grkv_core.evaluation.evaluator import Evaluator
@@ -115,7 +116,7 @@ def configs_of(press: str) -> list[PressConfig]:
     ]
 
 
-@pytest.mark.parametrize("press", EVICTION_PRESS_NAMES)
+@pytest.mark.parametrize("press", list(EVICTION_PRESSES))
 def test_answer_metrics_of_a_batch_of_trials_equal_each_trial_alone(press, samples):
     loaded = tiny_model("tiny-llama", attn_implementation=required_attention(press) or "sdpa")
     evaluator = Evaluator(loaded)

@@ -13,10 +13,11 @@ from kvpress import SnapKVPress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
+from grkv_core.catalog import MERGERS
 from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.registry import MERGERS, build_press
+from grkv_core.registry import build_press
 
 ARCHITECTURES = TINY_ARCHITECTURES
 BASELINES = ["cam", "d2o", "asymkv", "kvmerger"]
@@ -317,7 +318,7 @@ def test_cam_token_attention_averages_the_query_heads_of_each_kv_head():
 
 
 def test_baselines_are_registered_and_take_their_options_by_name():
-    assert {name: MERGERS[name] for name in BASELINES} == {
+    assert {name: MERGERS[name].load() for name in BASELINES} == {
         "cam": CaMPress,
         "d2o": D2OPress,
         "asymkv": AsymKVPress,

@@ -167,7 +167,7 @@ def test_a_bad_config_fails_in_one_line_before_anything_starts(tmp_path, capsys)
 
 
 def test_the_demo_config_is_the_product_default():
-    from grkv_core.options import QUERY_POLICIES
+    from grkv_core.catalog import QUERY_POLICIES
     from sweeps.config import load_config
 
     config = load_config(DEMO_CONFIG)

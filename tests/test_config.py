@@ -13,7 +13,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from grkv_core.config import EVICTION_PRESS_NAMES, MERGER_NAMES, EvalConfig, PressConfig
+from grkv_core.catalog import MERGERS, merger_option_defaults, merger_option_names, merger_option_specs, mergers_taking
+from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.metrics import (
     ANSWER,
     ANSWER_METRICS,
@@ -32,14 +33,10 @@ from grkv_core.metrics import (
 from grkv_core.options import (
     GRKV_DEFAULTS,
     GRKV_OPTION_SPECS,
-    MERGER_OPTION_NAMES,
-    MERGER_OPTION_SPECS,
-    MERGER_OPTIONS,
     PAPER_GRKV_OPTIONS,
     GRKVOptions,
     OptionSpec,
     check_options,
-    mergers_taking,
 )
 from grkv_core.registry import build
 from sweeps.config import ConfigError, Objective, SweepConfig, load_config
@@ -49,13 +46,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # Every option of every merger, as (merger, option).
-MERGER_OPTIONS_WALK = [(merge, name) for merge, specs in MERGER_OPTION_SPECS.items() for name in specs]
+MERGER_OPTIONS_WALK = [(merge, name) for merge in MERGERS for name in merger_option_specs(merge)]
 
 
 def a_value_other_than_the_default(merge: str, name: str):
     """A value the option accepts that differs from the default of the press the merger builds, so reaching the
     press is observable."""
-    spec = MERGER_OPTION_SPECS[merge][name]
+    spec = merger_option_specs(merge)[name]
     default = getattr(build(PressConfig("snapkv", 0.9, merge)), name)
     if spec.kind is bool:
         value = not default
@@ -117,11 +114,17 @@ def test_a_sweep_takes_each_objectives_direction_from_the_table(metric):
         Objective.model_validate({"metric": metric, "direction": other})
 
 
-def test_the_registry_implements_exactly_the_named_presses_and_mergers():
-    from grkv_core.registry import EVICTION_PRESSES, MERGERS
+def test_every_catalog_entry_loads_what_it_names():
+    from kvpress import BasePress
 
-    assert tuple(EVICTION_PRESSES) == EVICTION_PRESS_NAMES
-    assert tuple(MERGERS) == MERGER_NAMES
+    from grkv_core.catalog import EVICTION_PRESSES, QUERY_POLICIES
+
+    for name, entry in EVICTION_PRESSES.items():
+        assert isinstance(entry.load()(compression_ratio=0.5), BasePress), name
+    for name, entry in MERGERS.items():
+        assert issubclass(entry.load(), BasePress), name
+    for name, entry in QUERY_POLICIES.items():
+        assert entry.load().name == name
 
 
 def test_grkv_press_fields_are_exactly_the_options():
@@ -136,7 +139,8 @@ def test_grkv_press_fields_are_exactly_the_options():
 
 @pytest.mark.parametrize("merge, name", MERGER_OPTIONS_WALK)
 def test_every_option_of_every_merger_is_settable_from_the_cli(merge, name):
-    from grkv_core.cli import _merge_options, build_parser
+    from grkv_core.cli import build_parser
+    from grkv_core.merger_flags import merge_options
 
     value = a_value_other_than_the_default(merge, name)
     flag = "--" + name.replace("_", "-")
@@ -144,7 +148,7 @@ def test_every_option_of_every_merger_is_settable_from_the_cli(merge, name):
         arguments = [flag if value else "--no-" + flag[2:]]
     else:
         arguments = [flag, str(value)]
-    options = _merge_options(build_parser().parse_args(["eval", "--merge", merge, *arguments]), merge)
+    options = merge_options(build_parser().parse_args(["eval", "--merge", merge, *arguments]), merge)
     assert options == {name: value}
     assert getattr(build(PressConfig("snapkv", 0.9, merge, options)), name) == value
 
@@ -164,10 +168,11 @@ def test_every_option_of_every_merger_is_settable_from_a_sweep_config(merge, nam
 
 
 def test_an_option_the_chosen_merger_does_not_take_is_refused_on_the_command_line_and_in_a_sweep():
-    from grkv_core.cli import _merge_options, build_parser
+    from grkv_core.cli import build_parser
+    from grkv_core.merger_flags import merge_options
 
     with pytest.raises(ValueError, match=r"^--merge d2o takes no --beta \(options of grkv\)$"):
-        _merge_options(build_parser().parse_args(["eval", "--merge", "d2o", "--beta", "0.2"]), "d2o")
+        merge_options(build_parser().parse_args(["eval", "--merge", "d2o", "--beta", "0.2"]), "d2o")
     with pytest.raises(ValueError, match=r"search_space.sigma: an option of \['kvmerger'\], none of them"):
         SweepConfig(
             name="walk", trials=1, merge=["grkv"], search_space={"sigma": {"type": "float", "low": 0.1, "high": 1.0}}
@@ -175,30 +180,29 @@ def test_an_option_the_chosen_merger_does_not_take_is_refused_on_the_command_lin
 
 
 def test_an_option_two_mergers_share_means_one_kind_of_value():
-    for name in MERGER_OPTION_NAMES:
-        specs = [replace(MERGER_OPTION_SPECS[merge][name], help="", symbol=None) for merge in mergers_taking(name)]
+    for name in merger_option_names():
+        specs = [replace(merger_option_specs(merge)[name], help="", symbol=None) for merge in mergers_taking(name)]
         assert all(spec == specs[0] for spec in specs), name
 
 
-@pytest.mark.parametrize("merge", [name for name in MERGER_NAMES if name != "none"])
+@pytest.mark.parametrize("merge", list(MERGERS))
 def test_every_merger_presses_fields_are_exactly_its_option_specs(merge):
     # kvpress's MergingPress included: its specs are declared by hand, so they must name exactly its fields.
     from dataclasses import fields
 
-    from grkv_core.registry import MERGERS
-
     press_fields = {
-        item.name: item.default for item in fields(MERGERS[merge]) if item.name not in ("press", "compression_ratio")
+        item.name: item.default
+        for item in fields(MERGERS[merge].load())
+        if item.name not in ("press", "compression_ratio")
     }
-    assert list(press_fields) == list(MERGER_OPTION_SPECS[merge])
-    if merge in MERGER_OPTIONS:
-        assert press_fields == {item.name: item.default for item in fields(MERGER_OPTIONS[merge])}
+    assert press_fields == merger_option_defaults(merge)
 
 
 def test_unset_cli_flags_keep_the_press_defaults():
-    from grkv_core.cli import _merge_options, build_parser
+    from grkv_core.cli import build_parser
+    from grkv_core.merger_flags import merge_options
 
-    assert _merge_options(build_parser().parse_args(["eval", "--merge", "grkv"]), "grkv") == {}
+    assert merge_options(build_parser().parse_args(["eval", "--merge", "grkv"]), "grkv") == {}
 
 
 @pytest.mark.parametrize(
@@ -287,10 +291,11 @@ def test_the_paper_preset_is_alg_1_exactly_whatever_the_defaults():
 
 
 def test_a_preset_with_another_merger_is_refused():
-    from grkv_core.cli import _merge_options, build_parser
+    from grkv_core.cli import build_parser
+    from grkv_core.merger_flags import merge_options
 
     with pytest.raises(ValueError, match=r"^--preset paper is a set of GRKV's options; --merge cam takes none$"):
-        _merge_options(build_parser().parse_args(["eval", "--merge", "cam", "--preset", "paper"]), "cam")
+        merge_options(build_parser().parse_args(["eval", "--merge", "cam", "--preset", "paper"]), "cam")
 
 
 @pytest.mark.parametrize(

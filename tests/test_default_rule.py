@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grkv_core.config import parse_merge_variant
+from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.options import GRKV_DEFAULTS, WINDOW32_GRKV_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

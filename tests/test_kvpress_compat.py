@@ -36,6 +36,8 @@ from test_baselines import MERGE_ALL
 from test_press import SHORT_PROMPT_GRKV
 from transformers import DynamicCache, pipeline
 
+from grkv_core.catalog import EVICTION_PRESSES
+from grkv_core.catalog import MERGERS as MERGER_ENTRIES
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.generation import (
     answer_question,
@@ -50,10 +52,12 @@ from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.queries import surrogate_queries
-from grkv_core.registry import MERGERS, NOT_EAGER, build_press
+from grkv_core.registry import build_press, refuses_eager
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 
-MERGER_NAMES = [name for name, merger in MERGERS.items() if merger is not None]
+MERGERS = {name: entry.load() for name, entry in MERGER_ENTRIES.items()}
+NOT_EAGER = {name for name in EVICTION_PRESSES if refuses_eager(name)}
+MERGER_NAMES = list(MERGERS)
 # Ours: the mergers built on grkv_core's BaseMergerPress template (all but kvpress's own, "kvpress_merging").
 OUR_MERGERS = [name for name in MERGER_NAMES if issubclass(MERGERS[name], BaseMergerPress)]
 BASE_PRESSES = ["snapkv", "pyramidkv", "adakv", "criticalkv", "streamingllm", "knorm", "expected_attention"]

@@ -14,6 +14,7 @@ from kvpress import ComposedPress
 from kvpress.utils import compute_n_kept
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
+from grkv_core.catalog import EVICTION_PRESSES
 from grkv_core.evaluation.generation import answer_question, cache_lengths, prefill
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_OPTION_SPECS, GRKV_PRESETS
@@ -21,7 +22,7 @@ from grkv_core.presses import GRKVPress
 from grkv_core.presses.selection import TokenSelection
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.queries import surrogate_queries
-from grkv_core.registry import EVICTION_PRESSES, NOT_EAGER, build_press, required_attention
+from grkv_core.registry import build_press, refuses_eager, required_attention
 from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 
 ARCHITECTURES = TINY_ARCHITECTURES
@@ -63,7 +64,7 @@ def test_grkv_over_base_press_compresses_and_generates(architecture, press_name)
     press = build_press(press_name, RATIO, merge="grkv")
     cache = prefill(model, ids, press)
 
-    if press_name in NOT_EAGER:
+    if refuses_eager(press_name):
         # Per-head budgets are realised by masking: the cache keeps its length, evicted entries are masked.
         assert cache_lengths(cache) == [CONTEXT] * len(layers_of(model))
         heads = model.config.num_key_value_heads
@@ -76,7 +77,7 @@ def test_grkv_over_base_press_compresses_and_generates(architecture, press_name)
     # NOTE: kvpress masks per-head evictions with a fake key that must repel every query of a forward pass;
     # its hyperplane search can fail for multi-token inputs on random weights, so masking presses get a
     # one-token question here.
-    question = torch.tensor([loaded.tokenizer.encode("Q" if press_name in NOT_EAGER else "Q: what?")])
+    question = torch.tensor([loaded.tokenizer.encode("Q" if refuses_eager(press_name) else "Q: what?")])
     before = cache_lengths(cache)
     answer = answer_question(model, cache, question, CONTEXT, max_new_tokens=6, stop_token_ids=set())
     assert len(answer.token_ids) == 6

@@ -13,8 +13,8 @@ from conftest import tiny_model
 from kvpress.utils import get_prerope_query_states
 from transformers.models.llama.modeling_llama import rotate_half
 
+from grkv_core.catalog import QUERY_POLICIES
 from grkv_core.evaluation.generation import prefill
-from grkv_core.options import QUERY_POLICIES
 from grkv_core.queries import (
     EXPECTED_FUTURE_POSITIONS,
     EXPECTED_SINKS,
@@ -88,7 +88,7 @@ def reference_queries(model, module, hidden_states, policy, m):
 
 
 @pytest.mark.parametrize("architecture", ["tiny-llama", "tiny-qwen3"])
-@pytest.mark.parametrize("policy", QUERY_POLICIES)
+@pytest.mark.parametrize("policy", list(QUERY_POLICIES))
 @pytest.mark.parametrize("m", [1, 7, 32])
 def test_each_policy_matches_its_float64_reference(architecture, policy, m):
     model, module, hidden_states, position_embeddings = layer_inputs(architecture)

@@ -18,7 +18,8 @@ from conftest import mergers_over, tiny_model
 from kvpress import SnapKVPress
 from transformers import DynamicCache
 
-from grkv_core.config import EVICTION_PRESS_NAMES, PressConfig
+from grkv_core.catalog import EVICTION_PRESSES
+from grkv_core.config import PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.batched_decoding import answer_batch
 from grkv_core.evaluation.evaluator import Evaluator
@@ -53,7 +54,7 @@ def model_for(press: str):
     return tiny_model("tiny-llama", attn_implementation=required_attention(press) or "sdpa")
 
 
-@pytest.mark.parametrize("press", EVICTION_PRESS_NAMES)
+@pytest.mark.parametrize("press", list(EVICTION_PRESSES))
 def test_one_prefill_gives_every_press_the_cache_it_gives_alone(press, sample):
     loaded = model_for(press)
     context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
@@ -83,7 +84,7 @@ def test_one_prefill_gives_every_press_the_cache_it_gives_alone(press, sample):
         assert torch.equal(shared.pressed[0].cache.layers[layer].keys, keys)
 
 
-@pytest.mark.parametrize("press", sorted(set(EVICTION_PRESS_NAMES) - MASKING))
+@pytest.mark.parametrize("press", sorted(set(list(EVICTION_PRESSES)) - MASKING))
 def test_batched_evaluation_predicts_and_measures_as_each_press_alone(press, sample):
     evaluator = Evaluator(model_for(press), heldout_tokens=4)
     configs = configs_of(press)

@@ -10,7 +10,7 @@ from kvpress.utils import compute_n_kept
 from test_kvpress_compat import OUR_MERGERS
 from transformers import DynamicCache
 
-from grkv_core.config import MERGER_NAMES
+from grkv_core.catalog import merger_names
 from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.presses.sliding_layers import compressing, sliding_layer_indices
@@ -41,7 +41,7 @@ def test_the_model_configuration_names_the_sliding_layers():
     assert sliding_layer_indices(tiny_model("tiny-llama").model) == frozenset()
 
 
-@pytest.mark.parametrize("merge", MERGER_NAMES)
+@pytest.mark.parametrize("merge", merger_names())
 def test_a_sliding_layer_keeps_its_full_cache_and_the_global_layer_the_budget(merge):
     model = tiny_model("tiny-gemma3").model
     ids = prompt(model)

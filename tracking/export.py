@@ -16,8 +16,8 @@ import pandas as pd
 import yaml
 from mlflow.tracking import MlflowClient
 
+from grkv_core.catalog import merger_option_specs
 from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
-from grkv_core.options import MERGER_OPTION_SPECS
 from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
@@ -46,7 +46,7 @@ def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
     params = {name: parse_param(text) for name, text in client.get_run(run_id).data.params.items()}
     merge = params["merge"]
     return PressConfig(
-        params["press"], params["compression_ratio"], merge, {name: params[name] for name in MERGER_OPTION_SPECS[merge]}
+        params["press"], params["compression_ratio"], merge, {name: params[name] for name in merger_option_specs(merge)}
     )
 
 

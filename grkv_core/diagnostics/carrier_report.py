@@ -14,6 +14,7 @@ from pathlib import Path
 from kvpress import BasePress
 from tqdm.auto import tqdm
 
+from grkv_core.catalog import EVICTION_PRESSES
 from grkv_core.datasets import EvalSample
 from grkv_core.diagnostics.carriers import CarrierConcentration, carrier_concentration_per_unit, macro_average
 from grkv_core.diagnostics.plots import plot_cross_window_consistency, plot_merge_map
@@ -24,7 +25,6 @@ from grkv_core.presses.d2o import D2OPress
 from grkv_core.presses.local_merging import MergeInputs
 from grkv_core.presses.selection import select_tokens
 from grkv_core.queries import surrogate_queries
-from grkv_core.registry import EVICTION_PRESSES
 
 
 @dataclass
@@ -63,12 +63,11 @@ def carrier_report(
     progress: bool = True,
 ) -> CarrierReport:
     """Macro-averaged carrier concentration of ``press_name`` over every sample-layer-head unit."""
-    if press_name not in EVICTION_PRESSES:
-        raise ValueError(f"unknown press {press_name!r}; choose from {sorted(EVICTION_PRESSES)}")
+    build_eviction = EVICTION_PRESSES.check(press_name).load()
     units = []
     for index, sample in enumerate(tqdm(samples, desc=f"carriers {press_name}", disable=not progress)):
         recorder = _CarrierRecorder(
-            press=EVICTION_PRESSES[press_name](compression_ratio), candidate_range=candidate_range
+            press=build_eviction(compression_ratio=compression_ratio), candidate_range=candidate_range
         )
         context_ids, _ = tokenize_sample(loaded.tokenizer, sample)
         prefill(loaded.model, context_ids, recorder)

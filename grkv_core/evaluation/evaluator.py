@@ -36,7 +36,7 @@ from grkv_core.evaluation.results import SampleResult
 from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
 from grkv_core.options import PAPER_WINDOW
-from grkv_core.registry import NOT_EAGER, build, protected_window, required_attention
+from grkv_core.registry import build, protected_window, refuses_eager, required_attention
 
 
 class Evaluator:
@@ -247,7 +247,7 @@ class Evaluator:
             raise ValueError(
                 f"press {press_config.press!r} needs attn_implementation={needs!r}; the model uses {actual!r}"
             )
-        if press_config.press in NOT_EAGER and actual == "eager":
+        if refuses_eager(press_config.press) and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
 
 

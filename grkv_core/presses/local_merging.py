@@ -227,7 +227,7 @@ class LocalMergePress(BaseMergerPress):
     ----------
     press : BasePress
         The eviction press: any of ``grkv_core.presses.selection.SUPPORTED_BASE_PRESSES`` (by name:
-        ``grkv_core.registry.EVICTION_PRESSES``). Its ``compression_ratio`` sets the budget.
+        ``grkv_core.catalog.EVICTION_PRESSES``). Its ``compression_ratio`` sets the budget.
     """
 
     def token_attention(
