@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_specs
+from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_defaults, merger_option_specs
 from grkv_core.options import PAPER_WINDOW, OptionSpec
 
 FULL_CACHE = "full"
@@ -75,6 +75,26 @@ class PressConfig:
             raise ValueError(f"unknown option(s) {sorted(unknown)} for merge {self.merge!r}; {valid}")
         for name, value in self.merge_options.items():
             specs[name].check(name, value)
+
+    def canonical(self) -> dict[str, Any]:
+        """One form per press: the names, the budget, and the merger options off the merger's defaults, a float
+        option's value as a float (λ = 1 and 1.0 are one press). It identifies a configuration without building it
+        (a sweep's ledger, a checkpoint's name).
+
+        NOTE: an option at its default is left out, so an option added later (at a default that keeps the old
+        behaviour) changes no configuration's canonical form.
+        """
+        defaults, specs = merger_option_defaults(self.merge), merger_option_specs(self.merge)
+        options = {
+            name: float(value) if specs[name].kind is float and value is not None else value
+            for name, value in self.merge_options.items()
+        }
+        return {
+            "press": self.press,
+            "compression_ratio": float(self.compression_ratio),
+            "merge": self.merge,
+            **{name: value for name, value in options.items() if value != defaults[name]},
+        }
 
     @property
     def label(self) -> str:

@@ -79,6 +79,8 @@ class OptionSpec:
                 )
             elif self.low is not None:
                 text = f"{noun} {'>' if self.low_open else '>='} {self.low:g}"
+            elif self.high is not None:
+                text = f"{noun} {'<' if self.high_open else '<='} {self.high:g}"
             else:
                 text = noun
         return f"None or {text}" if self.nullable else text

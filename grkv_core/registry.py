@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import json
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +14,19 @@ from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NEEDS_EAGER, NO_MERGER,
 from grkv_core.config import FULL_CACHE, PROTOCOL_SPEC, PressConfig
 
 
+def _traits(press_name: str) -> frozenset[str]:
+    """An eviction press's traits (none for the full cache)."""
+    return frozenset() if press_name == FULL_CACHE else EVICTION_PRESSES.check(press_name).traits
+
+
 def required_attention(press_name: str) -> str | None:
     """The attention implementation a press needs ("eager"), or None when sdpa/flash work."""
-    return "eager" if NEEDS_EAGER in EVICTION_PRESSES[press_name].traits else None
+    return "eager" if NEEDS_EAGER in _traits(press_name) else None
 
 
 def refuses_eager(press_name: str) -> bool:
     """Whether a press masks per head through the attention mask, which eager attention ignores (AdaKV)."""
-    return REFUSES_EAGER in EVICTION_PRESSES[press_name].traits
+    return REFUSES_EAGER in _traits(press_name)
 
 
 def merging_types() -> tuple[type, ...]:
@@ -82,37 +85,43 @@ def build(config: PressConfig) -> BasePress | None:
     return merger(press=base, **config.merge_options)
 
 
+@dataclass(frozen=True)
+class BuiltPress:
+    """A configuration and the press it describes, built once (on the machine that runs it), with every setting of
+    that press (``settings``: what ``resolved`` gives)."""
+
+    config: PressConfig
+    press: BasePress | None
+    settings: dict[str, Any]
+
+    @classmethod
+    def of(cls, config: PressConfig) -> BuiltPress:
+        press = build(config)
+        settings: dict[str, Any] = {
+            "press": config.press,
+            "compression_ratio": config.compression_ratio,
+            "merge": config.merge,
+        }
+        eviction = press
+        if press is not None and config.merge != NO_MERGER:
+            merger = _scalar_fields(press)
+            merger.pop("class")
+            settings.update(merger)
+            eviction = press.press
+        if eviction is not None:
+            settings.update({f"press.{name}": value for name, value in _scalar_fields(eviction).items()})
+        return cls(config, press, settings)
+
+
 def resolved(config: PressConfig) -> dict[str, Any]:
     """Every setting of the press ``config`` builds, flat and JSON-ready: the names and the budget, every field of
     the merger (all of GRKV's options, defaults included), and every scalar field of the eviction press under
     ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``).
 
-    What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals. Computed once
-    per configuration (a trial's configuration is asked for it on its way through the driver, the worker and the
-    result files).
+    What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals. Builds the
+    press: where it is built anyway, take ``BuiltPress.settings``.
     """
-    # NOTE: keyed by the configuration's JSON, which tells 1 from 1.0 as the result (and so a configuration key) does.
-    return dict(
-        _resolved(
-            json.dumps([config.press, config.compression_ratio, config.merge, config.merge_options], sort_keys=True)
-        )
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def _resolved(config_json: str) -> dict[str, Any]:
-    press, compression_ratio, merge, merge_options = json.loads(config_json)
-    built = build(PressConfig(press, compression_ratio, merge, merge_options))
-    settings: dict[str, Any] = {"press": press, "compression_ratio": compression_ratio, "merge": merge}
-    if built is None:
-        return settings
-    if merge != NO_MERGER:
-        merger = _scalar_fields(built)
-        merger.pop("class")
-        settings.update(merger)
-        built = built.press
-    settings.update({f"press.{name}": value for name, value in _scalar_fields(built).items()})
-    return settings
+    return BuiltPress.of(config).settings
 
 
 def _scalar_fields(press) -> dict[str, Any]:

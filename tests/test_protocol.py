@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
@@ -120,7 +123,12 @@ def test_a_configuration_key_names_only_the_options_off_their_defaults():
     implicit = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3})
     assert configuration_key(explicit) == configuration_key(implicit)
     settings = json.loads(configuration_key(implicit))
-    assert settings["beta"] == 0.3 and settings["merge"] == "grkv" and settings["press.window_size"] == 32
+    assert settings == {"press": "snapkv", "compression_ratio": 0.8, "merge": "grkv", "beta": 0.3}
+    # One press, however a sampler encoded it: an integer ridge is the float one.
+    integral = PressConfig("snapkv", 0.8, "grkv", {"beta": 0.3, "lambda_k": 1})
+    assert configuration_key(integral) == configuration_key(
+        replace(integral, merge_options={"beta": 0.3, "lambda_k": 1.0})
+    )
     # An option at its default is absent, so adding one to GRKVOptions later renames no checkpoint.
     assert not set(settings) & {name for name in GRKV_DEFAULTS if name != "beta"}
     other = next(weighting for weighting in HEAD_WEIGHTINGS if weighting != GRKV_DEFAULTS["head_weighting"])
@@ -130,3 +138,14 @@ def test_a_configuration_key_names_only_the_options_off_their_defaults():
         TrialRequest(1, implicit, checkpoint_dir="c").checkpoint
         != TrialRequest(1, weighted, checkpoint_dir="c").checkpoint
     )
+
+
+def test_the_driver_keys_a_configuration_without_building_its_press():
+    # NOTE: the press is built once, on the worker that runs it; the driver's ledger needs only the configuration.
+    code = (
+        "import sys; from grkv_core.config import PressConfig; from workers.protocol import TrialRequest; "
+        "request = TrialRequest(1, PressConfig('snapkv', 0.8, 'grkv', {'beta': 0.3}), checkpoint_dir='c'); "
+        "print(request.checkpoint.name, 'torch' in sys.modules, 'kvpress' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0].endswith(".json") and out[1:] == ["False", "False"]

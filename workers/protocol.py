@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from grkv_core.config import PressConfig
-from grkv_core.options import GRKV_DEFAULTS
 from workers.names import FULL_STAGE, STAGES, TEST_STAGE
 
 OK = "ok"
@@ -50,20 +49,14 @@ def resolved_settings(press: PressConfig) -> dict[str, Any]:
 
 
 def configuration_key(press: PressConfig) -> str:
-    """What identifies a configuration: the press it builds, every setting resolved (so two proposals that encode
-    one press differently are one configuration, evaluated once and checkpointed in one file).
+    """What identifies a configuration: its canonical form (``PressConfig.canonical``), so two proposals that encode
+    one press differently are one configuration, evaluated once and checkpointed in one file. Nothing is built: the
+    press is built once, on the worker that runs it.
 
-    NOTE: GRKV options at their defaults are left out, so an option added later (at a default that keeps the old
-    behaviour) leaves every configuration's key, and so its checkpoint's name, as it was; a trial interrupted
-    before the option existed resumes from its checkpoint. A changed default is caught by the checkpoint's own
-    resolved settings (``ResultStore``).
+    NOTE: a changed default leaves the key as it was; the checkpoint's own resolved settings catch it
+    (``ResultStore``).
     """
-    settings = {
-        name: value
-        for name, value in resolved_settings(press).items()
-        if name not in GRKV_DEFAULTS or value != GRKV_DEFAULTS[name]
-    }
-    return json.dumps(settings, sort_keys=True)
+    return json.dumps(press.canonical(), sort_keys=True)
 
 
 @dataclass(frozen=True)

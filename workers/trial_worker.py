@@ -23,7 +23,7 @@ from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.evaluation.results import ResultStore, summarize
 from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
 from grkv_core.files import storage_failure
-from grkv_core.registry import build, resolved
+from grkv_core.registry import BuiltPress, resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
@@ -178,9 +178,9 @@ class TrialWorker:
     def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         started = time.time()
         stage = requests[0].stage
-        presses = [request.press for request in requests]
-        settings = [resolved(press) for press in presses]
-        checkpoints = [self._checkpoint(request) for request in requests]
+        # NOTE: each trial's press is built here, once, for every sample it runs on.
+        presses = [BuiltPress.of(request.press) for request in requests]
+        checkpoints = [self._checkpoint(request, press) for request, press in zip(requests, presses)]
         per_trial = evaluate_samples(
             self.setup.evaluator,
             self.samples[stage],
@@ -199,15 +199,15 @@ class TrialWorker:
                 finished_at=finished,
                 batch_trials=len(requests),
                 worker=identity,
-                resolved_press=press,
+                resolved_press=press.settings,
                 summary=summarize(results),
                 samples=[asdict(result) for result in results],
-                kvpress_runs=self._kvpress_runs(request, results),
+                kvpress_runs=self._kvpress_runs(request, press, results),
             )
-            for request, press, results in zip(requests, settings, per_trial)
+            for request, press, results in zip(requests, presses, per_trial)
         ]
 
-    def _kvpress_runs(self, request: TrialRequest, results: list) -> list[dict]:
+    def _kvpress_runs(self, request: TrialRequest, press: BuiltPress, results: list) -> list[dict]:
         """A test-stage evaluation's results in kvpress's layout (the test samples' texts are the worker's)."""
         if request.stage != TEST_STAGE:
             return []
@@ -217,17 +217,17 @@ class TrialWorker:
                 self._stage_config(request),
                 self.samples[TEST_STAGE],
                 results,
-                str(build(request.press)),
+                str(press.press),
                 {"summary": summarize(results)},
             )
         ]
 
-    def _checkpoint(self, request: TrialRequest) -> ResultStore | None:
+    def _checkpoint(self, request: TrialRequest, press: BuiltPress) -> ResultStore | None:
         """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""
         if request.checkpoint is None:
             return None
         request.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        return ResultStore(request.checkpoint, self._stage_config(request), self.setup.model_dtype)
+        return ResultStore(request.checkpoint, self._stage_config(request), self.setup.model_dtype, press.settings)
 
     def _stage_config(self, request: TrialRequest) -> EvalConfig:
         """The evaluation a request's stage runs: its press; screening generates nothing."""

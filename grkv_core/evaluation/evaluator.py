@@ -36,7 +36,7 @@ from grkv_core.evaluation.results import SampleResult
 from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
 from grkv_core.options import PAPER_WINDOW
-from grkv_core.registry import build, protected_window, refuses_eager, required_attention
+from grkv_core.registry import BuiltPress, protected_window, refuses_eager, required_attention
 
 
 class Evaluator:
@@ -73,7 +73,7 @@ class Evaluator:
     def evaluate_trials(
         self,
         sample: EvalSample,
-        press_configs: list[PressConfig],
+        presses: list[PressConfig | BuiltPress],
         decode: bool = True,
         measure_reconstruction: bool = True,
         max_decode_rows: int | None = None,
@@ -89,6 +89,8 @@ class Evaluator:
 
         Parameters
         ----------
+        presses : list of PressConfig or BuiltPress
+            The configurations, or presses built from them (``BuiltPress``: built once for every sample they run on).
         decode : bool
             False screens without generating: predictions and scores are empty, ``score`` and ``heldout_loss`` are
             None; the window and question losses (and the memory) are measured all the same.
@@ -97,8 +99,9 @@ class Evaluator:
         measure_answer : bool
             False leaves the answer metrics (``grkv_core.evaluation.answer_metrics``) None.
         """
-        for press_config in press_configs:
-            self._check_attention(press_config)
+        built = [press if isinstance(press, BuiltPress) else BuiltPress.of(press) for press in presses]
+        for press in built:
+            self._check_attention(press.config)
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         started = time.perf_counter()
         on_cuda = model.device.type == "cuda"
@@ -106,7 +109,7 @@ class Evaluator:
             torch.cuda.reset_peak_memory_stats(model.device)
         context_ids, questions_ids = tokenize_sample(tokenizer, sample, self.protocol)
         context_length = context_ids.shape[1]
-        presses = [build(press_config) for press_config in press_configs]
+        presses = [press.press for press in built]
         probe = ReconstructionProbe(model, self.loss_window, self.heldout_tokens if decode else 0)
         with probe.watching_prefill() if measure_reconstruction else contextlib.nullcontext():
             shared = prefill_shared(model, context_ids, presses)

@@ -130,11 +130,13 @@ def library_versions() -> dict[str, str]:
 class ResultStore:
     """The output JSON of one evaluation, rewritten atomically after every sample (resume-safe)."""
 
-    def __init__(self, path: Path, config: EvalConfig, model_dtype: str):
+    def __init__(self, path: Path, config: EvalConfig, model_dtype: str, settings: dict | None = None):
+        """``settings``: every setting of the press (``BuiltPress.settings``, defaults included); None resolves
+        ``config.press`` anew."""
         self.path = Path(path)
         self.config = config
         self.model_dtype = model_dtype
-        self.resolved_press = resolved(config.press)  # every field of the press, defaults included
+        self.resolved_press = resolved(config.press) if settings is None else settings
         self.results: list[SampleResult] = []
         if self.path.exists():
             stored = json.loads(self.path.read_text())

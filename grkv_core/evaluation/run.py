@@ -10,13 +10,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from grkv_core.config import EvalConfig, PressConfig
+from grkv_core.config import EvalConfig
 from grkv_core.datasets import EvalSample, load_dataset_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.kvpress_layout import kvpress_runs, write_run
 from grkv_core.evaluation.results import ResultStore, SampleResult, library_versions, summarize
 from grkv_core.models import LoadedModel, load_model
-from grkv_core.registry import build, required_attention
+from grkv_core.registry import BuiltPress, required_attention
 
 
 @dataclass
@@ -96,15 +96,16 @@ def run_evaluations(
     if kvpress_dir is not None and not decode:
         raise ValueError("kvpress's evaluation layout holds predictions: decode (drop --no-decode) to write it")
     setup = setup or EvaluationSetup.load(configs[0])
+    presses = [BuiltPress.of(config.press) for config in configs]
     stores = [
-        ResultStore(Path(output), config, setup.model_dtype) if output is not None else None
-        for config, output in zip(configs, outputs)
+        ResultStore(Path(output), config, setup.model_dtype, press.settings) if output is not None else None
+        for config, output, press in zip(configs, outputs, presses)
     ]
     label = configs[0].press.label if len(configs) == 1 else f"{len(configs)} configurations"
     results = evaluate_samples(
         setup.evaluator,
         setup.samples,
-        [config.press for config in configs],
+        presses,
         stores,
         decode=decode,
         progress=label if progress else None,
@@ -114,12 +115,12 @@ def run_evaluations(
         for config, rows in zip(configs, results)
     ]
     if kvpress_dir is not None:
-        for config, rows, summary in zip(configs, results, summaries):
+        for config, press, rows, summary in zip(configs, presses, results, summaries):
             runs = kvpress_runs(
                 config,
                 setup.samples,
                 rows,
-                str(build(config.press)),
+                str(press.press),
                 {"summary": summary, "versions": summary["versions"]},
             )
             summary["kvpress_folders"] = [str(write_run(kvpress_dir, run)) for run in runs]
@@ -129,13 +130,14 @@ def run_evaluations(
 def evaluate_samples(
     evaluator: Evaluator,
     samples: list[EvalSample],
-    presses: list[PressConfig],
+    presses: list[BuiltPress],
     stores: list[ResultStore | None],
     *,
     decode: bool = True,
     progress: str | None = None,
 ) -> list[list[SampleResult]]:
-    """Every press's results on ``samples`` (in their order), sample by sample with one shared prefill each.
+    """Every press's results on ``samples`` (in their order), sample by sample with one shared prefill each; each
+    press built once (``BuiltPress``) serves every sample.
 
     Each press resumes from its store (or None): a sample is evaluated, in one ``Evaluator.evaluate_trials``,
     for the presses whose stores lack it, and each new result is added to its store at once, so an interrupted
