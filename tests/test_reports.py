@@ -1219,15 +1219,38 @@ def test_iso_memory_on_answer_nll_picks_the_lowest_as_best(store, answer_sweep):
     assert memory.loc["best of 3", "gain_vs_eviction"] == pytest.approx(0.02 - 0.10)
 
 
-def test_the_trade_offs_plot_what_the_sweep_optimised_and_the_score_only_where_it_varies(
-    store, answer_sweep, ablation_sweep, tmp_path
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict:
+    """Every figure saved while the test runs, by its file's name."""
+    from matplotlib.figure import Figure
+
+    saved, original_savefig = {}, Figure.savefig
+
+    def savefig(figure, path, *args, **kwargs):
+        saved[Path(path).name] = figure
+        return original_savefig(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def plotted_values(ax) -> list[float]:
+    """The y values of every point drawn in ``ax``, sorted."""
+    return sorted(y for points in ax.collections for y in points.get_offsets()[:, 1])
+
+
+def test_the_trade_offs_and_budgets_plot_what_the_sweep_optimised_and_the_score_only_where_it_varies(
+    store, answer_sweep, ablation_sweep, tmp_path, saved_figures
 ):
-    from tracking.reports.sections.resources import traded_metrics
+    from tracking.reports.analyses.resources import budget_points
+    from tracking.reports.figures import axis_label
+    from tracking.reports.sections.resources import plotted_metrics
 
     runs = load_sweep(MlflowClient(store), "answer-sweep")
     # Tuned on the answer NLL, with a score of 100 on every run: the score's axis would be one flat line.
-    assert traded_metrics(runs, "mean_score") == ["answer_nll"]
-    assert traded_metrics(load_sweep(MlflowClient(store), "ablation-sweep"), "mean_score") == ["mean_score"]
+    assert plotted_metrics(runs, "mean_score", runs.trials) == ["answer_nll"]
+    ablation = load_sweep(MlflowClient(store), "ablation-sweep")
+    assert plotted_metrics(ablation, "mean_score", ablation.trials) == ["mean_score"]
     build_report(
         MlflowClient(store),
         "answer-sweep",
@@ -1239,6 +1262,100 @@ def test_the_trade_offs_plot_what_the_sweep_optimised_and_the_score_only_where_i
     lowest = points.loc[points["answer_nll"].idxmin()]
     assert lowest["pareto"] and not (tmp_path / "tradeoff_mean_score_kv_bytes.csv").exists()
     assert imread(tmp_path / "tradeoffs.png")[..., :3].std() > 0.05
+    # The budgets: one row, the answer NLL of every held-out point, against memory and against prefill time.
+    budgets = saved_figures["budgets.png"]
+    assert [ax.get_ylabel() for ax in budgets.axes] == [axis_label("answer_nll")] * 2
+    held_out = budget_points(runs, "answer_nll")[1]["answer_nll"]
+    assert len(held_out) == 3 and plotted_values(budgets.axes[0]) == pytest.approx(sorted(held_out))
+
+
+# The demo's test stage (sweeps/configs/demo.yaml; its budgets_answer_nll.md on 2026-11-28, on 2 loaded CPU cores):
+# four configurations at 20% and eviction only at 20% and 30%, on held-out samples where every score is 0 and the
+# answer NLL separates them. Per point: method, configuration, budget, on the method's line, persistent KV (MiB),
+# prefill (s), answer NLL.
+DEMO_BUDGET_POINTS = [
+    ("snapkv", EVICTION_ONLY, 0.2, True, 7.762, 11.3, 2.618),
+    ("snapkv+grkv", "trial_3", 0.2, True, 7.762, 14.3, 2.613),
+    ("snapkv+grkv", "trial_4", 0.2, False, 7.762, 12.5, 2.618),
+    ("snapkv+grkv", LIBRARY_DEFAULT, 0.2, False, 7.762, 13.5, 2.600),
+    ("snapkv+grkv", PAPER_DEFAULT, 0.2, False, 7.762, 30.6, 2.660),
+    ("snapkv", "eviction_only@0.7", 0.3, True, 11.659, 11.4, 2.484),
+]
+
+
+def demo_budget_points() -> pd.DataFrame:
+    """``DEMO_BUDGET_POINTS`` as ``budget_points`` returns them for the score and the answer NLL at once."""
+    columns = ["method", "configuration", "budget", "selected", "kv_mib", "prefill_s", "answer_nll"]
+    points = pd.DataFrame(DEMO_BUDGET_POINTS, columns=columns)
+    return points.assign(
+        label=points["configuration"],
+        trial_number=range(len(points)),
+        compression_ratio=1 - points["budget"],
+        is_eviction=points["method"] == "snapkv",
+        ttft_s=1.1 * points["prefill_s"],
+        mean_score=0.0,
+    )
+
+
+def drawn_texts(figure) -> list:
+    """Every text the drawn ``figure`` shows: titles, axis and tick labels in view, annotations, legend entries."""
+    axes = [*figure.axes, *(child for ax in figure.axes for child in ax.child_axes)]
+    texts = [*figure.texts, *(text for legend in figure.legends for text in legend.get_texts())]
+    for ax in axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            ticks = axis.get_major_ticks(len(axis.get_majorticklocs()))
+            texts += [label for tick in ticks if low <= tick.get_loc() <= high for label in (tick.label1, tick.label2)]
+    return [text for text in texts if text.get_visible() and text.get_text()]
+
+
+def overlapping_texts(figure) -> list[tuple[str, str]]:
+    """The pairs of texts whose boxes overlap once ``figure`` is drawn."""
+    figure.canvas.draw()
+    texts = drawn_texts(figure)
+    assert len(texts) > 30  # the tick labels, axis labels, budgets and legend entries are all measured
+    boxes = [text.get_window_extent() for text in texts]
+    return [
+        (texts[i].get_text(), texts[j].get_text())
+        for i in range(len(boxes))
+        for j in range(i + 1, len(boxes))
+        if boxes[i].overlaps(boxes[j])
+    ]
+
+
+def test_the_demos_budgets_plot_the_answer_nll_without_the_tied_score_and_no_label_overlaps_another(
+    store, answer_sweep, tmp_path, saved_figures
+):
+    from tracking.reports.figures import axis_label, budget_figure, method_colors
+    from tracking.reports.sections.resources import plotted_metrics
+
+    runs = load_sweep(MlflowClient(store), "answer-sweep")  # tuned on the answer NLL, as the demo is
+    points = demo_budget_points()
+    colors = method_colors(points["method"])
+    plotted = plotted_metrics(runs, "mean_score", points)
+    assert plotted == ["answer_nll"]
+    budget_figure({metric: points for metric in plotted}, TEST_STAGE, colors, tmp_path / "budgets.png")
+    figure = saved_figures["budgets.png"]
+    assert overlapping_texts(figure) == []
+    memory, prefill = figure.axes
+    assert [memory.get_ylabel(), prefill.get_ylabel()] == [axis_label("answer_nll")] * 2
+    assert plotted_values(memory) == plotted_values(prefill) == pytest.approx(sorted(points["answer_nll"]))
+    # Eviction only's line from 20% to 30%, then the merger's one selected point.
+    assert [list(line.get_ydata()) for line in memory.lines] == [[2.618, 2.484], [2.613]]
+    # Each budget named once on the memory panel's top axis, and beside a point on the prefill panel.
+    (top,) = memory.child_axes
+    assert [label.get_text() for label in top.get_xticklabels()] == ["20%", "30%"]
+    assert {note.get_text() for note in prefill.texts} == {"20%", "30%"}
+    # A score that varies gets its own row below the objective's, its labels placed as legibly.
+    varying = points.assign(mean_score=[0.0, 50.0, 0.0, 0.0, 0.0, 50.0])
+    plotted = plotted_metrics(runs, "mean_score", varying)
+    assert plotted == ["answer_nll", "mean_score"]
+    budget_figure({metric: varying for metric in plotted}, TEST_STAGE, colors, tmp_path / "scored.png")
+    figure = saved_figures["scored.png"]
+    assert overlapping_texts(figure) == []
+    assert [ax.get_ylabel() for ax in figure.axes] == [axis_label(metric) for metric in plotted for _ in range(2)]
+    assert plotted_values(figure.axes[2]) == [0.0] * 4 + [50.0] * 2
 
 
 def test_the_finding_states_the_tuned_pick_against_eviction_on_held_out_samples(store, answer_sweep):

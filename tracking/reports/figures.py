@@ -6,14 +6,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from tracking.reports.analyses.loss_performance import LossPerformance
-from tracking.reports.analyses.resources import IsoResource, TradeOff
+from tracking.reports.analyses.resources import TradeOff
 from tracking.reports.analyses.screening import SCREEN_PREFIX
+from tracking.reports.labels import label_points, thin_ticks
 from tracking.reports.optuna_study import Importance, RebuiltStudy
-from tracking.reports.render import p_value_text
+from tracking.reports.render import metric_name, p_value_text
 from tracking.reports.stats import PairedComparison
 from workers.names import EVICTION_ONLY, LIBRARY_DEFAULT, PAPER_DEFAULT, TEST_STAGE
 
@@ -320,49 +322,92 @@ def paired_difference_figure(comparisons: list[PairedComparison], path: Path) ->
     return _save(figure, path)
 
 
-def budget_figure(result: IsoResource, colors: dict[str, str], score: str, path: Path) -> Path:
-    """Score against persistent KV memory and against prefill time, one line per method across budgets.
+def budget_figure(lines: dict[str, pd.DataFrame], stage: str, colors: dict[str, str], path: Path) -> Path:
+    """Each metric (a row) against persistent KV memory and against prefill time, one line per method across budgets.
 
-    A method's line goes through its selected points (eviction only; per merger and budget the configuration
-    best on the tuning samples); other confirmed configurations are drawn as lone points. Labels: budgets.
+    The memory panels name each budget once, on their top axis; the prefill panels label a point with its budget
+    where the label fits in the panel without overlapping another. No two labels overlap.
+
+    Parameters
+    ----------
+    lines : dict[str, pandas.DataFrame]
+        Per metric, in the rows' order, its :func:`~tracking.reports.analyses.resources.budget_points`. A method's
+        line goes through its selected points (eviction only; per merger and budget the configuration best on that
+        metric on the tuning samples); other confirmed configurations are drawn as lone points.
+    stage : str
+        The points' stage: ``test`` for the held-out samples, else the tuning samples.
+    colors : dict[str, str]
+        :func:`method_colors`.
+    path : pathlib.Path
+        Where the PNG goes.
     """
-    points = result.points
-    figure = Figure(figsize=(12.4, 5.2), layout="constrained")
-    for index, (cost, label) in enumerate((("kv_mib", axis_label("kv_bytes")), ("prefill_s", axis_label("prefill_s")))):
-        ax = figure.add_subplot(1, 2, index + 1)
-        for method, rows in points.groupby("method"):
-            line = rows[rows["selected"]].sort_values("budget")
-            ax.plot(line[cost], line[score], color=colors[method], linewidth=1.4, zorder=2)
-            for _, row in rows.iterrows():
-                marker = "s" if row["is_eviction"] else BASELINE_MARKERS.get(row["configuration"], "o")
-                ax.scatter(
-                    row[cost],
-                    row[score],
-                    color=colors[method],
-                    marker=marker,
-                    s=160 if marker == "*" else 45,
-                    edgecolor="black",
-                    linewidth=0.5,
-                    alpha=1.0 if row["selected"] else 0.5,
-                    zorder=3,
-                )
-                if np.isfinite(row[cost]) and np.isfinite(row[score]):
-                    ax.annotate(
-                        f"{row['budget']:.0%}",
-                        (row[cost], row[score]),
-                        xytext=(4, 3),
-                        textcoords="offset points",
-                        fontsize=7,
-                        color="dimgray",
-                    )
-        ax.set_xlabel(label)
-        ax.set_ylabel(axis_label(score))
-        ax.grid(alpha=0.3)
+    figure = Figure(figsize=(12.4, 5.2 * len(lines)), layout="constrained")
+    budget_axes, prefill_panels = [], []
+    for row, (metric, points) in enumerate(lines.items()):
+        for column, (cost, label) in enumerate((("kv_mib", "kv_bytes"), ("prefill_s", "prefill_s"))):
+            ax = figure.add_subplot(len(lines), 2, 2 * row + column + 1)
+            _budget_lines(ax, points, cost, metric, colors)
+            ax.set_xlabel(axis_label(label))
+            ax.set_ylabel(axis_label(metric))
+            ax.grid(alpha=0.3)
+            if cost == "kv_mib":
+                budget_axes.append(_budget_axis(ax, points))
+            else:
+                prefill_panels.append((ax, points, metric))
+    every = pd.concat(lines.values())
     _figure_legend(
         figure,
         colors,
-        points.assign(configuration=np.where(points["is_eviction"], EVICTION_ONLY, points["configuration"])),
+        every.assign(configuration=np.where(every["is_eviction"], EVICTION_ONLY, every["configuration"])),
     )
-    samples = "held-out test samples" if result.stage == TEST_STAGE else "tuning samples (best selected on them)"
-    figure.suptitle(f"Score across KV budgets, on the {samples} (labels: budgets)", fontsize=11)
+    names = " and ".join(metric_name(metric) for metric in lines)
+    samples = "held-out test samples" if stage == TEST_STAGE else "tuning samples (best selected on them)"
+    figure.suptitle(
+        f"{names[:1].upper()}{names[1:]} across KV budgets, on the {samples} (labels: budgets)", fontsize=11
+    )
+    # NOTE: labels are placed by measuring them, so the layout is computed once and then kept: the save must not
+    # move an axis under labels that fitted it.
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    figure.set_layout_engine("none")
+    renderer = canvas.get_renderer()
+    for axis in budget_axes:
+        thin_ticks(axis, renderer)
+    for ax, points, metric in prefill_panels:
+        # The lines' points first: where labels would collide, theirs are kept.
+        ordered = points.sort_values("selected", ascending=False, kind="stable")
+        budgets = [f"{budget:.0%}" for budget in ordered["budget"]]
+        label_points(ax, zip(budgets, ordered["prefill_s"], ordered[metric]), renderer, fontsize=7, color="dimgray")
     return _save(figure, path)
+
+
+def _budget_lines(ax, points: pd.DataFrame, cost: str, metric: str, colors: dict[str, str]) -> None:
+    """Each method's line through its selected points, and every point in its method's colour and marker."""
+    for method, rows in points.groupby("method"):
+        line = rows[rows["selected"]].sort_values("budget")
+        ax.plot(line[cost], line[metric], color=colors[method], linewidth=1.4, zorder=2)
+        for _, row in rows.iterrows():
+            marker = "s" if row["is_eviction"] else BASELINE_MARKERS.get(row["configuration"], "o")
+            ax.scatter(
+                row[cost],
+                row[metric],
+                color=colors[method],
+                marker=marker,
+                s=160 if marker == "*" else 45,
+                edgecolor="black",
+                linewidth=0.5,
+                alpha=1.0 if row["selected"] else 0.5,
+                zorder=3,
+            )
+
+
+def _budget_axis(ax, points: pd.DataFrame):
+    """The memory panel's top axis: one tick per budget, at its points' mean persistent KV memory."""
+    known = points.dropna(subset=["kv_mib"])
+    # Budgets that print alike (20.0% and 20.4%) share one tick: two ticks would print the same label twice.
+    memory = known.groupby(known["budget"].map("{:.0%}".format))["kv_mib"].mean()
+    top = ax.secondary_xaxis("top")
+    top.set_ticks(memory.to_numpy(), memory.index.to_list())
+    top.tick_params(labelsize=8)
+    top.set_xlabel("KV budget (fraction of the cache kept)", fontsize=9)
+    return top.xaxis

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from tracking.reports import figures
-from tracking.reports.analyses.resources import MIB, IsoResource, trade_off
+from tracking.reports.analyses.resources import MIB, IsoResource, budget_points, trade_off
 from tracking.reports.data import SweepRuns
 from tracking.reports.options import ReportOptions
 from tracking.reports.render import PERCENT, Section, TableWriter, formatted, metric_name, metric_spec, metric_text
@@ -22,7 +22,7 @@ def resource_section(
     options: ReportOptions,
 ) -> Section:
     """The iso-memory, budget and iso-prefill comparisons on each compared metric (``results``, the score first);
-    figures and Pareto fronts on the score."""
+    figures and Pareto fronts on the sweep's objective, and on the score where it varies."""
     score = options.score
     result = results[score]
     section = Section("Efficiency, memory and iso-resource trade-offs", lines=list(result.notes))
@@ -36,10 +36,11 @@ def resource_section(
         )
         _resource_tables(runs, compared, metric, "" if metric == score else f"_{metric}", section, writer)
     if len(result.points):
-        section.figures.append(figures.budget_figure(result, colors, score, writer.path("budgets.png")))
+        lines = {metric: budget_points(runs, metric)[1] for metric in plotted_metrics(runs, score, result.points)}
+        section.figures.append(figures.budget_figure(lines, result.stage, colors, writer.path("budgets.png")))
     trade_offs = [
         trade
-        for metric in traded_metrics(runs, score)
+        for metric in plotted_metrics(runs, score, runs.trials)
         for trade in (
             trade_off(runs, "kv_bytes", figures.axis_label("kv_bytes"), scale=MIB, score=metric),
             trade_off(runs, "ttft_s", figures.axis_label("ttft_s"), score=metric),
@@ -56,11 +57,12 @@ def resource_section(
     return section
 
 
-def traded_metrics(runs: SweepRuns, score: str) -> list[str]:
-    """What the trade-off figure plots against the costs: the sweep's first objective (what it optimised), then
-    ``score`` where it differs and varies across the trials (a score every trial ties on says nothing there)."""
+def plotted_metrics(runs: SweepRuns, score: str, points: pd.DataFrame) -> list[str]:
+    """What a figure of ``points`` plots (the full-stage trials for the trade-offs, :func:`budget_points` for the
+    budgets): the sweep's first objective (what it optimised), then ``score`` where it differs and varies across
+    ``points`` (a score every point ties on draws a flat line that separates no configuration)."""
     objective = runs.objectives[0].metric
-    values = runs.trials[score].dropna() if score in runs.trials else pd.Series(dtype=float)
+    values = points[score].dropna() if score in points else pd.Series(dtype=float)
     return [objective] + ([score] if score != objective and values.nunique() > 1 else [])
 
 
