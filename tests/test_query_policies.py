@@ -1,5 +1,6 @@
-"""The surrogate-query policies (``grkv_core.queries``) against a float64 reference that writes each policy's rows out
-position by position and rotates them with the model's own rotary embedding at those positions."""
+"""The surrogate-query policies (``grkv_core.presses.query_policies``) against a float64 reference that writes each
+policy's rows out position by position and rotates them with the model's own rotary embedding at those positions; and a
+policy defined here, registered by name alone, which the command line, sweep configs and ``GRKVPress`` then take."""
 
 import copy
 import math
@@ -15,12 +16,12 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from grkv_core.catalog import QUERY_POLICIES
 from grkv_core.evaluation.generation import prefill
-from grkv_core.queries import (
+from grkv_core.presses.query_policies import ExpectedQueries, query_policy, surrogate_queries
+from grkv_core.presses.query_policies.expected import (
     EXPECTED_FUTURE_POSITIONS,
     EXPECTED_SINKS,
     EXPECTED_STATISTICS_TOKENS,
     standard_draws,
-    surrogate_queries,
 )
 
 LENGTH = 150
@@ -92,7 +93,7 @@ def reference_queries(model, module, hidden_states, policy, m):
 @pytest.mark.parametrize("m", [1, 7, 32])
 def test_each_policy_matches_its_float64_reference(architecture, policy, m):
     model, module, hidden_states, position_embeddings = layer_inputs(architecture)
-    got = surrogate_queries(module, hidden_states, position_embeddings, policy=policy, n_queries=m)
+    got = surrogate_queries(module, hidden_states, position_embeddings, policy=query_policy(policy), n_queries=m)
     want, positions, loss_weight = reference_queries(model, module, hidden_states, policy, m)
     torch.testing.assert_close(got.queries.double(), want, rtol=1e-4, atol=1e-5)
     if positions is None:
@@ -108,7 +109,7 @@ def test_the_expected_policy_draws_as_many_queries_as_asked_from_strided_statist
     # NOTE: 100 draws from a 40-token prompt (more than its length, rotated up to 39 positions past it), and a prompt
     # long enough that the statistics take every third token.
     model, module, hidden_states, position_embeddings = layer_inputs("tiny-llama", length=length)
-    got = surrogate_queries(module, hidden_states, position_embeddings, policy="expected", n_queries=m)
+    got = surrogate_queries(module, hidden_states, position_embeddings, policy=ExpectedQueries(), n_queries=m)
     want, _, _ = reference_queries(model, module, hidden_states, "expected", m)
     # NOTE: float32 RoPE tables round the angle p·θ to about p·2⁻²⁴ radians: past 2,000 positions, 1e-4 of |q|.
     torch.testing.assert_close(got.queries.double(), want, rtol=1e-4, atol=1e-5 * max(1, length / 400))
@@ -118,11 +119,9 @@ def test_the_expected_policy_draws_as_many_queries_as_asked_from_strided_statist
 
 
 def test_the_expected_draws_have_the_statistics_queries_mean_and_covariance():
-    from grkv_core.queries import _expected_draws
-
     statistics = torch.randn(1, 2, 50, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     statistics = statistics * torch.tensor([3.0, 1.0, 0.5, 0.1], dtype=torch.float64) + 2.0
-    draws = _expected_draws(statistics, standard_draws(200_000, 50).double())
+    draws = ExpectedQueries().queries_from(statistics, 200_000)
     mean = statistics.mean(dim=2)
     centred = statistics - mean[:, :, None]
     covariance = centred.transpose(-1, -2) @ centred / 50
