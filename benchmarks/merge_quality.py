@@ -33,7 +33,7 @@ from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.presses.grkv import GRKVPress
-from grkv_core.queries import surrogate_queries
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.losses import discrepancy_per_head

@@ -54,7 +54,7 @@ LINEAR_ALGEBRA = (
 )
 # Where the merge's own operations come from (the model's run under grkv_core.evaluation.generation, the scoring
 # under kvpress).
-MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/", "grkv_core/queries.py")
+MERGE_CODE = ("grkv_core/presses/", "grkv_core/solver/")
 # The operations that read a tensor's value on the host (``bool(t)``, ``int(t)``, ``t.item()``, ``torch.equal``, ...):
 # on a GPU each waits for every kernel queued before it. ``tolist`` dispatches none: ``CountedOperations`` counts it.
 HOST_READS = ("is_nonzero", "item", "_local_scalar_dense", "equal", "allclose", "nonzero", "masked_select")

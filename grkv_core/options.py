@@ -105,19 +105,31 @@ class GRKVOptions:
     the most): stratified queries, m = 64, the question-agnostic hypotheses sweep's ridges, β and key cap, and the
     loss rows weighted by the output projection. ``WINDOW32_GRKV_OPTIONS`` is the default before it.
 
+    NOTE: the ridges are relative to the query policy's loss weight: a policy weighs each of its m loss rows w
+    (``QueryPolicy.row_weight``: 1 for ``"window"``, the authors' code's 6/m for the others), and the regression
+    minimises w·loss + λ·ridge, the plain loss with a ridge λ/w. The same ``lambda_k`` and ``lambda_v`` are thus an
+    effective ridge m/6 times larger under ``"stratified"``, ``"mixture"`` and ``"expected"`` than under ``"window"``
+    (5.3× at m = 32, 10.7× at m = 64), as in the authors' code.
+
     NOTE: not frozen, because ``GRKVPress`` inherits these fields and kvpress presses are mutable.
     """
 
     lambda_k: float = option(
         2.498e-3,
         OptionSpec(
-            "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen)",
+            "ridge coefficient of the keys (paper: 1e-2 for Llama, 1e-1 for Mistral and Qwen), relative to the query "
+            "policy's loss weight w per row: the effective ridge is lambda/w (w = 1 for 'window', 6/m for the others)",
             float,
             low=0.0,
             symbol="λk",
         ),
     )
-    lambda_v: float = option(1.32e-3, OptionSpec("ridge coefficient of the values", float, low=0.0, symbol="λv"))
+    lambda_v: float = option(
+        1.32e-3,
+        OptionSpec(
+            "ridge coefficient of the values, relative to the loss weight as lambda_k", float, low=0.0, symbol="λv"
+        ),
+    )
     beta: float = option(
         8.825e-3,
         OptionSpec(
@@ -148,7 +160,8 @@ class GRKVOptions:
         OptionSpec(
             "surrogate queries: the last m prompt tokens (paper), strata of the prompt (authors' code), half of each "
             "('mixture'), or draws from the queries' mean and covariance at future positions ('expected', as kvpress's "
-            "ExpectedAttentionPress estimates them)",
+            "ExpectedAttentionPress estimates them); all but 'window' weigh each loss row 6/m (the authors' code's "
+            "weight), an effective ridge m/6 times lambda",
             str,
             choices=QUERY_POLICIES,
         ),

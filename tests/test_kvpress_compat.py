@@ -50,8 +50,8 @@ from grkv_core.evaluation.generation import (
 from grkv_core.evaluation.shared_prefill import attention_modules
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press, refuses_eager
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 

@@ -19,9 +19,9 @@ from grkv_core.evaluation.generation import answer_question, cache_lengths, pref
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_OPTION_SPECS, GRKV_PRESETS
 from grkv_core.presses import GRKVPress
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.selection import TokenSelection
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.queries import surrogate_queries
 from grkv_core.registry import build_press, refuses_eager, required_attention
 from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 
@@ -689,7 +689,7 @@ def test_the_output_projection_weights_are_read_once_per_model_and_again_when_a_
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("press_name", ["snapkv", "knorm", "adakv"])
 def test_window_queries_come_from_the_forwards_own_q_proj(architecture, press_name, monkeypatch):
-    import grkv_core.queries as queries_module
+    import grkv_core.presses.query_policies.surrogates as queries_module
 
     model = tiny_model(architecture).model
     ids = context_ids(model.config.vocab_size, batch=2, seed=9)

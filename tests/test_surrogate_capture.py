@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import TINY_ARCHITECTURES, tiny_model
 
+from grkv_core.presses.query_policies import query_policy
 from grkv_core.presses.surrogate_capture import OUTPUTS_BEFORE_O_PROJ, SurrogateCapture
-from grkv_core.queries import prompt_rows
 
 WINDOW = 8
 
@@ -46,8 +46,8 @@ def test_it_keeps_the_rows_each_policy_reads_of_each_layers_queries_and_attentio
     model = tiny_model(architecture).model
     language_model = model.model
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    capture = SurrogateCapture(policy, WINDOW, keep_outputs=keep_outputs)
-    rows, count = prompt_rows(policy, WINDOW, ids.shape[1], ids.device)
+    capture = SurrogateCapture(query_policy(policy), WINDOW, keep_outputs=keep_outputs)
+    rows, count = query_policy(policy).prompt_rows(WINDOW, ids.shape[1], ids.device)
     with recorded_calls(language_model) as (calls, _):
         with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
             language_model(input_ids=ids)
@@ -69,7 +69,7 @@ def test_only_the_forwards_own_q_proj_call_is_kept_and_decoding_steps_are_not():
     language_model = model.model
     attention = language_model.layers[0].self_attn
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
-    capture = SurrogateCapture("window", WINDOW, keep_outputs=True)
+    capture = SurrogateCapture(query_policy("window"), WINDOW, keep_outputs=True)
 
     def project_something_else(module, args, kwargs, output):
         # A base press scoring other tokens calls q_proj again after the forward's own call.
@@ -97,7 +97,7 @@ def test_leaving_removes_its_hooks_and_forgets_what_it_kept():
         )
         for layer in language_model.layers
     ]
-    capture = SurrogateCapture("window", WINDOW, keep_outputs=True)
+    capture = SurrogateCapture(query_policy("window"), WINDOW, keep_outputs=True)
     with torch.no_grad(), capture.hooked([layer.self_attn for layer in language_model.layers]):
         language_model(input_ids=ids)
     assert capture.take(0) == (None, None)

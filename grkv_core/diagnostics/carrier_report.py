@@ -23,8 +23,8 @@ from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import LoadedModel
 from grkv_core.presses.d2o import D2OPress
 from grkv_core.presses.local_merging import MergeInputs
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.selection import select_tokens
-from grkv_core.queries import surrogate_queries
 
 
 @dataclass

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from grkv_core.evaluation.shared_prefill import PressedCache, attention_modules
-from grkv_core.queries import surrogate_queries
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 

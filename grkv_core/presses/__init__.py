@@ -8,6 +8,7 @@
 - ``sliding_layers``: every press leaves a model's sliding-window layers whole (``compressing``).
 - ``layer_groups``, ``surrogate_capture``, ``update_rules``: GRKV's batched solves, the query rows captured from the
   forward, and acceptance rules.
+- ``query_policies``: GRKV's surrogate queries, one ``QueryPolicy`` per file (``grkv_core.catalog.QUERY_POLICIES``).
 """
 
 import logging

@@ -14,7 +14,7 @@ from torch import nn
 
 from grkv_core.options import CaMOptions
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs, merge_into_carriers
-from grkv_core.queries import surrogate_queries
+from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.solver.attention import masked_softmax
 
 

@@ -14,6 +14,13 @@ from torch import nn
 from grkv_core.options import PAPER_GRKV_OPTIONS, SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, LayerMerge, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress, options_docstring
+from grkv_core.presses.query_policies import (
+    PolicyRowsMemo,
+    QueryPolicy,
+    SurrogateQueries,
+    query_policy,
+    surrogate_queries,
+)
 from grkv_core.presses.selection import TokenSelection, forced_score_ranges
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices
 from grkv_core.presses.surrogate_capture import (
@@ -23,7 +30,6 @@ from grkv_core.presses.surrogate_capture import (
     stack_by_kv_head,
 )
 from grkv_core.presses.update_rules import lowest_window_loss, passes_validation
-from grkv_core.queries import PolicyRowsMemo, SurrogateQueries, surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.merge import SolveIssues, solve_regression
 from grkv_core.solver.problem import gather_rows
@@ -63,6 +69,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         self._capture: SurrogateCapture | None = None
         self._groups: LayerGroups | None = None
         self._issues: SolveIssues | None = None
+        self._policy: QueryPolicy | None = None
         self._policy_rows: PolicyRowsMemo | None = None
         # NOTE: kept across contexts: the output projections' weights are read once per model (and again if changed).
         self._row_weights = OutputProjectionWeights()
@@ -80,21 +87,21 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
 
     @contextmanager
     def __call__(self, model):
-        """kvpress's context manager; the surrogate queries' rows (and, with the window policy and
-        ``target_from_forward``, their attention outputs) are kept from the forward itself (``SurrogateCapture``), and
-        with ``layers_per_solve`` other than 1 the layers' merges wait for their group (``LayerGroups``)."""
+        """kvpress's context manager; the surrogate queries' rows (and, with ``target_from_forward`` and a policy
+        whose target the forward holds, ``QueryPolicy.target_in_forward``, their attention outputs) are kept from the
+        forward itself (``SurrogateCapture``), and with ``layers_per_solve`` other than 1 the layers' merges wait for
+        their group (``LayerGroups``)."""
         decoder = language_model(model)
         merged = merged_layer_indices(model, self.merged_layers)
         merged_attentions = [layer.self_attn for index, layer in enumerate(decoder.layers) if index in merged]
+        policy = query_policy(self.query_policy)
         capture = SurrogateCapture(
-            self.query_policy,
-            self.window_size,
-            keep_outputs=self.target_from_forward and self.query_policy == "window",
+            policy, self.window_size, keep_outputs=self.target_from_forward and policy.target_in_forward
         )
         join = None
         try:
             with capture.hooked(merged_attentions), super().__call__(model):
-                self._capture = capture
+                self._capture, self._policy = capture, policy
                 self._policy_rows = PolicyRowsMemo()
                 self._issues = SolveIssues()
                 self._groups = LayerGroups.for_press(
@@ -109,7 +116,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         finally:
             if join is not None:
                 join.remove()
-            self._capture = self._groups = self._issues = self._policy_rows = None
+            self._capture = self._groups = self._issues = self._policy = self._policy_rows = None
 
     def _warn_issues(self) -> None:
         """Warn once about what this context's solves found (``SolveIssues``: its one read of the device)."""
@@ -135,11 +142,13 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         if self._merged_layers is not None and module.layer_idx not in self._merged_layers:
             return None
         projections, outputs = self._capture.take(module.layer_idx) if self._capture else (None, None)
+        # NOTE: a wrapper (``ComposedPress``...) calls the hooks without this press's context: no policy kept.
+        policy = self._policy if self._policy is not None else query_policy(self.query_policy)
         surrogate = surrogate_queries(
             module,
             hidden_states,
             kwargs["position_embeddings"],
-            policy=self.query_policy,
+            policy=policy,
             n_queries=self.window_size,
             prompt_projections=projections,
             memo=self._policy_rows,
@@ -271,8 +280,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         return compressed
 
     def _solver_options(self, loss_weight: float) -> SolverOptions:
-        """This press's solver options, the ridges divided by the surrogate rows' loss weight
-        (``surrogate_queries``)."""
+        """This press's solver options, the ridges divided by the surrogate rows' loss weight w (the policy's
+        ``QueryPolicy.row_weight``): minimising w·loss + λ·ridge is minimising loss + (λ/w)·ridge."""
         options = {name: getattr(self, name) for name in SOLVER_OPTION_NAMES}
         return SolverOptions(
             **{**options, "lambda_k": self.lambda_k / loss_weight, "lambda_v": self.lambda_v / loss_weight}

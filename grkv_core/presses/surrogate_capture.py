@@ -23,7 +23,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from grkv_core.queries import SurrogateQueries, prompt_rows
+from grkv_core.presses.query_policies import QueryPolicy, SurrogateQueries
 
 # NOTE: in these attention classes the input of ``o_proj`` is the concatenation, over query heads, of
 # softmax(scale·q Kᵀ) V over the prompt (no output gate), i.e. GRKV's regression target. Sliding-window layers, which
@@ -34,23 +34,24 @@ OUTPUTS_BEFORE_O_PROJ = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3
 
 
 class SurrogateCapture:
-    """The rows of each layer's ``q_proj`` outputs that a query policy reads (``queries.prompt_rows``) in a prefill,
-    and, with ``keep_outputs`` (window policy), the ``o_proj`` inputs of the same rows.
+    """The rows of each layer's ``q_proj`` outputs that a query policy reads (``QueryPolicy.prompt_rows``) in a
+    prefill, and, with ``keep_outputs`` (a policy whose target they are, ``QueryPolicy.target_in_forward``), the
+    ``o_proj`` inputs of the same rows.
 
     NOTE: kept on this object (one per press context), never on the shared attention modules, so that several presses
     can share one prefill without reading each other's rows.
 
     Parameters
     ----------
-    policy : str
-        The query policy (``GRKVOptions.query_policy``).
+    policy : QueryPolicy
+        The query policy (``GRKVOptions.query_policy``'s).
     n_queries : int
         Its m (``window_size``).
     keep_outputs : bool
         Whether to keep the attention outputs (the ``o_proj`` inputs) of the rows besides their queries.
     """
 
-    def __init__(self, policy: str, n_queries: int, keep_outputs: bool) -> None:
+    def __init__(self, policy: QueryPolicy, n_queries: int, keep_outputs: bool) -> None:
         self.policy = policy
         self.n_queries = n_queries
         self.keep_outputs = keep_outputs
@@ -101,8 +102,8 @@ class SurrogateCapture:
         key = (prompt.shape[1], prompt.device)
         if key not in self._rows:
             length = prompt.shape[1]
-            m = self.n_queries if self.policy == "expected" else min(self.n_queries, length)
-            rows = prompt_rows(self.policy, m, length, prompt.device)[0]
+            m = self.policy.row_count(self.n_queries, length)
+            rows = self.policy.prompt_rows(m, length, prompt.device)[0]
             self._rows[key] = torch.arange(length, device=prompt.device)[rows] if isinstance(rows, slice) else rows
         with torch.no_grad():
             return prompt[:, self._rows[key]]
