@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.generation import answer_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.models import load_model
-from grkv_core.registry import build_press
+from grkv_core.presses.from_config import build_press
 
 
 def prefill_as_kvpress(model, context_ids: torch.Tensor, press) -> DynamicCache:

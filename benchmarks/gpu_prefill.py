@@ -39,7 +39,7 @@ from prefill_ops import CountedOperations
 from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.options import GRKV_PRESETS
-from grkv_core.registry import build_press
+from grkv_core.presses.from_config import build_press
 from grkv_core.solver.capture import CAPTURED_SOLVES
 
 COMPRESSION_RATIO = 0.9  # SnapKV keeping 10%

@@ -32,9 +32,9 @@ from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_DEFAULTS
+from grkv_core.presses.from_config import build_press
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.query_policies import surrogate_queries
-from grkv_core.registry import build_press
 from grkv_core.solver import grkv_merge
 from grkv_core.solver.losses import discrepancy_per_head
 

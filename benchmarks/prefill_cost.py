@@ -40,9 +40,9 @@ from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.evaluation.generation import prefill
 from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model
+from grkv_core.presses.from_config import build_press
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.layer_groups import LayerGroups
-from grkv_core.registry import build_press
 
 
 def essay_prompt(tokenizer, tokens: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from grkv_core.evaluation.generation import prefill
 from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_PRESETS
-from grkv_core.registry import build_press
+from grkv_core.presses.from_config import build_press
 
 # The operations whose arithmetic grows with the problem (the rest are elementwise or bookkeeping).
 LINEAR_ALGEBRA = (

@@ -5,23 +5,30 @@
 >>> with GRKVPress(SnapKVPress(compression_ratio=0.9))(model):
 ...     model.model(input_ids=context_ids, past_key_values=cache)
 
-The configuration (``grkv_core.config``) imports nothing heavy, the solver alone (``grkv_core.solver.grkv_merge``)
-needs only torch, and the press imports kvpress: each loads only when asked for.
+A press by name or from a press file: ``build_press("snapkv", 0.9, "grkv")``, ``press_from_file("press.yaml")``.
+
+The catalog of names (``grkv_core.catalog``) and the configurations (``grkv_core.config``) import nothing heavy, the
+solver alone (``grkv_core.solver.grkv_merge``) needs only torch, and the presses import kvpress: each loads only when
+asked for.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["GRKVPress", "grkv_merge", "__version__"]
+__all__ = ["GRKVPress", "build_press", "grkv_merge", "press_from_file", "__version__"]
+
+# Where each public name is defined, imported on first use.
+_PUBLIC = {
+    "GRKVPress": "grkv_core.presses.grkv",
+    "build_press": "grkv_core.presses.from_config",
+    "press_from_file": "grkv_core.presses.from_config",
+    "grkv_merge": "grkv_core.solver.merge",
+}
 
 
 def __getattr__(name):
     # NOTE: lazy, so that importing any submodule (the light configuration above all) loads no torch or kvpress.
-    if name == "GRKVPress":
-        from grkv_core.presses.grkv import GRKVPress
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'grkv_core' has no attribute {name!r}")
+    import importlib
 
-        return GRKVPress
-    if name == "grkv_merge":
-        from grkv_core.solver.merge import grkv_merge
-
-        return grkv_merge
-    raise AttributeError(f"module 'grkv_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -145,7 +145,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
             raise ValueError(f"--press-config sets the whole press; drop {' '.join(given)}")
-        from grkv_core.registry import load_press_file
+        from grkv_core.presses.from_config import load_press_file
 
         return load_press_file(args.press_config)
     merge = args.merge or ("grkv" if args.preset else PRESS_DEFAULTS.merge)
@@ -209,7 +209,7 @@ def cmd_analyze(args) -> int:
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    from grkv_core.registry import required_attention
+    from grkv_core.presses.from_config import required_attention
 
     presses = [args.press, *args.compare]
     if any(required_attention(name) for name in presses):

@@ -3,7 +3,7 @@ runs (``EvalConfig``), with the protocols and the other choices they name.
 
 A configuration checks its names against the catalog (``grkv_core.catalog``) and its merger options against their
 specs (``grkv_core.options``) when it is made, so a bad one fails in one line before anything is loaded; a press is
-built from it by ``grkv_core.registry.build``.
+built from it by ``grkv_core.presses.from_config.build``.
 
 NOTE: this module imports nothing heavy (no torch, kvpress or transformers), so validating a sweep config or
 parsing a command line stays instant.

@@ -282,7 +282,7 @@ def cmd_demo(args) -> int:
         print(f"recommended press configuration: {press_file} (also on the parent run, {PRESS_ARTIFACT})")
         print("".join(f"  {line}\n" for line in press_file.read_text().splitlines()), end="")
         print(
-            f"use it:\n  from grkv_core.registry import press_from_file\n"
+            f"use it:\n  from grkv_core.presses.from_config import press_from_file\n"
             f'  with press_from_file("{press_file}")(model): ...\n'
             f"  or: grkv eval --press-config {press_file}"
         )
@@ -333,7 +333,7 @@ def _add_service_commands(commands) -> None:
         commands,
         "export",
         "write one trial's press configuration as a press file "
-        "(grkv_core.registry.press_from_file, grkv eval --press-config)",
+        "(grkv_core.presses.from_config.press_from_file, grkv eval --press-config)",
         "grkv export --sweep-id demo --output press.yaml   # --trial 7 for another trial",
     )
     _add_sweep_id(export, True, "the sweep's id (tag grkv.sweep_id)")

@@ -25,7 +25,7 @@ from grkv_core.evaluation.answer_metrics import reference_ids, reference_text
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.generation import answer_position, prefill, render_sample, tokenize_sample
 from grkv_core.evaluation.results import SampleResult, depth_bin, summarize
-from grkv_core.registry import build, protected_window, required_attention
+from grkv_core.presses.from_config import build, protected_window, required_attention
 
 RATIO = 0.75
 

@@ -16,8 +16,8 @@ from transformers.models.llama.modeling_llama import rotate_half
 from grkv_core.catalog import MERGERS
 from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.presses import AsymKVPress, CaMPress, D2OPress, KVMergerPress, MergeInputs
+from grkv_core.presses.from_config import build_press
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.registry import build_press
 
 ARCHITECTURES = TINY_ARCHITECTURES
 BASELINES = ["cam", "d2o", "asymkv", "kvmerger"]

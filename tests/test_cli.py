@@ -198,7 +198,7 @@ def tiny_demo_config(tmp_path: Path) -> Path:
 def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from grkv_core.registry import press_from_file
+    from grkv_core.presses.from_config import press_from_file
 
     state = tmp_path / "state"
     ports = local_stack_ports()

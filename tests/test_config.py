@@ -38,7 +38,7 @@ from grkv_core.options import (
     OptionSpec,
     check_options,
 )
-from grkv_core.registry import build
+from grkv_core.presses.from_config import build
 from sweeps.config import ConfigError, Objective, SweepConfig, load_config
 from workers.names import BASELINE_TAG
 

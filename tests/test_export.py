@@ -14,7 +14,7 @@ from conftest import sqlite_tracking_store
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import PressConfig
-from grkv_core.registry import build, load_press_config, press_from_file, resolved
+from grkv_core.presses.from_config import build, load_press_config, press_from_file, resolved
 from sweeps.cli import main
 from sweeps.config import SweepConfig
 from tracking.mlflow_tracker import SweepTracker

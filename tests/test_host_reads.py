@@ -15,7 +15,7 @@ from conftest import tiny_model
 import grkv_core.solver.key_step as key_step_module
 import grkv_core.solver.merge as merge_module
 from grkv_core.evaluation.generation import prefill
-from grkv_core.registry import build_press
+from grkv_core.presses.from_config import build_press
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from prefill_ops import CountedOperations  # noqa: E402

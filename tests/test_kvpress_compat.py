@@ -1,5 +1,5 @@
 """Every merger at home in kvpress: its pipeline, ``model.generate``, its wrappers, its cache order, and the press
-properties kvpress checks for its own presses, over every merger (registry, kvpress's own MergingPress included) ×
+properties kvpress checks for its own presses, over every merger (the catalog, kvpress's own MergingPress included) ×
 several base presses, and every kvpress wrapper around our mergers."""
 
 import os
@@ -50,9 +50,9 @@ from grkv_core.evaluation.generation import (
 from grkv_core.evaluation.shared_prefill import attention_modules
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
+from grkv_core.presses.from_config import build_press, refuses_eager
 from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.registry import build_press, refuses_eager
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
 
 MERGERS = {name: entry.load() for name, entry in MERGER_ENTRIES.items()}
@@ -94,7 +94,7 @@ def merger(name, base="snapkv", ratio=RATIO, **options):
 
 
 def merger_over(name, base_press, **options):
-    """A merger by name over a kvpress press object (the registry builds bases by name only)."""
+    """A merger by name over a kvpress press object (the catalog builds bases by name only)."""
     return MERGERS[name](press=base_press, **SHORT_PROMPT_OPTIONS.get(name, {}), **options)
 
 

@@ -23,7 +23,7 @@ import yaml
 from conftest import free_ports, sqlite_tracking_store
 
 from grkv_core.config import PressConfig
-from grkv_core.registry import resolved
+from grkv_core.presses.from_config import resolved
 from sweeps.config import SweepConfig
 from sweeps.space import press_of, suggest_press
 from tracking.mlflow_tracker import (

@@ -11,7 +11,7 @@ from test_press import RATIO, SHORT_PROMPT_GRKV, context_ids
 
 from grkv_core.evaluation.generation import prefill
 from grkv_core.options import GRKV_PRESETS
-from grkv_core.registry import build_press
+from grkv_core.presses.from_config import build_press
 
 CONFIGURATIONS = {
     "defaults": SHORT_PROMPT_GRKV,

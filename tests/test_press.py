@@ -19,10 +19,10 @@ from grkv_core.evaluation.generation import answer_question, cache_lengths, pref
 from grkv_core.models import load_model
 from grkv_core.options import GRKV_OPTION_SPECS, GRKV_PRESETS
 from grkv_core.presses import GRKVPress
+from grkv_core.presses.from_config import build_press, refuses_eager, required_attention
 from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.selection import TokenSelection
 from grkv_core.presses.sliding_layers import sliding_layer_indices
-from grkv_core.registry import build_press, refuses_eager, required_attention
 from grkv_core.solver.losses import reconstruction_loss, recover_kept_positions
 
 ARCHITECTURES = TINY_ARCHITECTURES

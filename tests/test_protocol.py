@@ -11,7 +11,7 @@ import pytest
 
 from grkv_core.config import PressConfig
 from grkv_core.options import GRKV_DEFAULTS, HEAD_WEIGHTINGS
-from grkv_core.registry import resolved
+from grkv_core.presses.from_config import resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest, WorkerIdentity, configuration_key
 

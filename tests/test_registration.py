@@ -17,7 +17,7 @@ from grkv_core.config import PressConfig
 from grkv_core.evaluation.generation import prefill
 from grkv_core.options import OptionSpec, option
 from grkv_core.presses import BaseMergerPress
-from grkv_core.registry import build
+from grkv_core.presses.from_config import build
 from sweeps.config import SweepConfig
 from sweeps.space import suggest_press
 from tests.conftest import tiny_model

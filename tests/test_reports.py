@@ -24,7 +24,7 @@ from optuna.study import StudyDirection
 from scipy import stats
 
 from grkv_core.options import GRKV_DEFAULTS
-from grkv_core.registry import resolved
+from grkv_core.presses.from_config import resolved
 from sweeps.cli import report_main
 from sweeps.config import SweepConfig
 from sweeps.entry_points import SERVICE_LOST, SWEEP_NOT_FOUND

@@ -1,7 +1,7 @@
 """The trial engine: one prefill for many presses, batched greedy decoding, screening without decoding.
 
 Every fast path is compared with the plain one-press-at-a-time path (``generation.prefill`` and
-``generation.answer_question``, which is kvpress's protocol) for every eviction press and merger in the registry.
+``generation.answer_question``, which is kvpress's protocol) for every eviction press and merger in the catalog.
 """
 
 import os
@@ -26,7 +26,7 @@ from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.generation import answer_question, append_question, prefill, stop_token_ids, tokenize_sample
 from grkv_core.evaluation.results import summarize
 from grkv_core.evaluation.shared_prefill import prefill_shared, shares_prefill
-from grkv_core.registry import build, required_attention
+from grkv_core.presses.from_config import build, required_attention
 
 RATIO = 0.75
 MASKING = {"adakv", "criticaladakv"}

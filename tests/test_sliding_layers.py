@@ -13,8 +13,8 @@ from transformers import DynamicCache
 from grkv_core.catalog import merger_names
 from grkv_core.evaluation.generation import cache_lengths, prefill
 from grkv_core.evaluation.shared_prefill import prefill_shared
+from grkv_core.presses.from_config import build_press
 from grkv_core.presses.sliding_layers import compressing, sliding_layer_indices
-from grkv_core.registry import build_press
 
 RATIO = 0.75
 CONTEXT = 160  # longer than tiny-gemma3's window of 64

@@ -15,7 +15,7 @@ import yaml
 
 from grkv_core.config import EvalConfig
 from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, PAPER_GRKV_OPTIONS
-from grkv_core.registry import resolved
+from grkv_core.presses.from_config import resolved
 from sweeps.config import ConfigError, SweepConfig, load_config
 from sweeps.space import (
     baseline_params,

@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 from grkv_core.config import QUERY_AWARE
 from grkv_core.evaluation.leaderboard import read_runs
 from grkv_core.options import GRKV_DEFAULTS
-from grkv_core.registry import build, load_press_file, press_from_file, resolved
+from grkv_core.presses.from_config import build, load_press_file, press_from_file, resolved
 from sweeps.config import ConfigError, load_config
 from sweeps.space import press_of
 from sweeps.state.ledgers import EXHAUSTED_AFTER_DUPLICATES

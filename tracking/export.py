@@ -1,8 +1,8 @@
-"""``grkv export``: one trial's press configuration, as a press file that ``grkv_core.registry.press_from_file``
+"""``grkv export``: one trial's press configuration, as a press file that ``grkv_core.press_from_file``
 builds back into the press and ``grkv eval --press-config`` evaluates.
 
 Read from MLflow alone, like the reports: the chosen run's params hold the press exactly as it ran
-(``grkv_core.registry.resolved``), so the file carries every option of its merger, defaults included.
+(``grkv_core.presses.from_config.resolved``), so the file carries every option of its merger, defaults included.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.catalog import merger_option_specs
 from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
-from grkv_core.registry import PRESS_FILE_FIELDS, PROTOCOL_FIELD
+from grkv_core.presses.from_config import PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 
@@ -151,7 +151,7 @@ def export_press(
             f"from: {stage}-stage run {choice.run_id} of parent run {runs.parent_run_id} "
             f"(experiment id {runs.experiment_id}, {client.tracking_uri})",
             f"exported: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-            f'use: press = grkv_core.registry.press_from_file("{path.name}"); with press(model): ...',
+            f'use: press = grkv_core.presses.from_config.press_from_file("{path.name}"); with press(model): ...',
             f"or:  grkv eval --press-config {path.name}",
         ],
         runs.protocol,

@@ -98,7 +98,7 @@ def flatten(prefix: str, value) -> dict[str, str]:
 
 
 def resolved_params(resolved_press: dict) -> list[Param]:
-    """MLflow params of the press as it ran (``grkv_core.registry.resolved``), under their own names."""
+    """MLflow params of the press as it ran (``grkv_core.presses.from_config.resolved``), under their own names."""
     return [Param(name, str(value)) for name, value in sorted(resolved_press.items())]
 
 

@@ -41,9 +41,9 @@ def describe(trial_number: int | None, stage: str, test_of: str | None) -> str:
 
 
 def resolved_settings(press: PressConfig) -> dict[str, Any]:
-    """``grkv_core.registry.resolved``. NOTE: resolving builds the press (torch, kvpress), so the registry is
+    """``grkv_core.presses.from_config.resolved``. NOTE: resolving builds the press (torch, kvpress), so that module is
     imported when a driver first resolves one, never by reading outcomes (the tracker, the reports)."""
-    from grkv_core.registry import resolved
+    from grkv_core.presses.from_config import resolved
 
     return resolved(press)
 
@@ -142,7 +142,7 @@ class TrialOutcome:
     batch_trials : int
         How many trials the worker evaluated together with this one (itself included).
     resolved_press : dict
-        ``grkv_core.registry.resolved`` of the press the worker built: every field, defaults included.
+        ``grkv_core.presses.from_config.resolved`` of the press the worker built: every field, defaults included.
     summary : dict or None
         ``grkv_core.evaluation.results.summarize`` of the samples (per-task scores, ``mean_score``, mean costs).
     samples : list of dict

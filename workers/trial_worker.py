@@ -23,7 +23,7 @@ from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.evaluation.results import ResultStore, summarize
 from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
 from grkv_core.files import storage_failure
-from grkv_core.registry import BuiltPress, resolved
+from grkv_core.presses.from_config import BuiltPress, resolved
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 

@@ -36,7 +36,7 @@ from grkv_core.evaluation.results import SampleResult
 from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
 from grkv_core.options import PAPER_WINDOW
-from grkv_core.registry import BuiltPress, protected_window, refuses_eager, required_attention
+from grkv_core.presses.from_config import BuiltPress, protected_window, refuses_eager, required_attention
 
 
 class Evaluator:

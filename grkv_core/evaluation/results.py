@@ -20,7 +20,7 @@ from grkv_core.config import EvalConfig
 from grkv_core.files import write_atomically
 from grkv_core.metrics import SAMPLE_MEAN_METRICS
 from grkv_core.options import GRKV_DEFAULTS
-from grkv_core.registry import resolved
+from grkv_core.presses.from_config import resolved
 
 RESULT_SCHEMA_VERSION = 1
 

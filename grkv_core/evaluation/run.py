@@ -16,7 +16,7 @@ from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.evaluation.kvpress_layout import kvpress_runs, write_run
 from grkv_core.evaluation.results import ResultStore, SampleResult, library_versions, summarize
 from grkv_core.models import LoadedModel, load_model
-from grkv_core.registry import BuiltPress, required_attention
+from grkv_core.presses.from_config import BuiltPress, required_attention
 
 
 @dataclass

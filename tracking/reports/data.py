@@ -80,8 +80,8 @@ class SweepRuns:
         The full-stage runs (scored on the tuning samples), which every analysis uses unless it says
         otherwise: one row per FINISHED run, ordered by trial number: ``run_id``, ``stage``, ``trial_number``,
         ``baseline`` (``paper_default``/``eviction_only`` or None), the press as it ran
-        (``grkv_core.registry.resolved``: ``press``, ``compression_ratio``, ``merge``, every merger option such as
-        ``lambda_k``, ``press.window_size``...; typed, NaN where a trial's press has no such field), the
+        (``grkv_core.presses.from_config.resolved``: ``press``, ``compression_ratio``, ``merge``, every merger option
+        such as ``lambda_k``, ``press.window_size``...; typed, NaN where a trial's press has no such field), the
         sampler's raw proposals as ``optuna.<name>``, every metric, every non-``mlflow.`` tag as ``tag.<key>``
         (``tag.grkv.status``...), and derived ``budget`` (= 1 - compression ratio), ``method`` (press, or
         press+merger) and ``configuration`` (baseline name or ``trial N``).

@@ -1,4 +1,5 @@
-"""Presses by name, for the CLI, configs and sweeps: an eviction press, optionally behind a merger."""
+"""Presses from configurations, for the CLI, configs and sweeps: an eviction press by name, optionally behind a
+merger (``build``, ``BuiltPress``), and press files (``press_from_file``)."""
 
 from __future__ import annotations
 
