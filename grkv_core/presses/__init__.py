@@ -2,6 +2,7 @@
 
 - ``selection``: the base press's decision (kept positions, scores) as data, without evicting anything.
 - ``merging``: ``BaseMergerPress``, the base of every merging press, which owns the ``compress`` template.
+- ``per_layer``: ``PerLayerCompressionPress``, kvpress's compression ratio per layer, around a merger too.
 - ``grkv``: ``GRKVPress``, global ridge regression of the kept keys and values (the paper's method).
 - ``local_merging``: ``LocalMergePress`` and ``MergeInputs``, what the local baselines share; one baseline per
   file: ``cam`` (CaM), ``d2o`` (D2O), ``asymkv`` (AsymKV), ``kvmerger`` (KVMerger).
@@ -20,6 +21,7 @@ from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.kvmerger import KVMergerPress
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs
 from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.per_layer import PerLayerCompressionPress
 from grkv_core.presses.sliding_layers import compressing
 
 
@@ -50,5 +52,6 @@ __all__ = [
     "LocalMergePress",
     "MergeInputs",
     "BaseMergerPress",
+    "PerLayerCompressionPress",
     "compressing",
 ]

@@ -7,14 +7,17 @@ with per-head budgets (kvpress masks the evicted entries; the merged kept rows a
 A press supplies only ``merge_selected`` and, when its merge reads more than the cache (surrogate queries,
 attention weights), ``layer_context`` and ``head_context``.
 
-Composition with kvpress's wrappers. A merger is a ``ScorerPress`` (kvpress's wrappers accept only those) whose
-budget, ``compression_ratio``, is its base press's. Wrappers that run a press through its own hook or ``compress``
-work around a merger: ``PerLayerCompressionPress`` (it sets the ratio layer by layer), ``ComposedPress([merger,
-...])`` (the merger first) and ``PrefillDecodingPress(prefilling_press=merger, ...)``. Wrappers that ask a press for
-its ``score`` and select the tokens themselves (``ChunkPress``, ``AdaKVPress``, ``DMSPress``, ``KeyRerotationPress``,
-...) would evict without merging, and so would ``DecodingPress``, which calls ``compress`` while decoding: the
-merger refuses them at their first layer, naming the spelling that works (``ChunkPress`` and ``AdaKVPress`` work as
-the base press, inside the merger). Other base presses are refused with the reason
+Composition with kvpress's wrappers. A merger is a ``BasePress``, not a ``ScorerPress``: it has no scores of its
+own (its choice is its base press's) and keeps no top-k of them, so kvpress's wrappers that select tokens from a
+press's ``score`` (``AdaKVPress``, ``ChunkPress``, ``KeyRerotationPress``, ``MergingPress``...) and ``DecodingPress``
+refuse it when they are built (they assert that their press is a ``ScorerPress``). Its ``compression_ratio`` is its
+base press's budget. Wrappers that run a press's own hook over the whole prompt work around a merger:
+``ComposedPress([merger, ...])`` (the merger first), ``PrefillDecodingPress(prefilling_press=merger, ...)`` and this
+package's ``PerLayerCompressionPress`` (``per_layer``; kvpress's own asserts a ``ScorerPress``). ``DMSPress``, a
+``ComposedPress`` with the merger after another press and ``PrefillDecodingPress(decoding_press=merger)`` check
+nothing when built; the merger refuses them in one line when they enter a model (``post_init_from_model``), before
+any layer runs. As the base press, inside the merger, ``ChunkPress``, ``AdaKVPress`` and kvpress's
+``PerLayerCompressionPress`` work; other base presses are refused with the reason
 (``selection.unsupported_base_press_reason``).
 """
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
-from kvpress import BasePress, ScorerPress
+from kvpress import BasePress, ComposedPress, DecodingPress, PerLayerCompressionPress, PrefillDecodingPress, ScorerPress
 from kvpress import MergingPress as KVPressMergingPress
 from torch import nn
 
@@ -51,12 +54,15 @@ KVPRESS_MERGERS = (KVPressMergingPress,)
 
 
 @dataclass
-class BaseMergerPress(ScorerPress):
+class BaseMergerPress(BasePress):
     """Base of every press that keeps a base eviction press's tokens and merges the evicted ones into them.
 
     It owns the base press (validates it, forwards model set-up, exposes its ``compression_ratio``) and the
     ``compress`` template; subclasses implement ``merge_selected`` (and ``layer_context``/``head_context`` when
     their merge reads more than the cache).
+
+    NOTE: a merger is not a kvpress ``ScorerPress``, which would promise scores whose top-k is the cache it keeps;
+    kvpress's wrappers that rely on that promise test for ``ScorerPress`` and so refuse a merger when built.
 
     NOTE: a merged cache no longer reveals which positions its rows came from; with a uniform budget a
     merging press records them as ``module.kept_positions`` (B, H_kv, c) for diagnostics.
@@ -83,14 +89,15 @@ class BaseMergerPress(ScorerPress):
         press's. A number in [0, 1]: 1 keeps no token of a layer, as in kvpress.
     """
 
+    # NOTE: keyword-only, so that ``press`` is the first positional argument; declared first, so that the dataclass
+    # __init__ assigns it before ``press``, when the setter only records it (``__post_init__`` applies a given ratio,
+    # None leaves the base press's). The property assigned after the class replaces it as an attribute (a
+    # ``PerLayerCompressionPress`` looks for the parameter, then sets the attribute layer by layer).
+    compression_ratio: float | None = field(default=None, kw_only=True, repr=False, compare=False)
     press: BasePress = None
     # Whether ``compress`` gives every (batch, head) whose full cache holds a NaN or inf its kept rows unmerged (a
     # merge that reads the whole cache would spread the bad entry); a merger whose own merge guards it says False.
     unmerges_non_finite_caches: ClassVar[bool] = True
-    # NOTE: ScorerPress's field, redeclared keyword-only so that ``press`` stays the first positional argument; the
-    # property assigned after the class replaces it as an attribute (kvpress's PerLayerCompressionPress looks for
-    # the parameter, then sets the attribute layer by layer).
-    compression_ratio: float | None = field(default=None, kw_only=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         inner, reason = self.press, None
@@ -111,7 +118,27 @@ class BaseMergerPress(ScorerPress):
         options.check_options(self)
 
     def post_init_from_model(self, model) -> None:
+        """Forward the model set-up to the base press, refusing a kvpress wrapper around this merger that would not
+        run the merger's own compression over the whole prompt.
+
+        NOTE: the earliest point a merger can refuse a kvpress wrapper that checks nothing when built (``DMSPress``,
+        and ``ComposedPress`` or ``PrefillDecodingPress`` holding the merger elsewhere than first or as the prefilling
+        press): kvpress's wrappers forward the set-up to their press when they enter a model, before any layer runs.
+        """
+        wrapper = _calling_press(self)
+        if wrapper is not None:
+            what = _wrapper_misuse(wrapper, self)
+            if what is not None:
+                raise ValueError(_wrapper_refusal(self, what, wrapper))
         self.press.post_init_from_model(model)
+
+    def reset(self) -> None:
+        """Nothing to reset: kvpress's decoding presses keep state between steps, a merger none between prefills.
+
+        NOTE: kvpress's ``PrefillDecodingPress`` resets its decoding press when it leaves a model, even when entering
+        failed: a merger put there is refused on entering (``post_init_from_model``), and without this method an
+        AttributeError would hide that refusal.
+        """
 
     def score(
         self,
@@ -122,9 +149,14 @@ class BaseMergerPress(ScorerPress):
         attentions: torch.Tensor,
         kwargs: dict,
     ) -> torch.Tensor:
-        """Refused: only a kvpress wrapper that selects tokens itself asks a press for scores, which would evict
-        without merging (a merger's choice is its base press's; wrap that instead)."""
-        raise ValueError(_wrapper_refusal(self, "would select tokens itself, without merging them"))
+        """Refused: a merger has no scores (its choice is its base press's; wrap that instead).
+
+        NOTE: a kvpress wrapper that asks its press for scores refuses a merger when built, or is refused when it
+        enters a model (``post_init_from_model``); this refuses, at its first layer, one that skipped both: its
+        assert gone under ``python -O`` and its set-up never called (inside kvpress's ``PerLayerCompressionPress``,
+        which calls no set-up).
+        """
+        raise ValueError(_wrapper_refusal(self, _SELECTS_ITSELF))
 
     @contextmanager
     def __call__(self, model):
@@ -208,9 +240,7 @@ class BaseMergerPress(ScorerPress):
         # synchronisation): a prefill from an empty cache caches exactly its tokens, and a decoding step (or a later
         # prefill chunk) adds its tokens to those already cached.
         if keys.shape[2] > hidden_states.shape[1]:
-            raise ValueError(
-                _wrapper_refusal(self, "would compress the cache while decoding, and a merger merges the prefill")
-            )
+            raise ValueError(_wrapper_refusal(self, _COMPRESSES_DECODING))
         if self.compression_ratio == 0:
             return keys, values
         if keys.shape[2] != hidden_states.shape[1]:
@@ -287,8 +317,8 @@ class BaseMergerPress(ScorerPress):
 
     def _set_base_compression_ratio(self, value: float | None) -> None:
         if self.press is None:
-            # NOTE: the dataclass __init__ assigns this field (ScorerPress's, hence first) before ``press``:
-            # ``__post_init__`` applies a requested ratio once the base press is in place.
+            # NOTE: the dataclass __init__ assigns this field (declared first) before ``press``: ``__post_init__``
+            # applies a requested ratio once the base press is in place.
             vars(self)["_requested_compression_ratio"] = value
             return
         self.press.compression_ratio = check_compression_ratio(value, type(self).__name__)
@@ -324,24 +354,48 @@ def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(keys.sum(dim=(-2, -1), dtype=torch.float32) + values.sum(dim=(-2, -1), dtype=torch.float32))
 
 
-def _calling_press(merger: BaseMergerPress) -> BasePress | None:
-    """The press whose method called into ``merger``: the nearest caller frame whose ``self`` is another press.
+_SELECTS_ITSELF = "would select tokens itself, without merging them"
+_COMPRESSES_DECODING = "would compress the cache while decoding, and a merger merges the prefill"
 
-    NOTE: read only to name the wrapper in a refusal; kvpress's wrappers call ``press.score``/``press.compress``.
+
+def _calling_press(merger: BaseMergerPress) -> BasePress | None:
+    """The press whose method called into ``merger``: the caller of the outermost of ``merger``'s methods on the stack,
+    or None when that caller is no press (the merger entered a model itself, or a hook of the model called it).
+
+    NOTE: kvpress's wrappers call ``press.post_init_from_model``, ``press.forward_hook``, ``press.compress`` or
+    ``press.score`` from their own methods, so the wrapper is the frame just past the merger's own.
     """
     frame = sys._getframe(1)
-    while frame is not None:
-        caller = frame.f_locals.get("self")
-        if isinstance(caller, BasePress) and caller is not merger:
-            return caller
+    while frame is not None and frame.f_locals.get("self") is not merger:
         frame = frame.f_back
-    return None
+    while frame is not None and frame.f_locals.get("self") is merger:
+        frame = frame.f_back
+    caller = frame.f_locals.get("self") if frame is not None else None
+    return caller if isinstance(caller, BasePress) else None
 
 
-def _wrapper_refusal(merger: BaseMergerPress, what: str) -> str:
-    """One line: the kvpress wrapper that called ``merger`` ``what``, and the spelling that works instead."""
+def _wrapper_misuse(wrapper: BasePress, merger: BaseMergerPress) -> str | None:
+    """What ``wrapper`` would do with ``merger`` that a merger cannot take part in, or None when it runs the merger's
+    own hook over the whole prompt (``PerLayerCompressionPress``, the first press of a ``ComposedPress``, the
+    prefilling press of a ``PrefillDecodingPress``)."""
+    if isinstance(wrapper, PerLayerCompressionPress):
+        return None
+    if isinstance(wrapper, ComposedPress):
+        return (
+            None
+            if wrapper.presses[0] is merger
+            else "would run the merger on a cache that another press already compressed"
+        )
+    if isinstance(wrapper, PrefillDecodingPress):
+        return None if wrapper.prefilling_press is merger else _COMPRESSES_DECODING
+    return _COMPRESSES_DECODING if isinstance(wrapper, DecodingPress) else _SELECTS_ITSELF
+
+
+def _wrapper_refusal(merger: BaseMergerPress, what: str, wrapper: BasePress | None = None) -> str:
+    """One line: the kvpress wrapper (``wrapper``, else the one that called ``merger``) that ``what``, and the spelling
+    that works instead."""
     name = type(merger).__name__
-    wrapper = _calling_press(merger)
+    wrapper = wrapper if wrapper is not None else _calling_press(merger)
     if wrapper is None:
         return f"a press around {name} {what}; wrap the eviction press instead: {name}(<wrapper>(<eviction press>))"
     kind = type(wrapper).__name__
