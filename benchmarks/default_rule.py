@@ -1,6 +1,6 @@
 """The selection rule of GRKV's default (docs/results/default-rule.md), applied to `grkv compare` cells.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/default_rule.py benchmarks/results/default-rule
+    .venv/bin/python -m benchmarks.default_rule benchmarks/results/default-rule
 
 The folder holds one `grkv compare` output folder per model and protocol (``MODEL/PROTOCOL/``); in each, a base
 press's result file (``snapkv-20pct.json``) and one file per candidate behind it (``snapkv-20pct+CANDIDATE.json``)
@@ -21,8 +21,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from paired_losses import by_sample
-
+from benchmarks.paired_losses import by_sample
 from tracking.reports.stats import paired_bootstrap_ci, sign_flip_test
 
 ALPHA = 0.01

@@ -19,7 +19,7 @@ out="${1:?usage: bash benchmarks/gpu_speed.sh OUTPUT_DIR}"
 mkdir -p "$out"
 python3 -m pip install -q --upgrade --no-deps --no-index --target /tmp/grkv-site .gpu-wheels/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-PYTHONPATH=/tmp/grkv-site:. HF_HUB_OFFLINE=1 timeout 540 python3 benchmarks/gpu_check.py --device cuda \
+PYTHONPATH=/tmp/grkv-site:. HF_HUB_OFFLINE=1 timeout 540 python3 -m benchmarks.gpu_check --device cuda \
     --rows 4096x1 32768x1 4096x4 --rounds 5 --synced-rounds 2 --decode-tokens 4 --engine-trials 8 \
     --query-policies --presets window32 --output-dir "$out/gpu-check" \
     2>&1 | tee "$out/gpu-check.log"

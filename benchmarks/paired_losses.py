@@ -1,6 +1,6 @@
 """Per-sample paired comparison of `grkv compare` (or `grkv eval`) results against a reference method.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/paired_losses.py benchmarks/results/answer-regime/question_agnostic \
+    .venv/bin/python -m benchmarks.paired_losses benchmarks/results/answer-regime/question_agnostic \
         --reference snapkv-20pct
 
 For every result file in the folder (one method each), over the samples it shares with the reference, and for each

@@ -1,7 +1,7 @@
 """Whether two result folders of ``grkv eval``/``grkv compare`` (``--output-dir``) hold the same results: per method and
 sample, identical predictions and every numeric field (timings and memory peaks aside) within a relative tolerance.
 
-    PYTHONPATH=. python benchmarks/same_results.py /tmp/before /tmp/after            # exit 1 if they differ
+    python -m benchmarks.same_results /tmp/before /tmp/after    # exit 1 if they differ
 
 For a change that must leave results unchanged: run the same command before and after it, then this.
 """

@@ -8,7 +8,7 @@
 # Then, with the device tool (README, "On a GPU"):
 #   carry [".gpu-wheels"], command:
 #   python3 -m pip install -q --upgrade --no-deps --no-index --target /tmp/grkv-site .gpu-wheels/*.whl && \
-#     PYTHONPATH=/tmp/grkv-site:. python3 benchmarks/gpu_check.py --device cuda --output-dir $OUT/gpu-check
+#     PYTHONPATH=/tmp/grkv-site:. python3 -m benchmarks.gpu_check --device cuda --output-dir $OUT/gpu-check
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu-wheels
