@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.paired_losses import by_sample
+from grkv_core.files import json_files, json_source
 from tracking.reports.stats import paired_bootstrap_ci, sign_flip_test
 
 ALPHA = 0.01
@@ -130,9 +131,9 @@ def read_cells(root: Path) -> tuple[dict[str, dict[str, list[PairedTest]]], dict
             for press in BASE_PRESSES:
                 cell = f"{model} {protocol} {press}"
                 base_path = folder / f"{press}.json"
-                base = by_sample(base_path) if base_path.exists() else {}
+                base = by_sample(base_path) if json_source(base_path) is not None else {}
                 missing[cell] = max(0, wanted - len(base))
-                for path in sorted(folder.glob(f"{press}+*.json")):
+                for path in json_files(folder, f"{press}+*.json"):
                     candidate = by_sample(path)
                     name = path.stem.split("+", 1)[1]
                     missing[cell] = max(missing[cell], wanted - len(candidate.keys() & base.keys()))
