@@ -1,6 +1,6 @@
 """GRKV on a GPU, one command, one report: parity, prefill cost, the trial engine and a forced out-of-memory batch.
 
-    # on a GPU machine (carrying only small wheels: see the README's GPU section for the exact command)
+    # on a GPU machine with no package registry: first `bash scripts/gpu_install.sh` (the README's GPU section)
     python -m benchmarks.gpu_check --device cuda --output-dir $OUT/gpu-check
     # anywhere, on tiny shapes: the same code path (the test suite runs it)
     python -m benchmarks.gpu_check --device cpu --tiny --output-dir /tmp/gpu-check
