@@ -7,7 +7,7 @@ For every result file in the folder (one method each), over the samples it share
 metric (answer NLL, KL and top-1, the score, the window and held-out losses by default): the method's mean, the mean
 paired difference (method minus reference) with its 95% percentile bootstrap CI, the samples where the method is
 better / worse with a two-sided exact sign test p-value (ties dropped). A markdown table, one row per method and
-metric.
+metric. A result file is read plain (``x.json``) or compressed (``x.json.gz``, as committed): ``grkv_core.files``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ sample, identical predictions and every numeric field (timings and memory peaks 
 
     python -m benchmarks.same_results /tmp/before /tmp/after    # exit 1 if they differ
 
-For a change that must leave results unchanged: run the same command before and after it, then this.
+For a change that must leave results unchanged: run the same command before and after it, then this. Either folder
+may hold its result files compressed (``x.json.gz``, as committed).
 """
 
 from __future__ import annotations
