@@ -1,6 +1,6 @@
 """How much of a GRKV update survives being stored in a bfloat16 cache.
 
-    PYTHONPATH=. python benchmarks/bf16_survival.py --samples 2
+    python -m benchmarks.bf16_survival --samples 2
 
 GRKV solves in float32 and writes K⁰ + ΔK back in the cache's dtype. On a GPU the cache is usually bfloat16,
 whose 8-bit mantissa spaces representable numbers 2⁻⁸·|x| apart: an update smaller than half that spacing

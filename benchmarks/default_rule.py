@@ -1,17 +1,18 @@
 """The selection rule of GRKV's default (docs/results/default-rule.md), applied to `grkv compare` cells.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/default_rule.py benchmarks/results/default-rule
+    .venv/bin/python -m benchmarks.default_rule benchmarks/results/default-rule
 
-The folder holds one `grkv compare` output folder per model and protocol (``MODEL/PROTOCOL/``); in each, a base
-press's result file (``snapkv-20pct.json``) and one file per candidate behind it (``snapkv-20pct+CANDIDATE.json``)
-make a cell. For every cell and candidate: the paired difference of the answer NLL and of the answer KL against the
-base press alone, per sample (mean, 95% bootstrap CI, two-sided sign-flip p). Holm's correction runs over each
-candidate's tests (every cell, both metrics). A candidate is *worse* in a cell where either metric's difference is
-positive at a Holm-adjusted p below ``ALPHA``, *better* where the answer NLL's is negative at it. It passes with no
-cell worse and at least half better; the winner is the passing candidate with the largest mean gain in answer NLL over
-the cells, and among those within ``TIE_NATS`` of it, the cheapest prefill (median of its prefill time over the base
-press's, per sample). Without a passing candidate the default is the best that is worse nowhere (the no-harm
-fallback), else the one worse in the fewest cells. The verdict waits for every cell to have its samples.
+The folder holds one `grkv compare` output folder per model and protocol (``MODEL/PROTOCOL/``); in each, a base press's
+result file (``snapkv-20pct.json``) and one file per candidate behind it (``snapkv-20pct+CANDIDATE.json``), each plain
+or compressed (``.json.gz``, as committed), make a cell. For every cell and candidate: the paired difference of the
+answer NLL and of the answer KL against the base press alone, per sample (mean, 95% bootstrap CI, two-sided sign-flip
+p). Holm's correction runs over each candidate's tests (every cell, both metrics). A candidate is *worse* in a cell
+where either metric's difference is positive at a Holm-adjusted p below ``ALPHA``, *better* where the answer NLL's is
+negative at it. It passes with no cell worse and at least half better; the winner is the passing candidate with the
+largest mean gain in answer NLL over the cells, and among those within ``TIE_NATS`` of it, the cheapest prefill (median
+of its prefill time over the base press's, per sample). Without a passing candidate the default is the best that is
+worse nowhere (the no-harm fallback), else the one worse in the fewest cells. The verdict waits for every cell to have
+its samples.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from paired_losses import by_sample
-
+from benchmarks.paired_losses import by_sample
+from grkv_core.files import json_files, json_source
 from tracking.reports.stats import paired_bootstrap_ci, sign_flip_test
 
 ALPHA = 0.01
@@ -131,9 +132,9 @@ def read_cells(root: Path) -> tuple[dict[str, dict[str, list[PairedTest]]], dict
             for press in BASE_PRESSES:
                 cell = f"{model} {protocol} {press}"
                 base_path = folder / f"{press}.json"
-                base = by_sample(base_path) if base_path.exists() else {}
+                base = by_sample(base_path) if json_source(base_path) is not None else {}
                 missing[cell] = max(0, wanted - len(base))
-                for path in sorted(folder.glob(f"{press}+*.json")):
+                for path in json_files(folder, f"{press}+*.json"):
                     candidate = by_sample(path)
                     name = path.stem.split("+", 1)[1]
                     missing[cell] = max(missing[cell], wanted - len(candidate.keys() & base.keys()))

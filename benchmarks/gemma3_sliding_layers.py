@@ -3,7 +3,7 @@ Gemma3ForCausalLM, entered as ``press(model)``) against SnapKV on the global lay
 left whole, as kvpress does for Gemma3ForConditionalGeneration and every evaluation here does for every model:
 ``grkv_core.presses.sliding_layers``), by the needle in each greedy answer.
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/gemma3_sliding_layers.py --compression-ratio 0.8
+    HF_HUB_OFFLINE=1 .venv/bin/python -m benchmarks.gemma3_sliding_layers --compression-ratio 0.8
 """
 
 from __future__ import annotations

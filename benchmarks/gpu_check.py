@@ -1,9 +1,9 @@
 """GRKV on a GPU, one command, one report: parity, prefill cost, the trial engine and a forced out-of-memory batch.
 
-    # on a GPU machine (carrying only small wheels: see the README's GPU section for the exact command)
-    PYTHONPATH=. python benchmarks/gpu_check.py --device cuda --output-dir $OUT/gpu-check
+    # on a GPU machine with no package registry: first `bash scripts/gpu_install.sh` (the README's GPU section)
+    python -m benchmarks.gpu_check --device cuda --output-dir $OUT/gpu-check
     # anywhere, on tiny shapes: the same code path (the test suite runs it)
-    PYTHONPATH=. python benchmarks/gpu_check.py --device cpu --tiny --output-dir /tmp/gpu-check
+    python -m benchmarks.gpu_check --device cpu --tiny --output-dir /tmp/gpu-check
 
 Four sections (and the bars), printed as they finish and written to ``gpu_check.json`` and ``gpu_check.md``:
 
@@ -42,19 +42,17 @@ import importlib.util
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import transformers
-from gpu_measure import Report
-from gpu_prefill import COMPRESSION_RATIO, STRATIFIED_M, check_bars, prefill_costs, row_spec
-from sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks.gpu_measure import Report
+from benchmarks.gpu_prefill import COMPRESSION_RATIO, STRATIFIED_M, check_bars, prefill_costs, row_spec
+from benchmarks.sweep_throughput import BATCHED_RTOL, both_paths, fixed_trials
 from grkv_core.catalog import QUERY_POLICIES
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples

@@ -32,10 +32,10 @@ import argparse
 import statistics
 
 import torch
-from gpu_measure import Marks, Report, Stopwatch, graph_pool_bytes, profiled_prefill
-from prefill_cost import timed_hook
-from prefill_ops import CountedOperations
 
+from benchmarks.gpu_measure import Marks, Report, Stopwatch, graph_pool_bytes, profiled_prefill
+from benchmarks.prefill_cost import timed_hook
+from benchmarks.prefill_ops import CountedOperations
 from grkv_core.evaluation.generation import prefill, run_tokens
 from grkv_core.models import LoadedModel
 from grkv_core.options import GRKV_PRESETS

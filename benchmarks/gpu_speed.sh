@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #50's GPU bars in one run of under 10 minutes on an H100 or H200 (the machine's start aside):
-#   bash scripts/gpu_wheels.sh                        # here: the 15 MiB of wheels to carry (.gpu-wheels, ignored)
+#   bash scripts/gpu_wheels.sh                        # here: the 20 MiB of wheels to carry (.gpu-wheels, ignored)
 #   bash benchmarks/gpu_speed.sh "$OUT"              # there, from the repository root, with .gpu-wheels carried
 # gpu_check.py's parity (the solve against float64 and a captured graph against eager), its prefill rows at 4K × 1,
 # 32K × 1 and 4K × 4 (SnapKV 10% alone; + GRKV's defaults, layers_per_solve 1, the solves on a side stream with all
@@ -17,9 +17,9 @@
 set -euo pipefail
 out="${1:?usage: bash benchmarks/gpu_speed.sh OUTPUT_DIR}"
 mkdir -p "$out"
-python3 -m pip install -q --upgrade --no-deps --no-index --target /tmp/grkv-site .gpu-wheels/*.whl
+bash scripts/gpu_install.sh 2>&1 | tee "$out/install.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-PYTHONPATH=/tmp/grkv-site:. HF_HUB_OFFLINE=1 timeout 540 python3 benchmarks/gpu_check.py --device cuda \
+HF_HUB_OFFLINE=1 timeout 540 python3 -m benchmarks.gpu_check --device cuda \
     --rows 4096x1 32768x1 4096x4 --rounds 5 --synced-rounds 2 --decode-tokens 4 --engine-trials 8 \
     --query-policies --presets window32 --output-dir "$out/gpu-check" \
     2>&1 | tee "$out/gpu-check.log"

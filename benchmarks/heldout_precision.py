@@ -1,6 +1,6 @@
 """How precisely a half-precision model measures the held-out loss, against float64: the trial engine's tolerance.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/heldout_precision.py --samples 2 --trials 6
+    .venv/bin/python -m benchmarks.heldout_precision --samples 2 --trials 6
 
 The same trials (``sweep_throughput.fixed_trials``) on the same samples in full mode (decoding, every metric), each
 with its own prefill (the per-trial path) in float64, float32 and bfloat16, and all at once on the trial engine in
@@ -19,15 +19,12 @@ import copy
 import dataclasses
 import os
 import statistics
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from sweep_throughput import MODES, fixed_trials, needle_samples
 
+from benchmarks.sweep_throughput import MODES, fixed_trials, needle_samples
 from grkv_core.evaluation.evaluator import Evaluator
 from grkv_core.models import load_model
 

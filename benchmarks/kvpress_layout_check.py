@@ -8,7 +8,7 @@ code, from a kvpress checkout (its ``evaluation/`` is not in the wheel):
 
     git clone --depth 1 --branch v0.5.5 https://github.com/NVIDIA/kvpress /tmp/kvpress   # or any checkout
     grkv eval --press full --samples 2 --kvpress-dir /tmp/kv
-    python benchmarks/kvpress_layout_check.py --kvpress-repo /tmp/kvpress /tmp/kv
+    python -m benchmarks.kvpress_layout_check --kvpress-repo /tmp/kvpress /tmp/kv
 
 Prints one line per folder and exits 1 if any check fails. kvpress's ``evaluate.py`` imports its whole evaluation
 stack (fire, datasets, every press); only its ``EvaluationConfig`` class is taken from the source, with the press

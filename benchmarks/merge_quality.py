@@ -1,7 +1,7 @@
 """Merge quality on real caches, loss only: many GRKV configurations replayed on the same recorded problems.
 
-    PYTHONPATH=. python benchmarks/merge_quality.py --samples 2
-    PYTHONPATH=. python benchmarks/merge_quality.py --model tiny-llama --context-length 512 --samples 2
+    python -m benchmarks.merge_quality --samples 2
+    python -m benchmarks.merge_quality --model tiny-llama --context-length 512 --samples 2
 
 For each offline RULER sample the context is prefilled once under SnapKV + GRKV with a press that records,
 per layer, the merge problem exactly as ``GRKVPress`` hands it to ``grkv_merge`` (surrogate queries, full

@@ -1,22 +1,22 @@
 """Per-sample paired comparison of `grkv compare` (or `grkv eval`) results against a reference method.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/paired_losses.py benchmarks/results/answer-regime/question_agnostic \
+    .venv/bin/python -m benchmarks.paired_losses benchmarks/results/answer-regime/question_agnostic \
         --reference snapkv-20pct
 
 For every result file in the folder (one method each), over the samples it shares with the reference, and for each
 metric (answer NLL, KL and top-1, the score, the window and held-out losses by default): the method's mean, the mean
 paired difference (method minus reference) with its 95% percentile bootstrap CI, the samples where the method is
 better / worse with a two-sided exact sign test p-value (ties dropped). A markdown table, one row per method and
-metric.
+metric. A result file is read plain (``x.json``) or compressed (``x.json.gz``, as committed): ``grkv_core.files``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from math import comb
 from pathlib import Path
 
+from grkv_core.files import json_files, read_json
 from grkv_core.metrics import ANSWER_METRICS, HIGHER_IS_BETTER
 from tracking.reports.stats import paired_bootstrap_ci
 
@@ -33,7 +33,8 @@ def sign_test(better: int, worse: int) -> float:
 
 
 def by_sample(path: Path) -> dict[str, dict]:
-    return {row["sample_id"]: row for row in json.loads(path.read_text())["samples"]}
+    """The rows of the result file ``path`` (or of its compressed copy, ``path.gz``) by sample id."""
+    return {row["sample_id"]: row for row in read_json(path)["samples"]}
 
 
 def paired_row(method: str, metric: str, rows: dict[str, dict], reference: dict[str, dict]) -> dict | None:
@@ -73,7 +74,7 @@ def main() -> None:
     reference = by_sample(args.folder / f"{args.reference}.json")
     print("| method | metric | n | mean | Δ vs reference [95% CI] | better / worse | p |")
     print("|---|---|---|---|---|---|---|")
-    for path in sorted(args.folder.glob("*.json")):
+    for path in json_files(args.folder):
         if path.stem == args.reference:
             continue
         rows = by_sample(path)

@@ -1,7 +1,7 @@
 """End-to-end prefill cost of GRKV: a whole model's prefill under the base press alone and with GRKV behind it.
 
-    PYTHONPATH=. python benchmarks/prefill_cost.py                      # SmolLM2-135M, 2,048 essay tokens, CPU
-    PYTHONPATH=. python benchmarks/prefill_cost.py --variant cg8=grkv:cg_max_iter=8 --rounds 7
+    python -m benchmarks.prefill_cost                               # SmolLM2-135M, 2,048 essay tokens, CPU
+    python -m benchmarks.prefill_cost --variant cg8=grkv:cg_max_iter=8 --rounds 7
 
 Every round prefills the same prompt (``--tokens`` tokens of the Paul Graham essays, the RULER haystack) once
 under each press, in turn: SnapKV alone, SnapKV + GRKV as shipped (safeguard on), the same without the safeguard
@@ -34,8 +34,8 @@ import time
 
 import torch
 import transformers
-from solver_cost import HEAP_SETTINGS, heap_preparation
 
+from benchmarks.solver_cost import HEAP_SETTINGS, heap_preparation
 from grkv_core.datasets.ruler import load_essay_corpus
 from grkv_core.evaluation.generation import prefill
 from grkv_core.merger_flags import parse_merge_variant

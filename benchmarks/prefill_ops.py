@@ -1,9 +1,9 @@
 """What GRKV adds to a prefill, operation by operation: how many operations it dispatches, from where, and their
 own CPU time, against the base press alone (the same essay prompt as ``prefill_cost.py``).
 
-    PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py                          # SmolLM2-135M, SnapKV 10%
-    PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py --option layers_per_solve=0
-    PYTHONPATH=benchmarks:. python benchmarks/prefill_ops.py --preset window32     # the default until 2026-11-28
+    python -m benchmarks.prefill_ops                                # SmolLM2-135M, SnapKV 10%
+    python -m benchmarks.prefill_ops --option layers_per_solve=0
+    python -m benchmarks.prefill_ops --preset window32              # the default until 2026-11-28
 
 Counts come from a ``TorchDispatchMode`` over one prefill (each operation attributed to the nearest grkv_core or
 kvpress function on the stack), with the host reads among them (``bool(t)``, ``t.item()``, ``torch.equal``: on a GPU,
@@ -29,12 +29,12 @@ import time
 
 import torch
 import transformers
-from prefill_cost import add_prefill_arguments, essay_prompt
-from solver_cost import heap_preparation
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.prefill_cost import add_prefill_arguments, essay_prompt
+from benchmarks.solver_cost import heap_preparation
 from grkv_core.evaluation.generation import prefill
 from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model

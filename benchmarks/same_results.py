@@ -1,16 +1,18 @@
 """Whether two result folders of ``grkv eval``/``grkv compare`` (``--output-dir``) hold the same results: per method and
 sample, identical predictions and every numeric field (timings and memory peaks aside) within a relative tolerance.
 
-    PYTHONPATH=. python benchmarks/same_results.py /tmp/before /tmp/after            # exit 1 if they differ
+    python -m benchmarks.same_results /tmp/before /tmp/after    # exit 1 if they differ
 
-For a change that must leave results unchanged: run the same command before and after it, then this.
+For a change that must leave results unchanged: run the same command before and after it, then this. Either folder
+may hold its result files compressed (``x.json.gz``, as committed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from grkv_core.files import json_files, read_json
 
 # Fields that measure the run, not the result.
 TIMINGS = ("ttft_s", "prefill_s", "decode_ms_per_token", "wall_s", "peak_memory_bytes", "compress_s")
@@ -23,9 +25,9 @@ def main() -> int:
     parser.add_argument("--rtol", type=float, default=1e-6)
     args = parser.parse_args()
     same = True
-    for path in sorted(args.before.glob("*.json")):
-        before = json.loads(path.read_text())["samples"]
-        after = json.loads((args.after / path.name).read_text())["samples"]
+    for path in json_files(args.before):
+        before = read_json(path)["samples"]
+        after = read_json(args.after / path.name)["samples"]
         predictions = len(before) == len(after) and all(
             x["predictions"] == y["predictions"] for x, y in zip(before, after)
         )

@@ -1,7 +1,7 @@
 """Cost of GRKV's merge relative to one decoder layer's prefill, measured side by side in one run.
 
-    python benchmarks/solver_cost.py                       # SmolLM2-135M shapes, CPU, float32
-    python benchmarks/solver_cost.py --preset llama-3.1-8b --device cuda --dtype bfloat16 --tokens 32768
+    python -m benchmarks.solver_cost              # SmolLM2-135M shapes, CPU, float32
+    python -m benchmarks.solver_cost --preset llama-3.1-8b --device cuda --dtype bfloat16 --tokens 32768
 
 Prints the median wall time (calls interleaved) of (a) one LlamaDecoderLayer forward over the whole prompt
 (the prefill cost GRKV is added to), (b) the merge per layer as GRKVPress runs it at its defaults: each of

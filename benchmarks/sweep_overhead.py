@@ -1,6 +1,6 @@
 """Per-trial overhead of the sweep service (Ray dispatch + Optuna + MLflow) relative to trial evaluation time.
 
-    python benchmarks/sweep_overhead.py --sweep-id ruler-snapkv-... --tracking-uri http://127.0.0.1:5000
+    python -m benchmarks.sweep_overhead --sweep-id ruler-snapkv-... --tracking-uri http://127.0.0.1:5000
 
 Reads one finished sweep's child runs from MLflow. For every trial the driver logged ``trial_eval_s`` (time
 inside the worker's ``evaluate``, as the worker clocked it) and ``service_overhead_s`` (driver time spent

@@ -1,6 +1,6 @@
 """Trials per hour of the trial engine against the per-trial path, side by side, on one fixed list of trials.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sweep_throughput.py --samples 4 \
+    .venv/bin/python -m benchmarks.sweep_throughput --samples 4 \
         --output benchmarks/results/sweep-throughput.json
 
 The same trials (SnapKV at two budgets alone, the paper's GRKV, and GRKV variants: 24 by default) are evaluated

@@ -3,17 +3,23 @@ built with known effects."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks.default_rule import (
+    BASE_PRESSES,
+    PROTOCOLS,
+    SAMPLES_PER_CELL,
+    PairedTest,
+    choose,
+    holm,
+    report,
+    standing,
+)
 from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.options import GRKV_DEFAULTS, WINDOW32_GRKV_OPTIONS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from default_rule import BASE_PRESSES, PROTOCOLS, SAMPLES_PER_CELL, PairedTest, choose, holm, report, standing  # noqa: E402
 
 
 def holm_by_definition(p_values):

@@ -23,7 +23,8 @@ def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
     result = subprocess.run(
         [
             sys.executable,
-            "benchmarks/gpu_check.py",
+            "-m",
+            "benchmarks.gpu_check",
             "--device",
             "cpu",
             "--tiny",
@@ -35,7 +36,7 @@ def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((output_dir / "gpu_check.json").read_text()), result.stdout
@@ -124,9 +125,8 @@ def test_the_gpu_check_runs_every_section_on_tiny_shapes(tmp_path):
 
 
 def test_the_bars_say_whether_each_holds_where_their_row_was_measured():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_measure import Report
-    from gpu_prefill import BARS, check_bars
+    from benchmarks.gpu_measure import Report
+    from benchmarks.gpu_prefill import BARS, check_bars
 
     report = Report("test", {})
     row = {"context": 32768, "batch": 1, "attention": "sdpa"}
@@ -174,8 +174,7 @@ def _result(**changes) -> SampleResult:
 
 
 def test_the_engine_check_is_exact_in_float32_and_to_the_format_in_bfloat16():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from sweep_throughput import BATCHED_RTOL, mismatches
+    from benchmarks.sweep_throughput import BATCHED_RTOL, mismatches
 
     rtol = BATCHED_RTOL[torch.bfloat16]
     # The differences the H200 run showed between the engine's batched forwards and single-trial ones

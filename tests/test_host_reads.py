@@ -3,8 +3,6 @@ GPU each host read is a synchronisation, where the host waits for every kernel q
 ``benchmarks/prefill_ops.py``'s ``CountedOperations``, the counter behind the figures in the results."""
 
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -14,11 +12,9 @@ from conftest import tiny_model
 
 import grkv_core.solver.key_step as key_step_module
 import grkv_core.solver.merge as merge_module
+from benchmarks.prefill_ops import CountedOperations
 from grkv_core.evaluation.generation import prefill
 from grkv_core.presses.from_config import build_press
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from prefill_ops import CountedOperations  # noqa: E402
 
 # One value of each searchable option that takes a path of its own through the press and the solver.
 SEARCHED = [

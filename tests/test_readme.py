@@ -1,6 +1,8 @@
 """The README is true of the repository: every path it names exists, every ``grkv`` command it names is one of the
-real command line's and answers ``--help``, and its test command is the one CI runs."""
+real command line's and answers ``--help``, and its test command is the one CI runs. Every command the documents and
+scripts give runs from the repository's root as written: a benchmark as a module, never with ``PYTHONPATH``."""
 
+import ast
 import os
 import re
 import subprocess
@@ -75,6 +77,64 @@ def test_the_path_check_catches_a_missing_path():
     (link,) = named_paths("[the index](results/README.md)", REPO / "docs")
     assert exists(link) and not exists(next(iter(named_paths("[x](results/README.md)"))))
     assert exists(REPO / "benchmarks/results/<study>/") and exists(REPO / "sweeps/configs/*.yaml")
+
+
+# Where users find commands to run: the documents' code, the scripts (their comments give commands too) and the
+# benchmarks' usage lines.
+RUN_DOCUMENTS = sorted({*DOCUMENTS, *REPO.glob("benchmarks/**/*.md"), *REPO.glob("infra/**/*.md")})
+RUN_SOURCES = [
+    *RUN_DOCUMENTS,
+    *sorted([*REPO.glob("benchmarks/*.sh"), *REPO.glob("scripts/*.sh"), *REPO.glob("benchmarks/*.py")]),
+]
+# A command that only runs with the module search path set by hand: ``PYTHONPATH``, or a benchmark run by its path
+# (its own folder then replaces the root on the path, and its ``benchmarks.*`` imports fail).
+MISRUN = re.compile(r"PYTHONPATH|python3?\s+(?:\\\n\s*)?benchmarks/\w+\.py")
+BENCHMARK_MODULE = re.compile(r"-m\s+(?:\\\n\s*)?benchmarks\.(\w+)")
+
+
+def commands(path: Path) -> str:
+    """What ``path`` gives to run: a document's code, a script whole, a benchmark's docstring."""
+    if path.suffix == ".md":
+        return "\n".join(code_spans(path.read_text()))
+    if path.suffix == ".py":
+        return ast.get_docstring(ast.parse(path.read_text())) or ""
+    return path.read_text()
+
+
+def misruns(text: str) -> list[str]:
+    return [match.group() for match in MISRUN.finditer(text)]
+
+
+def test_no_command_sets_the_module_search_path():
+    found = {str(path.relative_to(REPO)): misruns(commands(path)) for path in RUN_SOURCES}
+    assert {path: misrun for path, misrun in found.items() if misrun} == {}
+
+
+def test_every_benchmark_a_command_runs_is_a_module():
+    named = {name for path in RUN_SOURCES for name in BENCHMARK_MODULE.findall(commands(path))}
+    assert {"default_rule", "gpu_check", "paired_losses", "prefill_ops"} <= named
+    assert {name for name in named if not (REPO / "benchmarks" / f"{name}.py").exists()} == set()
+
+
+def test_the_command_check_catches_a_set_search_path_and_a_benchmark_run_by_path():
+    text = "\n".join(
+        [
+            "PYTHONPATH=. .venv/bin/python -m benchmarks.x",
+            "python3 benchmarks/gpu_check.py --tiny",
+            "for i in 1 2; do .venv/bin/python \\",
+            "    benchmarks/prefill_cost.py; done",
+            "$PY -m \\",
+            "    benchmarks.y",
+        ]
+    )
+    assert misruns(text) == [
+        "PYTHONPATH",
+        "python3 benchmarks/gpu_check.py",
+        "python \\\n    benchmarks/prefill_cost.py",
+    ]
+    assert BENCHMARK_MODULE.findall(text) == ["x", "y"]
+    assert misruns(".venv/bin/python -m benchmarks.default_rule benchmarks/results/default-rule") == []
+    assert commands(REPO / "benchmarks" / "paired_losses.py").startswith("Per-sample paired comparison")
 
 
 def console_scripts() -> dict[str, str]:

@@ -169,7 +169,7 @@ def test_a_live_drivers_lease_is_refused_naming_it_and_a_dead_ones_taken_over_at
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), RAY_JOB_CONFIG_JSON_ENV_VAR=job),
+        env=dict(os.environ, RAY_JOB_CONFIG_JSON_ENV_VAR=job),
     )
     try:
         assert holder.stdout.readline().strip() == "held"

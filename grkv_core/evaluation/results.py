@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from grkv_core.config import EvalConfig
-from grkv_core.files import write_atomically
+from grkv_core.files import json_source, read_json, write_atomically
 from grkv_core.metrics import SAMPLE_MEAN_METRICS
 from grkv_core.options import GRKV_DEFAULTS
 from grkv_core.presses.from_config import resolved
@@ -128,7 +128,8 @@ def library_versions() -> dict[str, str]:
 
 
 class ResultStore:
-    """The output JSON of one evaluation, rewritten atomically after every sample (resume-safe)."""
+    """The output JSON of one evaluation, rewritten atomically after every sample (resume-safe), resumed from the file
+    or from its compressed copy (``grkv_core.files.read_json``)."""
 
     def __init__(self, path: Path, config: EvalConfig, model_dtype: str, settings: dict | None = None):
         """``settings``: every setting of the press (``BuiltPress.settings``, defaults included); None resolves
@@ -138,8 +139,9 @@ class ResultStore:
         self.model_dtype = model_dtype
         self.resolved_press = resolved(config.press) if settings is None else settings
         self.results: list[SampleResult] = []
-        if self.path.exists():
-            stored = json.loads(self.path.read_text())
+        # NOTE: a committed result file may be compressed (x.json.gz); a resumed run reads it and writes x.json.
+        if json_source(self.path) is not None:
+            stored = read_json(self.path)
             stored_config = EvalConfig.from_dict(stored["config"])
             if "decode" not in stored["config"] and stored["samples"]:
                 # NOTE: files written before the field existed decoded exactly when their rows hold scores.
