@@ -293,7 +293,7 @@ def main() -> int:
     )
     timed = f"the surrogate-query policies timed at m={STRATIFIED_M} (none: give the flag alone)"
     parser.add_argument(
-        "--query-policies", nargs="*", default=["stratified"], choices=list(QUERY_POLICIES)[1:], help=timed
+        "--query-policies", nargs="*", default=["stratified"], choices=tuple(QUERY_POLICIES), help=timed
     )
     parser.add_argument("--presets", nargs="+", default=[], choices=sorted(GRKV_PRESETS), help="GRKV's presets timed")
     parser.add_argument("--prefill-only", action="store_true", help="parity and prefill only (no engine, no OOM)")
