@@ -1,6 +1,7 @@
 """The selection rule of GRKV's default (docs/results/default-rule.md), applied to `grkv compare` cells.
 
     .venv/bin/python -m benchmarks.default_rule benchmarks/results/default-rule
+    .venv/bin/python -m benchmarks.default_rule benchmarks/results/default-confirmation --samples smollm2-135m=40
 
 The folder holds one `grkv compare` output folder per model and protocol (``MODEL/PROTOCOL/``); in each, a base press's
 result file (``snapkv-20pct.json``) and one file per candidate behind it (``snapkv-20pct+CANDIDATE.json``), each plain
@@ -12,7 +13,8 @@ negative at it. It passes with no cell worse and at least half better; the winne
 largest mean gain in answer NLL over the cells, and among those within ``TIE_NATS`` of it, the cheapest prefill (median
 of its prefill time over the base press's, per sample). Without a passing candidate the default is the best that is
 worse nowhere (the no-harm fallback), else the one worse in the fewest cells. The verdict waits for every cell to have
-its samples.
+its samples. ``--samples`` names other cells' models and sizes: the confirmation's, the chosen default alone on fresh
+samples (``bash benchmarks/default_rule.sh confirm``), gets its standing and no verdict.
 """
 
 from __future__ import annotations
@@ -121,12 +123,14 @@ def choose(standings: list[Standing], cells: int) -> tuple[Standing, str]:
     return pick, "no candidate is harmless; the one worse in the fewest cells"
 
 
-def read_cells(root: Path) -> tuple[dict[str, dict[str, list[PairedTest]]], dict[str, list[float]], dict[str, int]]:
+def read_cells(
+    root: Path, samples_per_cell: dict[str, int]
+) -> tuple[dict[str, dict[str, list[PairedTest]]], dict[str, list[float]], dict[str, int]]:
     """{candidate: {cell: tests}}, {candidate: per-cell prefill ratios}, {cell: samples missing}."""
     tests: dict[str, dict[str, list[PairedTest]]] = {}
     costs: dict[str, list[float]] = {}
     missing: dict[str, int] = {}
-    for model, wanted in SAMPLES_PER_CELL.items():
+    for model, wanted in samples_per_cell.items():
         for protocol in PROTOCOLS:
             folder = root / model / protocol
             for press in BASE_PRESSES:
@@ -143,8 +147,10 @@ def read_cells(root: Path) -> tuple[dict[str, dict[str, list[PairedTest]]], dict
     return tests, costs, missing
 
 
-def report(root: Path) -> str:
-    tests, costs, missing = read_cells(root)
+def report(root: Path, samples_per_cell: dict[str, int] = SAMPLES_PER_CELL) -> str:
+    """The tables of every cell and the rule's standing of every candidate; the verdict once every cell has its
+    samples and there is a choice (a confirmation's one candidate gets its standing alone)."""
+    tests, costs, missing = read_cells(root, samples_per_cell)
     standings = [
         standing(name, [t for c in per_cell.values() for t in c], statistics.median(costs[name]))
         for name, per_cell in sorted(tests.items())
@@ -178,7 +184,7 @@ def report(root: Path) -> str:
     incomplete = {cell: n for cell, n in missing.items() if n}
     if incomplete:
         lines += ["", f"No verdict: {len(incomplete)} of {len(missing)} cells lack samples ({incomplete})."]
-    elif standings:
+    elif len(standings) > 1:
         pick, why = choose(standings, len(missing))
         lines += ["", f"Verdict: **{pick.name}** ({why})."]
     return "\n".join(lines)
@@ -187,7 +193,19 @@ def report(root: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
-    print(report(parser.parse_args().folder))
+    parser.add_argument(
+        "--samples",
+        nargs="+",
+        metavar="MODEL=N",
+        help="the cells' models and samples per cell (default: the rule's, "
+        + " ".join(f"{model}={n}" for model, n in SAMPLES_PER_CELL.items())
+        + "; the confirmation: smollm2-135m=40)",
+    )
+    args = parser.parse_args()
+    cells = SAMPLES_PER_CELL
+    if args.samples:
+        cells = {model: int(n) for model, _, n in (item.partition("=") for item in args.samples)}
+    print(report(args.folder, cells))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import optuna
 import pytest
 import torch
+from conftest import tiny_model
 
 from grkv_core.catalog import MERGERS
 from grkv_core.cli import build_parser
@@ -20,7 +21,6 @@ from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.from_config import build
 from sweeps.config import SweepConfig
 from sweeps.space import suggest_press
-from tests.conftest import tiny_model
 
 
 @dataclass

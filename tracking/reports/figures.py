@@ -59,6 +59,11 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
+def point_style(marker: str) -> dict:
+    """How every figure draws a point of a marker: stars (the baselines' best) larger, all outlined."""
+    return dict(marker=marker, s=160 if marker == "*" else 45, edgecolor="black", linewidth=0.5)
+
+
 def _scatter_trials(
     ax, frame: pd.DataFrame, x: str, y: str, colors: dict[str, str], labelled: pd.Series | None = None
 ) -> None:
@@ -73,16 +78,7 @@ def _scatter_trials(
             if len(chosen):
                 # Baselines, then eviction-only trials, are drawn last: many trials share one KV budget.
                 layer = 5 if baseline else (4 if "+" not in method else 3)
-                ax.scatter(
-                    chosen[x],
-                    chosen[y],
-                    color=colors[method],
-                    marker=marker,
-                    s=160 if marker == "*" else 45,
-                    edgecolor="black",
-                    linewidth=0.5,
-                    zorder=layer,
-                )
+                ax.scatter(chosen[x], chosen[y], color=colors[method], zorder=layer, **point_style(marker))
     shown = frame if labelled is None else frame[labelled | is_baseline]
     for _, row in shown.iterrows():
         if np.isfinite(row[x]) and np.isfinite(row[y]):
@@ -392,10 +388,7 @@ def _budget_lines(ax, points: pd.DataFrame, cost: str, metric: str, colors: dict
                 row[cost],
                 row[metric],
                 color=colors[method],
-                marker=marker,
-                s=160 if marker == "*" else 45,
-                edgecolor="black",
-                linewidth=0.5,
+                **point_style(marker),
                 alpha=1.0 if row["selected"] else 0.5,
                 zorder=3,
             )
