@@ -59,7 +59,7 @@ def test_a_prefill_changes_no_module_level_state():
     model = tiny_model("tiny-llama").model
     ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
     before = module_state()
-    assert before["grkv_core.presses.from_config", "_resolved"][0] == "lru_cache"
+    assert before["grkv_core.datasets.ruler.corpora", "_read_essay_json"][0] == "lru_cache", "caches are read too"
     assert before["grkv_core.catalog", "QUERY_POLICIES"][0] == "Registry", "the registries' entries are read too"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
