@@ -74,7 +74,9 @@ class Registry(Mapping[str, Entry]):
             self._add(entry)
 
     def _add(self, entry: Entry) -> None:
-        if entry.name in self._entries or entry.name == NO_MERGER:
+        if entry.name == NO_MERGER:
+            raise ValueError(f"{NO_MERGER!r} means no merger wherever one is chosen; give the {self.kind} another name")
+        if entry.name in self._entries:
             raise ValueError(f"{self.kind} {entry.name!r} is already registered")
         self._entries[entry.name] = entry
 
