@@ -156,6 +156,11 @@ QUERY_POLICIES = Registry(
 """GRKV's surrogate-query policies (``GRKVOptions.query_policy``): each target a ``QueryPolicy`` class."""
 
 
+def _options_type(merge: str) -> type | None:
+    """The options dataclass of a merger (None for ``NO_MERGER`` and a merger without options)."""
+    return None if merge == NO_MERGER else MERGERS.check(merge).options_type()
+
+
 def merger_names() -> tuple[str, ...]:
     """Every merger choice: ``NO_MERGER`` and the registered mergers."""
     return (NO_MERGER, *MERGERS)
@@ -165,13 +170,13 @@ def merger_option_specs(merge: str) -> dict[str, Any]:
     """``{option: OptionSpec}`` of a merger (none for ``NO_MERGER`` and a merger without options)."""
     from grkv_core.options import option_specs
 
-    options = None if merge == NO_MERGER else MERGERS.check(merge).options_type()
+    options = _options_type(merge)
     return option_specs(options) if options is not None else {}
 
 
 def merger_option_defaults(merge: str) -> dict[str, Any]:
     """``{option: default}`` of a merger, in the order of its options."""
-    options = None if merge == NO_MERGER else MERGERS.check(merge).options_type()
+    options = _options_type(merge)
     return {item.name: item.default for item in fields(options)} if options is not None else {}
 
 

@@ -38,10 +38,11 @@ def merging_types() -> tuple[type, ...]:
 def protected_window(press: BasePress | None) -> int:
     """How many last prefill positions ``press`` always keeps: the observation window of the eviction press it is
     or wraps (SnapKV's 32 here), 0 for a press without one and for the full cache (which keeps everything)."""
+    mergers = merging_types()
     while press is not None:
         window = getattr(press, "window_size", None)
         # NOTE: a merger's ``window_size`` (GRKV's m) is its own surrogate window, not positions its base press keeps.
-        if isinstance(window, int) and not isinstance(press, merging_types()):
+        if isinstance(window, int) and not isinstance(press, mergers):
             return window
         press = getattr(press, "press", None)
     return 0
