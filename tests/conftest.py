@@ -2,7 +2,12 @@
 
 import functools
 import importlib.util
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -129,3 +134,72 @@ def mergers_over(press: str) -> list[str]:
         for merge in merger_names()
         if merge != "kvpress_merging" or isinstance(EVICTION_PRESSES[press].load()(compression_ratio=0.5), ScorerPress)
     ]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class PostgresServer:
+    """A PostgreSQL server of the tests' own, started by ``infra/local/postgres.sh`` (the script the local stack
+    runs) on a free loopback port, its cluster in a temporary folder; ``url(database)`` is its SQLAlchemy URL."""
+
+    folder: Path
+    port: int
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(
+            os.environ,
+            GRKV_STATE_DIR=str(self.folder),
+            GRKV_POSTGRES_DIR=str(self.folder / "cluster"),
+            GRKV_POSTGRES_PORT=str(self.port),
+        )
+
+    def run(self, action: str) -> None:
+        """``start`` (initialising the cluster and creating the ``optuna`` and ``mlflow`` databases the first time)
+        or ``stop``."""
+        done = subprocess.run(
+            ["bash", str(REPO / "infra/local/postgres.sh"), action],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def url(self, database: str) -> str:
+        settings = dict(
+            line.split("=", 1) for line in (self.folder / "postgres.env").read_text().splitlines() if "=" in line
+        )
+        return f"{settings['GRKV_POSTGRES_URL']}/{database}"
+
+
+def postgres_missing() -> str | None:
+    """Why no PostgreSQL server can be started here, or None."""
+    if shutil.which("pg_ctl") is None and not list(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl")):
+        return "needs PostgreSQL's server (initdb, pg_ctl): bash scripts/install_postgres.sh"
+    if importlib.util.find_spec("psycopg2") is None:
+        return "needs the PostgreSQL driver: pip install '.[postgres]'"
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One PostgreSQL server for the test session (``PostgresServer``), stopped and deleted at its end.
+
+    NOTE: its folder is made under /tmp and opened to others: as root the server runs as the `postgres` user, which
+    cannot enter pytest's own temporary folders (mode 0700).
+    """
+    missing = postgres_missing()
+    if missing:
+        pytest.skip(missing)
+    folder = Path(tempfile.mkdtemp(prefix="grkv-pg-", dir="/tmp"))
+    folder.chmod(0o755)
+    server = PostgresServer(folder, free_ports(1)[0])
+    server.run("start")
+    try:
+        yield server
+    finally:
+        server.run("stop")
+        shutil.rmtree(folder, ignore_errors=True)

@@ -89,12 +89,12 @@ def a_trial_running(tracking_uri, sweep_id):
     return lambda: of_stage(children_of(tracking_uri, sweep_id), FULL_STAGE, "RUNNING")
 
 
-def assert_sweep_complete(tracking_uri, state, sweep_id, trials):
+def assert_sweep_complete(tracking_uri, state, sweep_id, trials, storage_url=None):
     """The end state of a sweep resumed after a fault: ``trials`` complete, one FINISHED run each, nothing left
     RUNNING, no configuration evaluated twice, every failed trial re-queued (not the trial's fault) or a proposal
-    of a configuration already evaluated."""
+    of a configuration already evaluated. ``storage_url``: the sweep's Optuna database (else its journal)."""
     parents, runs = runs_of(tracking_uri, EXPERIMENT, sweep_id)
-    study = study_of(state, sweep_id)
+    study = study_of(state, sweep_id, storage_url=storage_url)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert len(complete_trials(study)) == trials
     assert_one_finished_child_per_complete_trial(runs, study)

@@ -136,9 +136,10 @@ def runs_of(tracking_uri: str, experiment: str, sweep_id: str):
     return parents, children
 
 
-def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE) -> optuna.Study:
-    """The sweep's main study, or its screening study (``<sweep_id>.screen``), from the journal."""
-    storage = optuna.storages.JournalStorage(
+def study_of(state_dir: Path, sweep_id: str, stage: str = FULL_STAGE, storage_url: str | None = None) -> optuna.Study:
+    """The sweep's main study, or its screening study (``<sweep_id>.screen``), from the journal in its state
+    directory, or from the database at ``storage_url``."""
+    storage = storage_url or optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(str(state_dir / sweep_id / "optuna.journal"))
     )
     return optuna.load_study(study_name=sweep_id if stage == FULL_STAGE else f"{sweep_id}.{stage}", storage=storage)

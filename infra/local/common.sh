@@ -16,6 +16,9 @@
 #   GRKV_MLFLOW_PORT          MLflow tracking server port       (default 5000)
 #   GRKV_MLFLOW_WORKERS       MLflow server worker processes    (default 1)
 #   GRKV_MLFLOW_JOB_EXECUTION MLflow server job runner (GenAI judges; not used here) (default false)
+#   GRKV_POSTGRES            1: a PostgreSQL server of the stack's own (infra/local/postgres.sh, its GRKV_POSTGRES_*
+#                             settings) holds MLflow's backend store and the sweeps' Optuna storage (default 0: SQLite
+#                             for MLflow, each sweep's Optuna journal in its state directory)
 #   GRKV_START_TIMEOUT        seconds to wait for both services (default 180)
 #   GRKV_STOP_TIMEOUT         seconds to wait for a clean stop  (default 40)
 

@@ -26,6 +26,7 @@ RAY_CLIENT_PORT=${GRKV_RAY_CLIENT_PORT:-10001}
 RAY_AGENT_PORT=${GRKV_RAY_AGENT_PORT:-52365}
 MLFLOW_PORT=${GRKV_MLFLOW_PORT:-5000}
 RAY_AUTH=${GRKV_RAY_AUTH_MODE:-disabled}
+USE_POSTGRES=${GRKV_POSTGRES:-0}
 
 ray_pid=$(pid_of "$RAY_PID_FILE")
 mlflow_pid=$(pid_of "$MLFLOW_PID_FILE")
@@ -39,6 +40,10 @@ if (( ray_running || mlflow_running )) && [[ -f "$ENDPOINTS_FILE" ]]; then
   source "$ENDPOINTS_FILE"
 fi
 
+case "$USE_POSTGRES" in
+  0|1) ;;
+  *) die "GRKV_POSTGRES must be 0 or 1 (got '$USE_POSTGRES')" ;;
+esac
 for p in RAY_PORT RAY_DASHBOARD_PORT RAY_CLIENT_PORT RAY_AGENT_PORT MLFLOW_PORT; do
   is_port "${!p}" || die "$p='${!p}' is not a valid port number"
 done
@@ -56,6 +61,18 @@ esac
 RAY_ADDRESS_GCS="$GRKV_HOST:$RAY_PORT"
 RAY_DASHBOARD_URL="http://$GRKV_HOST:$RAY_DASHBOARD_PORT"
 MLFLOW_URL="http://$GRKV_HOST:$MLFLOW_PORT"
+
+# MLflow's backend store: SQLite in the state dir, or the stack's PostgreSQL (as a cluster runs it, infra/mlflow/),
+# which then holds every sweep's Optuna storage too.
+MLFLOW_BACKEND_STORE_URI="sqlite:///$STATE_DIR/mlflow.db"
+if (( USE_POSTGRES )); then
+  bash "$_common_dir/postgres.sh" start || die "the stack's PostgreSQL did not start (see above)"
+  # shellcheck disable=SC1091
+  source "$STATE_DIR/postgres.env"
+  MLFLOW_BACKEND_STORE_URI=$GRKV_MLFLOW_BACKEND_STORE_URI
+  # sweep.py's default Optuna storage (--storage-url), for every job driver the Ray head starts
+  export GRKV_OPTUNA_STORAGE
+fi
 
 # ---- environment shared by Ray (and every job driver / actor it spawns) and MLflow ----------
 export RAY_USAGE_STATS_ENABLED=0
@@ -91,6 +108,7 @@ RAY_CLIENT_PORT=$RAY_CLIENT_PORT
 RAY_AGENT_PORT=$RAY_AGENT_PORT
 MLFLOW_PORT=$MLFLOW_PORT
 RAY_AUTH=$RAY_AUTH
+USE_POSTGRES=$USE_POSTGRES
 EOF
   {
     echo "# written by infra/local/start.sh -- source it to talk to the local GRKV stack"
@@ -102,6 +120,7 @@ EOF
     echo "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
     echo "export RAY_API_SERVER_ADDRESS=$RAY_DASHBOARD_URL"
     echo "export GRKV_RAY_ADDRESS=$RAY_ADDRESS_GCS"
+    if (( USE_POSTGRES )); then echo "export GRKV_OPTUNA_STORAGE=$GRKV_OPTUNA_STORAGE"; fi
     if [[ -n "$VENV_BIN" ]]; then echo "export PATH=$VENV_BIN:\$PATH"; fi
   } >"$ENV_FILE"
 }
@@ -116,6 +135,7 @@ print_summary() {
   MLflow tracking server   : $MLFLOW_URL   (exported to Ray jobs as MLFLOW_TRACKING_URI)
   Ray auth mode            : $RAY_AUTH (RAY_AUTH_MODE)
   State dir                : $STATE_DIR  (ray.pid ray.log mlflow.pid mlflow.log mlflow.db mlartifacts/)
+$( (( USE_POSTGRES )) && echo "  PostgreSQL               : $GRKV_HOST:${GRKV_POSTGRES_PORT:-5433}: MLflow's backend store and the sweeps' Optuna storage (\$GRKV_OPTUNA_STORAGE), data in $GRKV_POSTGRES_DIR")
 Client environment: source $ENV_FILE
 Submit the smoke sweep from the repo root ($REPO_ROOT):
   ray job submit --address $RAY_DASHBOARD_URL --working-dir . -- python sweep.py --config sweeps/configs/smoke.yaml
@@ -266,7 +286,7 @@ if (( ! mlflow_running )); then
   echo "=== $(date -u +%FT%TZ) infra/local/start.sh ===" >>"$MLFLOW_LOG"
   launch "$MLFLOW_PID_FILE" "$MLFLOW_LOG" "$MLFLOW_BIN" server \
     --host "$GRKV_HOST" --port "$MLFLOW_PORT" \
-    --backend-store-uri "sqlite:///$STATE_DIR/mlflow.db" \
+    --backend-store-uri "$MLFLOW_BACKEND_STORE_URI" \
     --artifacts-destination "$STATE_DIR/mlartifacts" \
     --workers "${GRKV_MLFLOW_WORKERS:-1}"
   started+=(mlflow)

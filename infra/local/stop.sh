@@ -21,6 +21,10 @@ stopped=0
 
 stop_service ray "$RAY_PID_FILE" "ray start"
 stop_service mlflow "$MLFLOW_PID_FILE" "mlflow server"
+# The stack's own PostgreSQL (GRKV_POSTGRES=1 at the start), after MLflow, its client.
+if [[ -f "$ENDPOINTS_FILE" ]] && grep -qx "USE_POSTGRES=1" "$ENDPOINTS_FILE"; then
+  bash "$_common_dir/postgres.sh" stop || failed=1
+fi
 
 if (( failed )); then
   exit 1

@@ -75,17 +75,44 @@ def open_journal(journal: Path) -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
 
 
+# NOTE: the PyPI package that brings each database driver SQLAlchemy may import (its module name); psycopg2 is the
+# driver the project declares (the ``postgres`` extra), the others are named for a URL that asks for them.
+DRIVER_PACKAGES = {
+    "psycopg2": "psycopg2-binary (pip install 'grkv[postgres]')",
+    "psycopg": "psycopg[binary], or write the URL as postgresql+psycopg2://... and pip install 'grkv[postgres]'",
+    "pymysql": "PyMySQL",
+    "MySQLdb": "mysqlclient, or write the URL as mysql+pymysql://... and pip install PyMySQL",
+}
+
+
+def missing_driver(error: BaseException) -> str | None:
+    """What to install when ``error`` (or its cause) is a database driver that could not be imported, else None."""
+    for cause in (error, error.__cause__, error.__context__):
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            module = cause.name.split(".")[0]
+            return f"its driver module {module} is not installed: install {DRIVER_PACKAGES.get(module, module)}"
+    return None
+
+
 def open_storage_url(url: str) -> optuna.storages.RDBStorage:
-    """The Optuna RDB storage at ``url``, or ``StorageUnavailableError`` (password hidden) when it does not answer."""
+    """The Optuna RDB storage at ``url``, or ``StorageUnavailableError`` (password hidden) when it does not answer
+    or its driver is not installed (then naming the package).
+
+    NOTE: ``pool_pre_ping`` tests each pooled connection before use: a database restarted mid-sweep leaves the pool's
+    connections dead, and without it the first query on each fails although the server is back.
+    """
     from sqlalchemy.engine import make_url
 
     try:
-        return optuna.storages.RDBStorage(url)
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
     except Exception as error:  # noqa: BLE001 - drivers raise their own types (ImportError, OperationalError...)
         try:
             shown = make_url(url).render_as_string(hide_password=True)
         except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
             shown = url.split("@")[-1]
+        driver = missing_driver(error)
+        if driver is not None:
+            raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened: {driver}") from None
         reason = one_line(error)
         raise StorageUnavailableError(
             f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
