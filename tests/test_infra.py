@@ -286,7 +286,7 @@ def test_mlflow_deployment_uses_postgres_backend():
     argv = " ".join(c.get("command", []) + c.get("args", []))
     assert "mlflow server" in argv or c["command"][-1] == "server"
     backend = re.search(r"--backend-store-uri[= ](\S+)", argv)
-    assert backend and backend.group(1).startswith("postgresql://"), argv
+    assert backend and backend.group(1).startswith("postgresql+psycopg2://"), argv
     assert "postgres.grkv.svc.cluster.local:5432/mlflow" in backend.group(1)
     assert re.search(r"--artifacts-destination[= ]\S+", argv)
     assert env_value(c, "MLFLOW_DISABLE_TELEMETRY") == "true"
@@ -335,7 +335,7 @@ def test_docker_compose_services():
     assert "healthcheck" in pg
     assert ml["depends_on"]["postgres"]["condition"] == "service_healthy"
     cmd = " ".join(ml["command"])
-    assert "--backend-store-uri=postgresql://" in cmd and "--artifacts-destination=" in cmd
+    assert "--backend-store-uri=postgresql+psycopg2://" in cmd and "--artifacts-destination=" in cmd
     assert ml["environment"]["MLFLOW_DISABLE_TELEMETRY"] == "true"
     for svc in services.values():
         for p in svc.get("ports", []):
