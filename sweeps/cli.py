@@ -125,7 +125,7 @@ def cmd_sweep(args) -> int:
 
     config = load_config(args.config)  # NOTE: checked before any service starts
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    stack = LocalStack(args.state_dir.expanduser())
+    stack = LocalStack(args.state_dir.expanduser(), postgres=args.postgres)
     print(f"sweep {sweep_id}: {_sweep_words(config)}")
     lost = None
     try:
@@ -147,6 +147,7 @@ def cmd_sweep(args) -> int:
         resume = ["grkv", "sweep", "--config", str(args.config), "--sweep-id", sweep_id]
         if args.state_dir != GRKV_HOME / "local":
             resume += ["--state-dir", str(args.state_dir)]
+        resume += ["--postgres"] * args.postgres
         print(
             f"sweep {sweep_id}: stopped: {lost}; resume with: {shlex.join(resume + ['--stop'] * args.stop)}",
             file=sys.stderr,
@@ -308,6 +309,12 @@ def _add_service_commands(commands) -> None:
     _add_config(sweep, None)
     _add_sweep_id(sweep, False, "resume this sweep (default: a new one, <name>-<timestamp>)")
     _add_state_dir(sweep, GRKV_HOME / "local")
+    sweep.add_argument(
+        "--postgres",
+        action="store_true",
+        help="start the stack with a PostgreSQL server of its own for MLflow and Optuna, as a cluster stores them "
+        "(infra/local/postgres.sh; needs pip install '.[postgres]')",
+    )
     _add_stop(sweep)
     sweep.set_defaults(handler=cmd_sweep)
 

@@ -252,7 +252,9 @@ class TrackingSection(Strict):
 class StorageSection(Strict):
     """Optuna storage (only the driver writes it) and the driver's own state directory."""
 
-    url: str | None = Field(default=None, description="RDB URL (postgresql+psycopg2://..., the postgres extra) or None for a journal file")
+    url: str | None = Field(
+        default=None, description="RDB URL (postgresql+psycopg2://..., the postgres extra) or None for a journal file"
+    )
     # NOTE: absolute by default: `ray job submit --working-dir` runs the driver in a fresh copy of the
     # tree, so a relative path would lose the state a resumed sweep needs.
     state_dir: str = str(GRKV_HOME / "sweeps")

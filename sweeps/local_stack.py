@@ -27,13 +27,17 @@ class ServiceError(RuntimeError):
 
 @dataclass(frozen=True)
 class LocalStack:
-    """Ray head and MLflow server on 127.0.0.1, started by ``infra/local/start.sh`` from ``state_dir``."""
+    """Ray head and MLflow server on 127.0.0.1, started by ``infra/local/start.sh`` from ``state_dir``; with
+    ``postgres``, a PostgreSQL server of its own holds MLflow's backend store and the sweeps' Optuna storage."""
 
     state_dir: Path
+    postgres: bool = False
 
     def _script(self, name: str) -> None:
         """Run ``infra/local/<name>``, echoing its progress lines as they come."""
         env = {**os.environ, "GRKV_STATE_DIR": str(self.state_dir)}
+        if self.postgres:
+            env["GRKV_POSTGRES"] = "1"
         with subprocess.Popen(
             ["bash", str(LOCAL_INFRA / name)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         ) as script:

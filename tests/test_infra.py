@@ -364,7 +364,8 @@ def test_dockerfile_base_and_install():
         base = dockerfile_arg(path, base.strip("${}"))
     assert base.startswith(("nvidia/cuda:", "rayproject/ray")), base
     assert dockerfile_arg(path, "PYTHON_VERSION") == "3.11"
-    assert re.search(r'pip install(?:[^\n]|\\\n)*?"\.\[sweep\]"', text)  # same RUN (line continuations)
+    # the sweep and PostgreSQL extras, in the same RUN (line continuations)
+    assert re.search(r'pip install(?:[^\n]|\\\n)*?"\.\[sweep,postgres\]"', text)
     assert "flash-attn" in text and "INSTALL_FLASH_ATTN" in text  # optional
     env_line = re.search(
         r"^ENV RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true HF_HOME=/models/hf$", text, re.M

@@ -237,3 +237,20 @@ def test_a_missing_database_driver_is_one_line_naming_its_package(stack, postgre
     line = one_line(driver.stderr)
     assert named in line and postgres.url("optuna").split(":")[2].split("@")[0] not in line, line
     assert not (tmp_path / "state").exists(), "nothing half-created"
+
+
+def test_a_running_stack_keeps_its_stores(stack):
+    """start.sh asked for SQLite on a stack that runs on PostgreSQL refuses in one line and leaves it running."""
+    again = subprocess.run(
+        ["bash", str(REPO / "infra/local/start.sh")],
+        env=dict(stack["env"], GRKV_POSTGRES="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 1
+    assert again.stderr.strip() == (
+        f"grkv-local: error: the stack in {stack['state']} runs with GRKV_POSTGRES=1; stop it first "
+        "(infra/local/stop.sh) to change that"
+    )
+    check_tracking_server(stack["tracking_uri"], timeout_s=5)

@@ -292,7 +292,10 @@ def test_a_full_state_dir_is_one_line_and_leaves_nothing(services, tmp_path, ful
     "url, shown",
     [
         ("sqlite:////no/such/dir/optuna.db", "sqlite:////no/such/dir/optuna.db"),
-        ("postgresql+psycopg2://grkv:s3cret@127.0.0.1:{port}/optuna", "postgresql+psycopg2://grkv:***@127.0.0.1:{port}/optuna"),
+        (
+            "postgresql+psycopg2://grkv:s3cret@127.0.0.1:{port}/optuna",
+            "postgresql+psycopg2://grkv:***@127.0.0.1:{port}/optuna",
+        ),
     ],
 )
 def test_an_unreachable_storage_url_is_one_line_and_leaves_nothing(services, tmp_path, url, shown):

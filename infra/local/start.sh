@@ -36,8 +36,13 @@ alive "$mlflow_pid" "mlflow server" && mlflow_running=1
 
 if (( ray_running || mlflow_running )) && [[ -f "$ENDPOINTS_FILE" ]]; then
   # Something already runs from this state dir: keep the ports and auth mode it was started with.
+  USE_POSTGRES=0  # what a stack started before the option ran with
   # shellcheck disable=SC1090
   source "$ENDPOINTS_FILE"
+  # NOTE: a stack's stores cannot change under it: MLflow's runs and the sweeps' studies would be split across two.
+  if [[ -n "${GRKV_POSTGRES:-}" && "$GRKV_POSTGRES" != "${USE_POSTGRES:-0}" ]]; then
+    die "the stack in $STATE_DIR runs with GRKV_POSTGRES=${USE_POSTGRES:-0}; stop it first (infra/local/stop.sh) to change that"
+  fi
 fi
 
 case "$USE_POSTGRES" in
