@@ -268,7 +268,7 @@ def kuberay_state_mounts():
 
 def test_the_head_and_every_worker_group_mount_the_state_volume_where_the_sweeps_keep_their_state():
     """One ReadWriteMany volume at one path in every Ray pod, and the drivers' state directory on it: a restarted
-    head keeps the finished results, a trial re-queued onto another pod finds its checkpoints (docs/sweeps.md)."""
+    head keeps the finished results, a trial run again on another pod finds its checkpoints (docs/sweeps.md)."""
     claim = load_one("kuberay/state-volume.yaml")
     assert (claim["kind"], claim["metadata"]["name"]) == ("PersistentVolumeClaim", STATE_VOLUME)
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
