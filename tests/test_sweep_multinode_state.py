@@ -37,7 +37,7 @@ def checkpointed(folder: Path) -> dict[str, int]:
     for path in folder.rglob("*.json"):
         try:
             payload = json.loads(path.read_text())
-        except (OSError, ValueError):  # NOTE: removed by the driver as it was read (written atomically)
+        except OSError:  # NOTE: removed by the driver as it was read (written whole: never half a file)
             continue
         found[press_key(payload["resolved_press"])] = len(payload["samples"])
     return found
@@ -95,7 +95,7 @@ def sweep_with_a_node_lost_mid_batch(services, cluster, tmp_path, per_node: bool
     return interrupted, {press_key(o.resolved_press): o for o in outcomes.values()}
 
 
-def test_a_trial_requeued_onto_another_node_resumes_from_a_shared_state_dir_and_starts_over_on_per_node_disks(
+def test_a_trial_whose_node_is_lost_resumes_on_another_from_a_shared_state_dir_and_starts_over_on_per_node_disks(
     services, cluster, tmp_path
 ):
     started = time.monotonic()
