@@ -58,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="sweep YAML, e.g. sweeps/configs/smoke.yaml")
     parser.add_argument("--sweep-id", default=None, help="resume this sweep (default: <name>-<timestamp>)")
     parser.add_argument("--tracking-uri", default=None, help="override tracking.tracking_uri")
-    parser.add_argument("--state-dir", default=None, help="override storage.state_dir (journal + trial results)")
+    parser.add_argument(
+        "--state-dir",
+        default=os.environ.get("GRKV_SWEEP_STATE_DIR"),
+        help=(
+            "override storage.state_dir (journal, trial results, checkpoints; on a multi-node cluster a folder every "
+            "node mounts; default: $GRKV_SWEEP_STATE_DIR, which infra/kuberay and infra/ray-up set)"
+        ),
+    )
     parser.add_argument(
         "--storage-url",
         default=os.environ.get("GRKV_OPTUNA_STORAGE"),

@@ -89,6 +89,7 @@ def test_expected_files_exist():
         "docker/.dockerignore",
         "kuberay/raycluster.yaml",
         "kuberay/rayjob.yaml",
+        "kuberay/state-volume.yaml",
         "ray-up/cluster.yaml",
         "mlflow/postgres.yaml",
         "mlflow/postgres-secret.template.yaml",
@@ -236,6 +237,57 @@ def test_no_plaintext_passwords_in_manifests():
             text = json.dumps(d)
             for m in re.finditer(r'"name": "(\w*PASSWORD\w*)", "value": "([^"]*)"', text):
                 pytest.fail(f"{path}: {m.group(1)} has a literal value")
+
+
+# The variable the cluster configurations give sweep.py its --state-dir in, and the volume holding it.
+STATE_DIR_ENV = "GRKV_SWEEP_STATE_DIR"
+STATE_VOLUME = "grkv-state"
+
+
+def test_sweep_py_takes_its_state_dir_from_the_variable_the_clusters_set():
+    source = (ROOT / "sweep.py").read_text()
+    assert re.search(rf'"--state-dir",\s*default=os\.environ\.get\("{STATE_DIR_ENV}"\)', source)
+
+
+def kuberay_state_mounts():
+    """Where each KubeRay pod (head and every worker group, RayCluster and RayJob) mounts the state volume, and the
+    state directory each head's driver is given."""
+    mounts, state_dirs = {}, {}
+    for where, template in _ray_pod_templates():
+        spec = template["spec"]
+        claims = [v["name"] for v in spec["volumes"] if v.get("persistentVolumeClaim") == {"claimName": STATE_VOLUME}]
+        assert len(claims) == 1, f"{where}: no volume of the claim {STATE_VOLUME}"
+        (container,) = spec["containers"]
+        mounts[where] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == claims[0]]
+        # NOTE: the image's user writes there: its group owns the volume
+        assert spec["securityContext"]["fsGroup"] == int(dockerfile_arg(INFRA / "docker/Dockerfile", "USER_GID"))
+        if where.endswith("/head"):
+            state_dirs[where] = env_value(container, STATE_DIR_ENV)
+    return mounts, state_dirs
+
+
+def test_the_head_and_every_worker_group_mount_the_state_volume_where_the_sweeps_keep_their_state():
+    """One ReadWriteMany volume at one path in every Ray pod, and the drivers' state directory on it: a restarted
+    head keeps the finished results, a trial run again on another pod finds its checkpoints (docs/sweeps.md)."""
+    claim = load_one("kuberay/state-volume.yaml")
+    assert (claim["kind"], claim["metadata"]["name"]) == ("PersistentVolumeClaim", STATE_VOLUME)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    mounts, state_dirs = kuberay_state_mounts()
+    assert len(mounts) >= 4 and len(state_dirs) == 2, mounts
+    ((mount,),) = {tuple(paths) for paths in mounts.values()}
+    for where, state_dir in state_dirs.items():
+        assert state_dir and Path(state_dir).is_relative_to(mount), f"{where}: {STATE_DIR_ENV}={state_dir}"
+
+    # ray up: the same path in every node's container (docker.run_options apply to the head and the workers alike),
+    # from a host folder each node mounts before its container starts.
+    cfg = load_one("ray-up/cluster.yaml")
+    assert not any("docker" in node for node in cfg["available_node_types"].values()), "a node type's own docker"
+    run_options = cfg["docker"]["run_options"]
+    (host,) = [o.split()[1].split(":")[0] for o in run_options if o.startswith("-v ") and o.endswith(f":{mount}")]
+    assert f"-e {STATE_DIR_ENV}={state_dirs['raycluster/head']}" in run_options
+    assert any(re.search(rf"mount -t nfs4 .* {re.escape(host)}\)", c) for c in cfg["initialization_commands"]), host
+    for doc in (INFRA / "README.md", ROOT / "docs/sweeps.md"):
+        assert mount in doc.read_text() and STATE_DIR_ENV in doc.read_text(), doc
 
 
 # --------------------------------------------------------------------------------------- ray up

@@ -79,7 +79,12 @@ def test_finished_and_lost_outcomes_round_trip_through_json():
     assert (lost.trial_number, lost.stage) == (6, FULL_STAGE)
     assert (tested.trial_number, tested.stage, tested.test_of, tested.key) == (None, TEST_STAGE, "5", "5")
     # A batch's wall time is shared out among its trials.
-    assert finished.worker_timing() == {"trial_eval_s": 1.25, "batch_trials": 2, "worker_model_loads": 2}
+    assert finished.worker_timing() == {
+        "trial_eval_s": 1.25,
+        "batch_trials": 2,
+        "worker_model_loads": 2,
+        "resumed_samples": 0,
+    }
     assert finished.resolved_press["lambda_k"] == 0.0 and finished.resolved_press["press.window_size"] == 32
     assert finished.resolved_press["compression_ratio"] == 0.8
 

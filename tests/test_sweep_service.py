@@ -66,6 +66,7 @@ REQUIRED_METRICS = {
     "window_loss",
     "trial_eval_s",
     "batch_trials",
+    "resumed_samples",
     "service_overhead_s",
 }
 # Screening generates nothing: losses and costs, no score.

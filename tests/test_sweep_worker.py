@@ -12,7 +12,7 @@ from grkv_core.evaluation.leaderboard import read_runs
 from sweeps.state.state_dir import StateDir
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest
-from workers.trial_worker import TrialWorker, split_samples
+from workers.trial_worker import CHECKPOINT_DIR_ENV, TrialWorker, split_samples
 
 CONFIG = EvalConfig(
     model="tiny-llama",
@@ -120,6 +120,7 @@ def test_a_trial_asked_again_resumes_from_its_checkpoint_at_the_sample_it_had_re
     grkv_file.write_text(json.dumps(payload))
     (again,) = worker.evaluate_batch([TrialRequest(7, GRKV, checkpoint_dir=checkpoints)])
     assert again.ok and again.trial_number == 7
+    assert [first[0].resumed_samples, again.resumed_samples] == [0, 1]
     assert [row["sample_id"] for row in again.samples] == [row["sample_id"] for row in first[0].samples]
     assert again.samples[0]["predictions"] == ["from the checkpoint"]
     assert_same_measurements(again.samples[1], first[0].samples[1])
@@ -127,6 +128,27 @@ def test_a_trial_asked_again_resumes_from_its_checkpoint_at_the_sample_it_had_re
     (plain,) = worker.evaluate_batch([TrialRequest(8, GRKV)])
     for row, expected in zip(plain.samples, first[0].samples, strict=True):
         assert_same_measurements(row, expected)
+
+
+def test_a_node_with_its_own_checkpoint_folder_keeps_checkpoints_there_and_reads_no_others(
+    worker, tmp_path, monkeypatch
+):
+    """``GRKV_CHECKPOINT_DIR`` on a node (here: this process's environment, as a node's workers inherit it) moves its
+    workers' checkpoints below that folder; a node without it, or with another, does not find them."""
+    checkpoints = tmp_path / "state" / "sweep" / "checkpoints"
+    node = tmp_path / "node-a"
+    monkeypatch.setenv(CHECKPOINT_DIR_ENV, str(node))
+    (first,) = worker.evaluate_batch([TrialRequest(1, GRKV, checkpoint_dir=str(checkpoints))])
+    (kept,) = (node / checkpoints.relative_to("/") / FULL_STAGE).glob("*.json")
+    assert len(json.loads(kept.read_text())["samples"]) == len(first.samples) and not checkpoints.exists()
+    (again,) = worker.evaluate_batch([TrialRequest(2, GRKV, checkpoint_dir=str(checkpoints))])
+    assert again.resumed_samples == len(first.samples)
+    monkeypatch.setenv(CHECKPOINT_DIR_ENV, str(tmp_path / "node-b"))
+    (elsewhere,) = worker.evaluate_batch([TrialRequest(3, GRKV, checkpoint_dir=str(checkpoints))])
+    monkeypatch.delenv(CHECKPOINT_DIR_ENV)
+    (shared,) = worker.evaluate_batch([TrialRequest(4, GRKV, checkpoint_dir=str(checkpoints))])
+    assert [elsewhere.resumed_samples, shared.resumed_samples] == [0, 0]
+    assert (checkpoints / FULL_STAGE).is_dir()
 
 
 def assert_same_measurements(row: dict, expected: dict) -> None:

@@ -63,9 +63,10 @@ def configuration_key(press: PressConfig) -> str:
 class TrialRequest:
     """One trial for a worker: its identity (number or ``test_of``, and stage) and the press to evaluate.
 
-    ``checkpoint_dir``: where the worker keeps the trial's per-sample results while it runs (on the worker's
-    machine), so a trial evaluated again with the same press, after an interruption, resumes at the sample it
-    had reached; None keeps nothing.
+    ``checkpoint_dir``: where the worker keeps the trial's per-sample results while it runs (the state directory's
+    ``checkpoints/``, a path on the worker's own node unless every node mounts the state directory there, and moved
+    by the node's ``GRKV_CHECKPOINT_DIR``: ``workers.trial_worker.CHECKPOINT_DIR_ENV``), so a trial evaluated again
+    with the same press, after an interruption, resumes at the sample it had reached there; None keeps nothing.
     """
 
     trial_number: int | None
@@ -141,6 +142,9 @@ class TrialOutcome:
         None when no worker ran it to the end.
     batch_trials : int
         How many trials the worker evaluated together with this one (itself included).
+    resumed_samples : int
+        How many of ``samples`` the worker read from the trial's checkpoint instead of evaluating them (a trial
+        re-queued after an interruption, on a node that can read the checkpoint its first attempt wrote).
     resolved_press : dict
         ``grkv_core.presses.from_config.resolved`` of the press the worker built: every field, defaults included.
     summary : dict or None
@@ -167,6 +171,7 @@ class TrialOutcome:
     test_of: str | None = None
     batch_trials: int = 1
     kvpress_runs: list[dict[str, Any]] = field(default_factory=list)
+    resumed_samples: int = 0
 
     def __post_init__(self) -> None:
         check_identity(self.trial_number, self.stage, self.test_of)
@@ -210,6 +215,7 @@ class TrialOutcome:
             "trial_eval_s": (self.finished_at - self.started_at) / self.batch_trials,
             "batch_trials": self.batch_trials,
             "worker_model_loads": self.worker.model_loads,
+            "resumed_samples": self.resumed_samples,
         }
 
     def to_dict(self) -> dict[str, Any]:

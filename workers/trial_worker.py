@@ -14,6 +14,7 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,13 @@ from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import FAILED, OK, TrialOutcome, TrialRequest, WorkerIdentity
 
 log = logging.getLogger("grkv.sweep")
+
+# A folder on a node where its workers keep their trials' per-sample checkpoints instead of the state directory's
+# ``checkpoints/`` (the path each request names is kept below it: ``<folder>/<that path>``), set in the environment
+# of that node's ``ray start``, whose workers inherit it. For a node whose disk at the state directory's path is slow
+# (a network volume) or not the user's; its checkpoints are read by the workers of that node only, and a finished
+# trial's checkpoint stays there (the driver removes those in the state directory only).
+CHECKPOINT_DIR_ENV = "GRKV_CHECKPOINT_DIR"
 
 
 class WorkerStartError(RuntimeError):
@@ -181,6 +189,8 @@ class TrialWorker:
         # NOTE: each trial's press is built here, once, for every sample it runs on.
         presses = [BuiltPress.of(request.press) for request in requests]
         checkpoints = [self._checkpoint(request, press) for request, press in zip(requests, presses)]
+        ids = {sample.sample_id for sample in self.samples[stage]}
+        resumed = [sum(row.sample_id in ids for row in store.results) if store else 0 for store in checkpoints]
         per_trial = evaluate_samples(
             self.setup.evaluator,
             self.samples[stage],
@@ -203,8 +213,9 @@ class TrialWorker:
                 summary=summarize(results),
                 samples=[asdict(result) for result in results],
                 kvpress_runs=self._kvpress_runs(request, press, results),
+                resumed_samples=count,
             )
-            for request, press, results in zip(requests, presses, per_trial)
+            for request, press, results, count in zip(requests, presses, per_trial, resumed)
         ]
 
     def _kvpress_runs(self, request: TrialRequest, press: BuiltPress, results: list) -> list[dict]:
@@ -223,11 +234,15 @@ class TrialWorker:
         ]
 
     def _checkpoint(self, request: TrialRequest, press: BuiltPress) -> ResultStore | None:
-        """The store of a request's per-sample results (``TrialRequest.checkpoint``), or None."""
-        if request.checkpoint is None:
+        """The store of a request's per-sample results (``TrialRequest.checkpoint``, below this node's
+        ``CHECKPOINT_DIR_ENV`` where set), or None."""
+        path = request.checkpoint
+        if path is None:
             return None
-        request.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        return ResultStore(request.checkpoint, self._stage_config(request), self.setup.model_dtype, press.settings)
+        if os.environ.get(CHECKPOINT_DIR_ENV):
+            path = Path(os.environ[CHECKPOINT_DIR_ENV]) / path.relative_to(path.anchor)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return ResultStore(path, self._stage_config(request), self.setup.model_dtype, press.settings)
 
     def _stage_config(self, request: TrialRequest) -> EvalConfig:
         """The evaluation a request's stage runs: its press; screening generates nothing."""
