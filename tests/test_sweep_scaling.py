@@ -1,0 +1,118 @@
+"""The driver's per-trial work does not grow with the study: what a trial costs at trial 100 it cost at trial 20.
+
+A sweep of hundreds of trials (docs/results/sweep-scale.md) stays fast only while opening and recording a trial reads
+no more of the Optuna storage, and calls MLflow no more often, than it did early on. These run a stage's ledger with
+its real Optuna storage (an RDB on SQLite, behind Optuna's cache as in a sweep) and a tracker that counts its calls, no
+service, and fail if a per-trial cost becomes proportional to the number of trials again.
+"""
+
+from collections import Counter
+
+import optuna
+import pytest
+import yaml
+from conftest import REPO
+
+from sweeps.config import load_config
+from sweeps.state.ledgers import TrialLedger
+from sweeps.state.optuna_storage import open_storage_url
+from sweeps.state.records import SweepRecords
+from workers.names import FULL_STAGE
+from workers.protocol import OK, TrialOutcome, WorkerIdentity
+
+BATCH = 4
+WORKER = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=1)
+
+
+class CountingTracker:
+    """A ``SweepTracker`` that records nothing and counts its calls by method."""
+
+    def __init__(self):
+        self.calls = Counter()
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return {} if name == "child_runs" else f"run-{sum(self.calls.values())}"
+
+        return call
+
+
+class Reads:
+    """Trials handed out by the study's storage (Optuna's cache: what the ledger and the sampler walk through) and
+    trials read from the database behind it."""
+
+    def __init__(self, study: optuna.Study, backend: optuna.storages.RDBStorage):
+        self.cached = self.database = 0
+        self._wrap(study._storage, "get_all_trials", "cached")
+        self._wrap(backend, "_get_trials", "database")
+
+    def _wrap(self, storage, method: str, counter: str) -> None:
+        original = getattr(storage, method)
+
+        def counting(*args, **kwargs):
+            trials = original(*args, **kwargs)
+            setattr(self, counter, getattr(self, counter) + len(trials))
+            return trials
+
+        setattr(storage, method, counting)
+
+
+def outcome_of(request) -> TrialOutcome:
+    """A finished outcome whose score repeats every 11 trials, so that the best is tied between several."""
+    summary = {"mean_score": float(request.trial_number * 7 % 11), "tasks": {}}
+    return TrialOutcome.of(request, OK, started_at=0.0, finished_at=1.0, worker=WORKER, summary=summary)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    """The full stage of a sweep with a random sampler (its asks read no trials, so what is counted is the
+    ledger's own), its storage an SQLite database, its runs counted by a ``CountingTracker``."""
+    config = yaml.safe_load((REPO / "sweeps" / "configs" / "smoke.yaml").read_text())
+    config.update(trials=1000, sampler={"type": "random", "seed": 0}, storage={"state_dir": str(tmp_path)})
+    del config["screening"], config["test"], config["data"]["test"]
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    records = SweepRecords(load_config(path), "scaling")
+    records.storage = open_storage_url(f"sqlite:///{tmp_path}/optuna.db")
+    records.tracker = CountingTracker()
+    records.state.create()
+    ledger = TrialLedger(records, FULL_STAGE)
+    ledger.open()
+    return ledger
+
+
+def run_batches(ledger: TrialLedger, trials: int) -> None:
+    """Open and record ``trials`` trials, ``BATCH`` at a time, as the driver does."""
+    for _ in range(trials // BATCH):
+        for open_trial in ledger.open_trials(BATCH):
+            ledger.record(open_trial, outcome_of(open_trial.request), 0.0, 1)
+
+
+def test_a_trial_reads_as_much_of_the_storage_at_trial_100_as_at_trial_20(ledger):
+    reads = Reads(ledger.study, ledger.records.storage)
+    run_batches(ledger, 20)
+    early = reads.cached, reads.database
+    run_batches(ledger, 80)
+    before_late = reads.cached, reads.database
+    run_batches(ledger, 20)
+    late = [now - before for now, before in zip((reads.cached, reads.database), before_late)]
+    assert ledger.completed() == 120 and ledger.reused == 0
+    assert ledger.best() == [
+        {"number": t.number, "values": t.values, "params": t.params} for t in ledger.study.best_trials[:5]
+    ]
+    resumed = TrialLedger(ledger.records, FULL_STAGE)  # counts and best trials read back from the study
+    resumed.open()
+    assert (resumed.completed(), resumed.reused, resumed.best()) == (120, 0, ledger.best())
+    # NOTE: per 20 trials: the same reads late as early (a few trials in flight are read each time), where one scan of
+    # the study per trial would read 20 x 100 trials late against 20 x 10 early.
+    assert late[0] <= early[0] + 20 and late[1] <= early[1] + 20, (early, late)
+
+
+def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_searches(ledger):
+    run_batches(ledger, 20)
+    tracker = ledger.records.tracker
+    early = Counter(tracker.calls)
+    run_batches(ledger, 20)
+    late = tracker.calls - early
+    assert late == Counter(start_trial=20, finish_trial=20, update_parent=20)
