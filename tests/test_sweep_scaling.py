@@ -2,10 +2,11 @@
 
 A sweep of hundreds of trials (docs/results/sweep-scale.md) stays fast only while opening and recording a trial reads
 no more of the Optuna storage, and calls MLflow no more often, than it did early on. These run a stage's ledger with
-its real Optuna storage (an RDB on SQLite, behind Optuna's cache as in a sweep) and a tracker that counts its calls, no
-service, and fail if a per-trial cost becomes proportional to the number of trials again.
+a real Optuna storage (an RDB on an in-memory SQLite, behind Optuna's cache as in a sweep) and an MLflow client that
+counts its calls, no service, and fail if a per-trial cost becomes proportional to the number of trials again.
 """
 
+import contextlib
 from collections import Counter
 from types import SimpleNamespace
 
@@ -15,12 +16,13 @@ import yaml
 from conftest import REPO
 
 from sweeps.config import load_config
+from sweeps.space import baseline_params, make_sampler, suggest_press, trials_read_once
 from sweeps.state.ledgers import TrialLedger
 from sweeps.state.optuna_storage import open_storage_url
 from sweeps.state.records import SweepRecords
 from tracking.mlflow_tracker import SweepTracker
-from workers.names import FULL_STAGE
-from workers.protocol import OK, TrialOutcome, WorkerIdentity
+from workers.names import BASELINE_TAG, FULL_STAGE
+from workers.protocol import OK, TrialOutcome, WorkerIdentity, configuration_key
 
 BATCH = 4
 WORKER = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=1)
@@ -72,7 +74,7 @@ def outcome_of(request) -> TrialOutcome:
 @pytest.fixture
 def ledger(tmp_path):
     """The full stage of a sweep with a random sampler (its asks read no trials, so what is counted is the
-    ledger's own), its storage an SQLite database, its MLflow calls counted by a ``CountingClient``."""
+    ledger's own), its storage an in-memory SQLite database, its MLflow calls counted by a ``CountingClient``."""
     config = yaml.safe_load((REPO / "sweeps" / "configs" / "smoke.yaml").read_text())
     config.update(trials=1000, sampler={"type": "random", "seed": 0}, storage={"state_dir": str(tmp_path)})
     del config["screening"], config["test"], config["data"]["test"]
@@ -80,7 +82,7 @@ def ledger(tmp_path):
     path.write_text(yaml.safe_dump(config))
     config = load_config(path)
     records = SweepRecords(config, "scaling")
-    records.storage = open_storage_url(f"sqlite:///{tmp_path}/optuna.db")
+    records.storage = open_storage_url("sqlite://")
     records.tracker = SweepTracker(CountingClient(), "0", "scaling", "parent", tuple(config.search_space))
     records.state.create()
     ledger = TrialLedger(records, FULL_STAGE)
@@ -123,3 +125,25 @@ def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_reads_it(ledger)
     # NOTE: per trial: its run created, its sampler's params, its results (no predictions here), its close, and the
     # parent run's progress; no search, no run read back.
     assert client.calls - early == Counter(create_run=20, log_batch=60, set_terminated=20)
+
+
+def test_reading_the_trials_once_per_suggestion_proposes_what_reading_them_each_time_does(tmp_path):
+    """TPE with a constant liar (the sweeps' sampler), batches of trials in flight, the baselines enqueued first: the
+    same proposals whether the storage is read once per suggested trial (``trials_read_once``) or at every read."""
+    config = load_config(REPO / "sweeps" / "configs" / "smoke.yaml")
+    proposals = {}
+    for once in (False, True):
+        storage = open_storage_url("sqlite://")
+        study = optuna.create_study(storage=storage, sampler=make_sampler(config, 0), direction="maximize")
+        for name, params in baseline_params(config):
+            study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
+        proposed = []
+        for _ in range(10):
+            batch = [study.ask() for _ in range(BATCH)]
+            for trial in batch:
+                with trials_read_once(study) if once else contextlib.nullcontext():
+                    proposed.append(configuration_key(suggest_press(trial, config)))
+            for trial in batch:
+                study.tell(trial, float(trial.number * 7 % 11))
+        proposals[once] = proposed
+    assert proposals[True] == proposals[False] and len(set(proposals[True])) == 10 * BATCH

@@ -12,7 +12,14 @@ from dataclasses import replace
 import optuna
 
 from grkv_core.config import PressConfig
-from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, proposing_at_random, suggest_press
+from sweeps.space import (
+    RANDOM_AFTER_DUPLICATES,
+    make_sampler,
+    press_of,
+    proposing_at_random,
+    suggest_press,
+    trials_read_once,
+)
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, dominates
 from sweeps.state.driver_times import DriverTimes
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
@@ -154,7 +161,8 @@ class TrialLedger:
                 else contextlib.nullcontext(),
             ):
                 trial = self.study.ask()
-                press = suggest_press(trial, self.records.config)
+                with trials_read_once(self.study):
+                    press = suggest_press(trial, self.records.config)
             key = configuration_key(press)
             self.duplicates_in_a_row += 1
             original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
