@@ -103,6 +103,10 @@ EOF
 }
 
 stop_server() {
+  # NOTE: stop.sh passes none of the start's settings: without them, the cluster is the one the start wrote down.
+  if [[ -z "${GRKV_POSTGRES_DIR:-}${GRKV_POSTGRES_PORT:-}" && -f "$PG_ENV_FILE" ]]; then
+    PG_DATA="$(sed -n 's/^GRKV_POSTGRES_DIR=//p' "$PG_ENV_FILE")/data"
+  fi
   if [[ -f "$PG_DATA/PG_VERSION" ]] && server_running; then
     as_server "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null || die "postgres: did not stop ($PG_DATA)"
     info "postgres: stopped (data kept in $PG_DATA)"
