@@ -49,6 +49,7 @@ SERVICE_ENV = {
     "RAY_AUTH_MODE": "disabled",
 }
 EXPERIMENT = "grkv-sweep-scale"
+PARTS = ("ask", "mlflow", "state", "tell", "parent")  # sweeps.state.driver_times.PARTS
 # The first and last this many trials compare the sampler's ask time early and late in the sweep.
 EDGE = 50
 
@@ -204,8 +205,6 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
     ]
     rows = [row for row in rows if int(row["key"]) in set(complete)]
     rows.sort(key=lambda row: int(row["key"]))
-    parts = ("ask_s", "mlflow_s", "state_s", "tell_s", "parent_s")
-    driver = [sum(row[part] for part in parts) for row in rows]
     evaluation = [run.data.metrics["trial_eval_s"] for run in finished]
     started = min(run.info.start_time for run in finished) / 1000
     ended = max(run.info.end_time for run in finished) / 1000
@@ -226,10 +225,6 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
             sizes[database] = size.scalar()
         engine.dispose()
 
-    def part_stats(part: str) -> dict:
-        values = [row[part] for row in rows]
-        return {"median": statistics.median(values), "p95": percentile(values, 0.95)}
-
     figures = {
         "sweep_id": sweep_id,
         "trials": trials,
@@ -240,23 +235,39 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
         "driver_chunks": chunks,
         "trials_per_minute_driver": len(complete) / (sum(chunk["wall_s"] for chunk in chunks) / 60),
         "trials_per_minute_runs": len(complete) / ((ended - started) / 60),
-        "driver_s": {"median": statistics.median(driver), "p95": percentile(driver, 0.95), "max": max(driver)},
         "trial_eval_s": {"median": statistics.median(evaluation), "p95": percentile(evaluation, 0.95)},
-        "parts_s": {part.removesuffix("_s"): part_stats(part) for part in (*parts, "dispatch_s")},
-        "ask_s_first": statistics.median(row["ask_s"] for row in rows[:EDGE]),
-        "ask_s_last": statistics.median(row["ask_s"] for row in rows[-EDGE:]),
-        "driver_s_first": statistics.median(driver[:EDGE]),
-        "driver_s_last": statistics.median(driver[-EDGE:]),
+        "dispatch_s": {"median": statistics.median(row["dispatch_s"] for row in rows)},
+        "wall": driver_figures(rows, "_s"),
+        "cpu": driver_figures(rows, "_cpu_s"),
         "report_s": report_s,
         "report_ok": report.returncode == 0,
         "database_bytes": sizes,
     }
-    plot(rows, driver, out / "driver_time.png")
+    plot(rows, out / "driver_time.png")
     return figures
 
 
-def plot(rows: list[dict], driver: list[float], path: Path) -> None:
-    """Driver seconds per trial (and the sampler's ask) against the trial number."""
+def driver_figures(rows: list[dict], suffix: str) -> dict:
+    """The driver's seconds per trial (``suffix`` ``_s``: wall clock; ``_cpu_s``: its thread's CPU): all parts and
+    each part, median and p95; all parts and the ask, median of the first and the last ``EDGE`` trials."""
+    driver = [sum(row[part + suffix] for part in PARTS) for row in rows]
+    ask = [row["ask" + suffix] for row in rows]
+    return {
+        "driver": {"median": statistics.median(driver), "p95": percentile(driver, 0.95), "max": max(driver)},
+        "parts": {
+            part: {"median": statistics.median(row[part + suffix] for row in rows),
+                   "p95": percentile([row[part + suffix] for row in rows], 0.95)}
+            for part in PARTS
+        },
+        "driver_first": statistics.median(driver[:EDGE]),
+        "driver_last": statistics.median(driver[-EDGE:]),
+        "ask_first": statistics.median(ask[:EDGE]),
+        "ask_last": statistics.median(ask[-EDGE:]),
+    }  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """The driver's seconds per trial (wall clock and CPU, and the sampler's ask) against the trial number."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,8 +275,10 @@ def plot(rows: list[dict], driver: list[float], path: Path) -> None:
 
     numbers = [int(row["key"]) for row in rows]
     figure, axes = plt.subplots(figsize=(7, 3.2))
-    axes.plot(numbers, [1000 * value for value in driver], ".", markersize=3, label="driver, all parts")
-    axes.plot(numbers, [1000 * row["ask_s"] for row in rows], ".", markersize=3, label="ask (TPE)")
+    for suffix, what in (("_s", "wall clock"), ("_cpu_s", "driver CPU")):
+        driver = [1000 * sum(row[part + suffix] for part in PARTS) for row in rows]
+        axes.plot(numbers, driver, ".", markersize=3, label=f"driver, all parts, {what}")
+    axes.plot(numbers, [1000 * row["ask_cpu_s"] for row in rows], ".", markersize=3, label="ask (TPE), driver CPU")
     axes.set_xlabel("trial number")
     axes.set_ylabel("ms per trial")
     axes.set_yscale("log")
@@ -276,38 +289,43 @@ def plot(rows: list[dict], driver: list[float], path: Path) -> None:
 
 
 def markdown(figures: dict, command: str) -> str:
-    parts = figures["parts_s"]
+    wall, cpu = figures["wall"], figures["cpu"]
+
+    def ms(value: float) -> str:
+        return f"{1000 * value:.1f}"
+
+    def both(key: str, figure: str) -> str:
+        return f"{ms(wall[key][figure])} | {ms(cpu[key][figure])}"
+
     lines = [
         "# Sweep at scale: measured figures",
         "",
         f"Command: `{command}`",
         "",
         f"{figures['complete_trials']} of {figures['trials']} trials COMPLETE in Optuna, {figures['finished_runs']} "
-        f"FINISHED MLflow runs; every trial finished exactly once: {figures['every_trial_finished_once']}.",
+        f"FINISHED MLflow runs; every trial finished exactly once: {figures['every_trial_finished_once']}. "
+        f"{figures['trials_per_minute_driver']:.1f} trials per minute over {len(figures['driver_chunks'])} run(s) of "
+        f"sweep.py. `grkv report` over the sweep: {figures['report_s']:.1f} s (ok: {figures['report_ok']}). "
+        f"PostgreSQL databases: `optuna` {figures['database_bytes']['optuna'] / 2**20:.1f} MiB, `mlflow` "
+        f"{figures['database_bytes']['mlflow'] / 2**20:.1f} MiB.",
         "",
-        "| figure | value |",
-        "|---|---|",
-        f"| trials per minute (driver wall time, {len(figures['driver_chunks'])} run(s) of sweep.py) "
-        f"| {figures['trials_per_minute_driver']:.1f} |",
-        f"| driver's own time per trial, median / p95 / max | {1000 * figures['driver_s']['median']:.1f} / "
-        f"{1000 * figures['driver_s']['p95']:.1f} / {1000 * figures['driver_s']['max']:.0f} ms |",
-        f"| trial's own evaluation (`trial_eval_s`), median / p95 | {1000 * figures['trial_eval_s']['median']:.0f} / "
-        f"{1000 * figures['trial_eval_s']['p95']:.0f} ms |",
-        f"| driver time per trial, median of the first / last {EDGE} | {1000 * figures['driver_s_first']:.1f} / "
-        f"{1000 * figures['driver_s_last']:.1f} ms |",
-        f"| sampler's ask, median of the first / last {EDGE} | {1000 * figures['ask_s_first']:.1f} / "
-        f"{1000 * figures['ask_s_last']:.1f} ms |",
-        *(
-            f"| {name}, median / p95 | {1000 * parts[name]['median']:.1f} / {1000 * parts[name]['p95']:.1f} ms |"
-            for name in ("ask", "mlflow", "state", "tell", "parent", "dispatch")
-        ),
-        f"| `grkv report` over the sweep | {figures['report_s']:.1f} s (ok: {figures['report_ok']}) |",
-        f"| PostgreSQL `optuna` / `mlflow` database size | {figures['database_bytes']['optuna'] / 2**20:.1f} / "
-        f"{figures['database_bytes']['mlflow'] / 2**20:.1f} MiB |",
+        "| ms per trial | wall clock | driver CPU |",
+        "|---|---|---|",
+        f"| driver, all parts: median | {both('driver', 'median')} |",
+        f"| driver, all parts: p95 | {both('driver', 'p95')} |",
+        f"| driver, all parts: median of the first / last {EDGE} trials | {ms(wall['driver_first'])} / "
+        f"{ms(wall['driver_last'])} | {ms(cpu['driver_first'])} / {ms(cpu['driver_last'])} |",
+        f"| ask (the sampler): median of the first / last {EDGE} trials | {ms(wall['ask_first'])} / "
+        f"{ms(wall['ask_last'])} | {ms(cpu['ask_first'])} / {ms(cpu['ask_last'])} |",
+        *(f"| {part}: median / p95 | {ms(wall['parts'][part]['median'])} / {ms(wall['parts'][part]['p95'])} | "
+          f"{ms(cpu['parts'][part]['median'])} / {ms(cpu['parts'][part]['p95'])} |" for part in PARTS),
+        f"| the trial's own evaluation (`trial_eval_s`): median / p95 | {ms(figures['trial_eval_s']['median'])} / "
+        f"{ms(figures['trial_eval_s']['p95'])} | |",
+        f"| its batch's Ray round trip, its share (`dispatch_s`): median | {ms(figures['dispatch_s']['median'])} | |",
         "",
         "![driver time per trial](driver_time.png)",
         "",
-    ]
+    ]  # fmt: skip
     return "\n".join(lines)
 
 
