@@ -164,9 +164,9 @@ def trials_read_once(study: optuna.Study):
 
     NOTE: for the sampler's reads while one trial is suggested: TPE with a constant liar reads the study afresh for
     each parameter (Optuna caches the finished trials, but reads the unfinished ones from the database each time:
-    several round trips a read, ten reads a trial). The answer is the same every time: only the lease holder writes
-    the study, and while it suggests a trial nothing changes but that trial, which the sampler leaves out of what it
-    reads (tests/test_sweep_scaling.py checks the proposals are the same).
+    several round trips a read, one a suggested parameter). The answer is the same every time: only the lease holder
+    writes the study, and while it suggests a trial nothing changes but that trial, which the sampler leaves out of
+    what it reads (tests/test_sweep_scaling.py checks the proposals are the same).
     """
     storage = study._storage
     overridden = "get_all_trials" in vars(storage)

@@ -29,7 +29,7 @@ def load_predictions(client: MlflowClient, artifact_uris: dict[str, str], notes:
     Runs without the artifact add no rows and one note (naming ``stage``) between them.
 
     NOTE: read from each run's artifact URI, ``DOWNLOADS`` at a time: through ``runs:/`` MLflow 3 also looks for the
-    run's logged models, three more requests a run (a report over 500 runs spent 40 s on them).
+    run's logged models, three more requests a run (docs/results/sweep-scale.md).
     """
     frames, missing = [], []
     with tempfile.TemporaryDirectory() as folder:
