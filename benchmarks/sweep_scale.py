@@ -181,7 +181,7 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
     import sqlalchemy
     from mlflow.tracking import MlflowClient
 
-    from workers.names import ROLE_TAG, SWEEP_TAG, TRIAL_TAG
+    from workers.names import FULL_STAGE, ROLE_TAG, SWEEP_TAG, TRIAL_TAG
 
     stack = env_file(work / "stack" / "env.sh")
     postgres = env_file(work / "stack" / "postgres.env")
@@ -203,7 +203,7 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
         for line in (work / "state" / sweep_id / "driver_times.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    rows = [row for row in rows if int(row["key"]) in set(complete)]
+    rows = [row for row in rows if row["stage"] == FULL_STAGE and int(row["key"]) in set(complete)]
     rows.sort(key=lambda row: int(row["key"]))
     evaluation = [run.data.metrics["trial_eval_s"] for run in finished]
     started = min(run.info.start_time for run in finished) / 1000
