@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from grkv_core.files import write_atomically
+from sweeps.local_stack import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 PORT_SETTINGS = (
@@ -78,13 +79,6 @@ def sweep_config(trials: int, workers: int, batch_size: int, tracking_uri: str) 
         "workers": {"count": workers, "num_cpus": 2 / workers, "batch_size": batch_size, "max_retries": 2},
         "tracking": {"tracking_uri": tracking_uri, "experiment": EXPERIMENT},
     }
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` free loopback ports outside Ray's worker range (10002-19999)."""
-    from tests.conftest import free_ports as probe
-
-    return probe(count)
 
 
 def stack_env(work: Path) -> dict[str, str]:
