@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,23 @@ from sweeps.follow import ACTIVE_JOB, ProgressPrinter, cluster_loss, job_end
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
 SWEEP_ENTRYPOINT = REPO_ROOT / "sweep.py"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1, outside Ray's worker port range 10002-19999 (for the services)."""
+    sockets, ports = [], []
+    try:
+        while len(ports) < n:
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            sockets.append(probe)
+            port = probe.getsockname()[1]
+            if not 10002 <= port <= 19999:
+                ports.append(port)
+    finally:
+        for probe in sockets:
+            probe.close()
+    return ports
 
 
 class ServiceError(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import optuna
@@ -155,6 +156,38 @@ def proposing_at_random(study: optuna.Study, seed: int):
         yield
     finally:
         study.sampler = sampler
+
+
+@contextlib.contextmanager
+def trials_read_once(study: optuna.Study):
+    """Within the block, every read of the study's trials is answered from one read of its storage, the first.
+
+    NOTE: for the sampler's reads while one trial is suggested: TPE with a constant liar reads the study afresh for
+    each parameter (Optuna caches the finished trials, but reads the unfinished ones from the database each time:
+    several round trips a read, one a suggested parameter). The answer is the same every time: only the lease holder
+    writes the study, and while it suggests a trial nothing changes but that trial, which the sampler leaves out of
+    what it reads (tests/test_sweep_scaling.py checks the proposals are the same).
+    """
+    storage = study._storage
+    overridden = "get_all_trials" in vars(storage)
+    read = storage.get_all_trials
+    first: list | None = None
+
+    def get_all_trials(study_id, deepcopy=True, states=None):
+        nonlocal first
+        if first is None:
+            first = read(study_id, deepcopy=False)
+        trials = first if states is None else [trial for trial in first if trial.state in states]
+        return copy.deepcopy(trials) if deepcopy else trials
+
+    storage.get_all_trials = get_all_trials
+    try:
+        yield
+    finally:
+        if overridden:
+            storage.get_all_trials = read
+        else:
+            del storage.get_all_trials
 
 
 def make_sampler(config: SweepConfig, seed: int) -> optuna.samplers.BaseSampler:

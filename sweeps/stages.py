@@ -46,7 +46,7 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
         candidates = [
             trial
             for trial in candidates
-            if not any(_dominates(costs[other.number], costs[trial.number]) for other in candidates)
+            if not any(dominates(costs[other.number], costs[trial.number]) for other in candidates)
         ]
     ranked = sorted(candidates, key=lambda trial: (costs[trial.number], trial.number))
     return _distinct(ranked, config.test.min_distance)[: config.test.top_k]
@@ -116,5 +116,5 @@ def _distinct(trials: list[optuna.trial.FrozenTrial], min_distance: float = 0.0)
     return kept
 
 
-def _dominates(costs: list[float], other: list[float]) -> bool:
+def dominates(costs: list[float], other: list[float]) -> bool:
     return all(a <= b for a, b in zip(costs, other)) and any(a < b for a, b in zip(costs, other))

@@ -4,7 +4,6 @@ import functools
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from grkv_core.catalog import EVICTION_PRESSES, merger_names
 from grkv_core.evaluation.generation import prefill
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.models.tiny import TINY_CONFIG_CLASSES
+from sweeps.local_stack import free_ports
 
 # Every tiny test model: the architecture-parametrised tests run on each.
 TINY_ARCHITECTURES = tuple(TINY_CONFIG_CLASSES)
@@ -72,23 +72,6 @@ def needs_package(embedded) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         importlib.util.find_spec(embedded.module) is None, reason=f"needs `{embedded.pip_install}`"
     )
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1, outside Ray's worker port range 10002-19999 (for the services)."""
-    sockets, ports = [], []
-    try:
-        while len(ports) < n:
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            sockets.append(probe)
-            port = probe.getsockname()[1]
-            if not 10002 <= port <= 19999:
-                ports.append(port)
-    finally:
-        for probe in sockets:
-            probe.close()
-    return ports
 
 
 def local_stack_ports() -> dict[str, str]:

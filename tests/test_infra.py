@@ -478,6 +478,16 @@ def test_start_script_settings():
         assert var in start + common, var
 
 
+def test_a_server_started_by_the_scripts_holds_none_of_their_callers_descriptors():
+    """``close_inherited_fds``, which start.sh and postgres.sh run before starting a server: a lock the caller holds
+    (start.sh's own, a ``flock`` around the script) is not kept taken by a server that outlives it."""
+    script = f"source {LOCAL / 'common.sh'}; exec 7>/dev/null 9>/dev/null; (close_inherited_fds; ls /proc/$BASHPID/fd)"
+    listed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert "7" not in listed and "9" not in listed and {"0", "1", "2"} <= set(listed)
+    for name in ("start.sh", "postgres.sh"):
+        assert "close_inherited_fds" in (LOCAL / name).read_text(), name
+
+
 def test_postgres_init_script_syntax():
     r = subprocess.run(
         ["sh", "-n", str(INFRA / "mlflow/initdb/10-create-optuna-db.sh")], capture_output=True, text=True

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
@@ -234,6 +234,8 @@ class SweepTracker:
     sweep_id: str
     parent_run_id: str
     searched: tuple[str, ...]
+    # NOTE: the names of the runs this tracker opened and has not closed yet, so that closing one costs no read.
+    names: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def open(
@@ -308,9 +310,9 @@ class SweepTracker:
             tags[TRIAL_TAG] = str(trial_number)
         if baseline:
             tags[BASELINE_TAG] = baseline
-        run = self.client.create_run(
-            self.experiment_id, run_name=item_name(trial_number, stage, test_of, baseline), tags=tags
-        )
+        name = item_name(trial_number, stage, test_of, baseline)
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        self.names[run.info.run_id] = name
         self.client.log_batch(
             run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted(params.items())]
         )
@@ -318,9 +320,10 @@ class SweepTracker:
 
     def _named_with_press(self, run_id: str, resolved_press: dict) -> list[RunTag]:
         """The tag that renames a run to its name at start followed by the press it ran (none if unknown)."""
+        name = self.names.pop(run_id, None)
         if not resolved_press:
             return []
-        name = self.client.get_run(run_id).info.run_name
+        name = name or self.client.get_run(run_id).info.run_name
         return [RunTag(MLFLOW_RUN_NAME, f"{name} {press_label(resolved_press, self.searched)}")]
 
     def finish_trial(

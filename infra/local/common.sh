@@ -97,8 +97,19 @@ group_pids() {
   ps -eo pid=,pgid=,stat= 2>/dev/null | awk -v g="$1" '$2 == g && $3 !~ /^Z/ { print $1 }'
 }
 
+# close_inherited_fds: close every descriptor of this shell above stderr. A server started after it holds none of
+# its caller's files for its whole life: a lock on one (start.sh's $LOCK_FILE, a `flock FILE bash ...` around the
+# script) would otherwise stay taken until the server stops. Run it in the subshell that starts the server.
+close_inherited_fds() {
+  local fd
+  for fd in $(ls "/proc/$BASHPID/fd"); do
+    if (( fd > 2 && fd < 255 )); then eval "exec $fd>&-"; fi
+  done
+  return 0
+}
+
 # lock: serialise start/stop on the same state dir. The lock fd (9) is closed in the services
-# we launch, so they never hold it.
+# we launch (close_inherited_fds), so they never hold it.
 take_lock() {
   mkdir -p "$STATE_DIR"
   exec 9>"$LOCK_FILE"

@@ -73,9 +73,13 @@ start_server() {
     info "postgres: already running ($PG_DATA)"
   else
     # Loopback TCP only: no Unix socket (its default folder may not exist here), fast enough to restart in tests.
-    as_server "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 60 \
-      -o "-c listen_addresses=$GRKV_HOST -p $PG_PORT -c unix_socket_directories='' -c max_connections=200" start \
-      >/dev/null || die "postgres: did not start on $GRKV_HOST:$PG_PORT (log: $PG_LOG)"
+    # NOTE: without the caller's descriptors (close_inherited_fds): the server outlives this script.
+    (
+      close_inherited_fds
+      as_server "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 60 \
+        -o "-c listen_addresses=$GRKV_HOST -p $PG_PORT -c unix_socket_directories='' -c max_connections=200" start \
+        >/dev/null
+    ) || die "postgres: did not start on $GRKV_HOST:$PG_PORT (log: $PG_LOG)"
     info "postgres: started on $GRKV_HOST:$PG_PORT (data $PG_DATA, log $PG_LOG)"
   fi
   local password
@@ -99,6 +103,10 @@ EOF
 }
 
 stop_server() {
+  # NOTE: stop.sh passes none of the start's settings: without them, the cluster is the one the start wrote down.
+  if [[ -z "${GRKV_POSTGRES_DIR:-}${GRKV_POSTGRES_PORT:-}" && -f "$PG_ENV_FILE" ]]; then
+    PG_DATA="$(sed -n 's/^GRKV_POSTGRES_DIR=//p' "$PG_ENV_FILE")/data"
+  fi
   if [[ -f "$PG_DATA/PG_VERSION" ]] && server_running; then
     as_server "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null || die "postgres: did not stop ($PG_DATA)"
     info "postgres: stopped (data kept in $PG_DATA)"

@@ -217,12 +217,14 @@ fi
 
 
 # launch PIDFILE LOG CMD...: run CMD in its own session/process group (pgid == pid) so stop.sh
-# can stop exactly that tree; stdin from /dev/null, output to LOG, the lock fd closed.
+# can stop exactly that tree; stdin from /dev/null, output to LOG, no other descriptor inherited (close_inherited_fds).
 launch() {
   local pidfile=$1 log=$2
   shift 2
-  "$PYTHON_BIN" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" \
-    </dev/null >>"$log" 2>&1 9>&- &
+  (
+    close_inherited_fds
+    exec "$PYTHON_BIN" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" </dev/null >>"$log" 2>&1
+  ) &
   echo $! >"$pidfile"
 }
 

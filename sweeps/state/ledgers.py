@@ -12,8 +12,16 @@ from dataclasses import replace
 import optuna
 
 from grkv_core.config import PressConfig
-from sweeps.space import RANDOM_AFTER_DUPLICATES, make_sampler, press_of, proposing_at_random, suggest_press
-from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX
+from sweeps.space import (
+    RANDOM_AFTER_DUPLICATES,
+    make_sampler,
+    press_of,
+    proposing_at_random,
+    suggest_press,
+    trials_read_once,
+)
+from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, dominates
+from sweeps.state.driver_times import DriverTimes
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
 from tracking.mlflow_tracker import trial_metrics
 from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR, SCREEN_STAGE, TEST_STAGE
@@ -63,6 +71,10 @@ class TrialLedger:
         self.evaluated: dict[str, int] = {}  # configuration key -> the trial that evaluated it
         self.in_flight: dict[str, OpenTrial] = {}  # configuration key -> its open trial
         self.duplicates_in_a_row = 0
+        # NOTE: counted as trials are told, not by reading the study: a count per trial that walks every trial
+        # makes a sweep's bookkeeping grow with the square of its trials (tests/test_sweep_scaling.py).
+        self._completed = self._reused = 0
+        self._front: list[dict] = []  # the best trials (the Pareto set), by number: see ``best``
         records.ledgers[stage] = self
 
     def open(self) -> None:
@@ -74,8 +86,11 @@ class TrialLedger:
             sampler=make_sampler(self.records.config, self.seed),
         )
         self.reconcile()
-        for frozen in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            if REUSES_ATTR not in frozen.user_attrs:
+        trials = self.study.get_trials(deepcopy=False)
+        self._reused = sum(REUSES_ATTR in trial.user_attrs for trial in trials)
+        for frozen in trials:
+            if frozen.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in frozen.user_attrs:
+                self._add_completed(frozen.number, frozen.values, frozen.params)
                 press = press_of(frozen.params, self.records.config, frozen.user_attrs)
                 self.evaluated.setdefault(configuration_key(press), frozen.number)
 
@@ -123,7 +138,7 @@ class TrialLedger:
     @property
     def reused(self) -> int:
         """Proposals not evaluated because their configuration was."""
-        return sum(REUSES_ATTR in trial.user_attrs for trial in self.study.get_trials(deepcopy=False))
+        return self._reused
 
     @property
     def exhausted(self) -> bool:
@@ -134,22 +149,28 @@ class TrialLedger:
         runs opened. Fewer only when the space is exhausted; proposals of configurations already evaluated or
         being evaluated are told as reused on the way."""
         opened = []
+        # NOTE: the duplicates' asks and tells count as the ask of the next trial opened: they are its price.
+        times = DriverTimes()
         while len(opened) < count and not self.exhausted:
             started = time.perf_counter()
             stuck = self.duplicates_in_a_row >= RANDOM_AFTER_DUPLICATES
             with (
+                times.part("ask"),
                 proposing_at_random(self.study, self.seed + len(self.study.get_trials(deepcopy=False)))
                 if stuck
-                else contextlib.nullcontext()
+                else contextlib.nullcontext(),
             ):
                 trial = self.study.ask()
-                press = suggest_press(trial, self.records.config)
+                with trials_read_once(self.study):
+                    press = suggest_press(trial, self.records.config)
             key = configuration_key(press)
             self.duplicates_in_a_row += 1
             original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
             if original is not None:
                 trial.set_user_attr(REUSES_ATTR, original)
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                with times.part("ask"):
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                self._reused += 1
                 log.info(
                     "%s trial %d: the configuration of trial %d, not evaluated again",
                     self.stage,
@@ -159,9 +180,11 @@ class TrialLedger:
             else:
                 self.duplicates_in_a_row = 0
                 request = TrialRequest(trial.number, press, self.stage, checkpoint_dir=self.records.state.checkpoints)
-                run_id = self.records.start(request, trial.params, trial.user_attrs)
-                self.in_flight[key] = OpenTrial(request, run_id, time.perf_counter() - started, trial)
+                with times.part("mlflow"):
+                    run_id = self.records.start(request, trial.params, trial.user_attrs)
+                self.in_flight[key] = OpenTrial(request, run_id, time.perf_counter() - started, trial, times)
                 opened.append(self.in_flight[key])
+                times = DriverTimes()
         if self.exhausted:
             log.warning(
                 "%s stage: the sampler proposed %d configurations in a row that were already evaluated; "
@@ -185,14 +208,17 @@ class TrialLedger:
         discard_checkpoint(outcome, open_trial.request)
         key = configuration_key(open_trial.request.press)
         del self.in_flight[key]
+        with open_trial.times.part("tell"):
+            if outcome.ok:
+                self.study.tell(open_trial.trial, values)
+            else:
+                self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
         if outcome.ok:
-            self.study.tell(open_trial.trial, values)
+            self._add_completed(open_trial.trial.number, values, open_trial.trial.params)
             self.evaluated[key] = open_trial.trial.number
             self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s -> %s", outcome, open_trial.trial.params, dict(zip(self.metrics, values)))
-        else:
-            self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
-        self.records.update_parent()
+        self.records.update_parent_after(open_trial, dispatch_s)
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
@@ -202,10 +228,7 @@ class TrialLedger:
 
     def completed(self) -> int:
         """Trials evaluated to the end (reused proposals left out)."""
-        return sum(
-            t.state == optuna.trial.TrialState.COMPLETE and REUSES_ATTR not in t.user_attrs
-            for t in self.study.get_trials(deepcopy=False)
-        )
+        return self._completed
 
     def progress(self) -> dict[str, float]:
         """The parent run's counts of this stage: ``completed_trials`` and ``reused_proposals`` (full), or
@@ -219,9 +242,24 @@ class TrialLedger:
         return {f"{name}_trials.csv": self.study.trials_dataframe().to_csv(index=False)}
 
     def best(self) -> list[dict]:
-        if not self.completed():
-            return []
-        return [{"number": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials[:5]]
+        """The first 5 best trials by number (``Study.best_trials``: the Pareto set, all ties at the best value for
+        one objective), as ``number``, ``values`` and ``params``."""
+        return self._front[:5]
+
+    def _add_completed(self, number: int, values: list[float], params: dict) -> None:
+        """Count a completed trial, and keep the Pareto set up to date with it."""
+        self._completed += 1
+        costs = self._costs(values)
+        if any(dominates(self._costs(best["values"]), costs) for best in self._front):
+            return
+        kept = [best for best in self._front if not dominates(costs, self._costs(best["values"]))]
+        self._front = sorted(
+            [*kept, {"number": number, "values": list(values), "params": params}], key=lambda best: best["number"]
+        )
+
+    def _costs(self, values: list[float]) -> list[float]:
+        """``values`` as costs: lower is better in every objective."""
+        return [value if direction == "minimize" else -value for direction, value in zip(self.directions, values)]
 
     def _objective_values(self, outcome: TrialOutcome) -> list[float] | None:
         metrics = trial_metrics(outcome.summary)
@@ -275,9 +313,10 @@ class HeldOutLedger:
         """The next ``count`` test evaluations, their MLflow runs opened."""
         opened = []
         for request in self.pending[:count]:
-            started = time.perf_counter()
-            run_id = self.records.start(request)
-            opened.append(OpenTrial(request, run_id, time.perf_counter() - started))
+            started, times = time.perf_counter(), DriverTimes()
+            with times.part("mlflow"):
+                run_id = self.records.start(request)
+            opened.append(OpenTrial(request, run_id, time.perf_counter() - started, times=times))
         del self.pending[:count]
         return opened
 
@@ -290,7 +329,7 @@ class HeldOutLedger:
             self.finished += 1
             self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s", outcome, outcome.summary["mean_score"])
-        self.records.update_parent()
+        self.records.update_parent_after(open_trial, dispatch_s)
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """Close the run as KILLED and put the evaluation back: this run of the sweep does it again (its worker

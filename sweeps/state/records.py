@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +14,7 @@ import optuna
 
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
+from sweeps.state.driver_times import DriverTimes
 from sweeps.state.optuna_storage import open_journal, open_storage_url
 from sweeps.state.state_dir import StateDir
 from tracking.export import export_press
@@ -28,12 +29,13 @@ log = logging.getLogger("grkv.sweep")
 @dataclass
 class OpenTrial:
     """A trial whose MLflow run is open; ``asked_s``: driver seconds spent opening it; ``trial``: its Optuna
-    trial (None in the test stage)."""
+    trial (None in the test stage); ``times``: the driver's seconds on it by part, opening and recording it."""
 
     request: TrialRequest
     run_id: str
     asked_s: float
     trial: optuna.Trial | None = None
+    times: DriverTimes = field(default_factory=DriverTimes)
 
 
 @dataclass
@@ -136,9 +138,11 @@ class SweepRecords:
         self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, started: float
     ) -> dict[str, float] | None:
         """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
-        self.state.save(outcome)
+        with open_trial.times.part("state"):
+            self.state.save(outcome)
         if not outcome.ok:
-            self.tracker.fail_trial(open_trial.run_id, outcome)
+            with open_trial.times.part("mlflow"):
+                self.tracker.fail_trial(open_trial.run_id, outcome)
             log.warning("%s failed: %s", outcome, outcome.error)
             return None
         timing = outcome.worker_timing()
@@ -150,8 +154,16 @@ class SweepRecords:
             worker_attempts=attempts,
             service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started),
         )
-        self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
+        with open_trial.times.part("mlflow"):
+            self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
         return timing
+
+    def update_parent_after(self, open_trial: OpenTrial, dispatch_s: float) -> None:
+        """Once ``open_trial`` is recorded: the parent run's progress, then the driver's seconds on the trial
+        (``sweeps.state.driver_times``)."""
+        with open_trial.times.part("parent"):
+            self.update_parent()
+        self.state.log_times(open_trial.times.row(open_trial.request.stage, open_trial.request.key, dispatch_s))
 
     def count(self, open_trial: OpenTrial, timing: dict[str, float], dispatch_s: float, started: float) -> None:
         """Add a finished trial, fully recorded, to the service overhead."""

@@ -77,6 +77,18 @@ class StateDir:
         return TrialOutcome.from_dict(json.loads(path.read_text())) if path.exists() else None
 
     @property
+    def driver_times(self) -> Path:
+        """The driver's seconds per evaluation (``sweeps.state.driver_times``), a JSON line each."""
+        return self.root / "driver_times.jsonl"
+
+    def log_times(self, row: dict) -> None:
+        try:
+            with open(self.driver_times, "a") as file:
+                file.write(json.dumps(row) + "\n")
+        except OSError as error:
+            raise StateDirError(self.unwritable(error)) from None
+
+    @property
     def journal(self) -> Path:
         return self.root / "optuna.journal"
 

@@ -324,10 +324,16 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
         child_status_counts=dict(Counter(run.info.status for run in children)),
         screen_trials=screen_trials,
         test_trials=test_trials,
-        test_predictions=load_predictions(client, list(test_trials["run_id"]), notes, "test-stage"),
-        trial_predictions=load_predictions(client, list(trials["run_id"]), notes, "full-stage"),
+        test_predictions=load_predictions(client, _artifact_uris(children, test_trials), notes, "test-stage"),
+        trial_predictions=load_predictions(client, _artifact_uris(children, trials), notes, "full-stage"),
         notes=notes,
     )
+
+
+def _artifact_uris(runs: list, frame: pd.DataFrame) -> dict[str, str]:
+    """The artifact URI of each run of ``frame``, in its order."""
+    uris = {run.info.run_id: run.info.artifact_uri for run in runs}
+    return {run_id: uris[run_id] for run_id in frame["run_id"]}
 
 
 def _latest_per_key(runs: list, tag: str, what: str, notes: list[str]) -> list:

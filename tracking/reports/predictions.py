@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlflow.artifacts
 import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -16,23 +18,41 @@ from tracking.mlflow_tracker import SAMPLE_FIELDS
 PREDICTIONS_ARTIFACT = "predictions.json"
 # NOTE: a row is one (sample, question), or one sample where nothing was decoded; its SAMPLE_FIELDS are the sample's.
 PREDICTION_COLUMNS = ["run_id", "sample_id", "task", "question", "score", *SAMPLE_FIELDS]
+# Downloads at once: each is one small file, mostly waiting on the server.
+DOWNLOADS = 8
 
 
-def load_predictions(client: MlflowClient, run_ids: list[str], notes: list[str], stage: str) -> pd.DataFrame:
+def load_predictions(client: MlflowClient, artifact_uris: dict[str, str], notes: list[str], stage: str) -> pd.DataFrame:
     """The per-question rows of each run's ``predictions.json`` (``PREDICTION_COLUMNS``; a key an older artifact
-    lacks reads NaN).
+    lacks reads NaN), in the order of ``artifact_uris`` (run id: its ``run.info.artifact_uri``).
 
     Runs without the artifact add no rows and one note (naming ``stage``) between them.
+
+    NOTE: read from each run's artifact URI, ``DOWNLOADS`` at a time: through ``runs:/`` MLflow 3 also looks for the
+    run's logged models, three more requests a run (docs/results/sweep-scale.md).
     """
     frames, missing = [], []
     with tempfile.TemporaryDirectory() as folder:
-        for run_id in run_ids:
+
+        def download(run_id: str) -> Path | None:
             try:
-                path = client.download_artifacts(run_id, PREDICTIONS_ARTIFACT, str(Path(folder) / run_id))
+                return Path(
+                    mlflow.artifacts.download_artifacts(
+                        artifact_uri=f"{artifact_uris[run_id]}/{PREDICTIONS_ARTIFACT}",
+                        dst_path=str(Path(folder) / run_id),
+                        tracking_uri=client.tracking_uri,
+                    )
+                )
             except (MlflowException, OSError):
+                return None
+
+        with ThreadPoolExecutor(DOWNLOADS) as pool:
+            paths = list(pool.map(download, artifact_uris))
+        for run_id, path in zip(artifact_uris, paths):
+            if path is None:
                 missing.append(run_id)
                 continue
-            rows = json.loads(Path(path).read_text())
+            rows = json.loads(path.read_text())
             frames.append(pd.DataFrame(rows).assign(run_id=run_id).reindex(columns=PREDICTION_COLUMNS))
     if missing:
         notes.append(

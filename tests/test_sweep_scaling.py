@@ -1,0 +1,149 @@
+"""The driver's per-trial work does not grow with the study: what a trial costs at trial 100 it cost at trial 20.
+
+A sweep of hundreds of trials (docs/results/sweep-scale.md) stays fast only while opening and recording a trial reads
+no more of the Optuna storage, and calls MLflow no more often, than it did early on. These run a stage's ledger with
+a real Optuna storage (an RDB on an in-memory SQLite, behind Optuna's cache as in a sweep) and an MLflow client that
+counts its calls, no service, and fail if a per-trial cost becomes proportional to the number of trials again.
+"""
+
+import contextlib
+from collections import Counter
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import yaml
+from conftest import REPO
+
+from sweeps.config import load_config
+from sweeps.space import baseline_params, make_sampler, suggest_press, trials_read_once
+from sweeps.state.ledgers import TrialLedger
+from sweeps.state.optuna_storage import open_storage_url
+from sweeps.state.records import SweepRecords
+from tracking.mlflow_tracker import SweepTracker
+from workers.names import BASELINE_TAG, FULL_STAGE
+from workers.protocol import OK, TrialOutcome, WorkerIdentity, configuration_key
+
+BATCH = 4
+WORKER = WorkerIdentity(pid=1, node_id="node", actor_id="actor", model_loads=1, trials_evaluated=1, samples=1)
+
+
+class CountingClient:
+    """An ``MlflowClient`` that stores nothing and counts its calls by method; its runs have numbered ids."""
+
+    def __init__(self):
+        self.calls = Counter()
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            if name == "search_runs":
+                return []
+            info = SimpleNamespace(run_id=f"run-{sum(self.calls.values())}", run_name="run", status="RUNNING")
+            return SimpleNamespace(info=info)
+
+        return call
+
+
+class Reads:
+    """Trials handed out by the study's storage (Optuna's cache: what the ledger and the sampler walk through) and
+    trials read from the database behind it."""
+
+    def __init__(self, study: optuna.Study, backend: optuna.storages.RDBStorage):
+        self.cached = self.database = 0
+        self._wrap(study._storage, "get_all_trials", "cached")
+        self._wrap(backend, "_get_trials", "database")
+
+    def _wrap(self, storage, method: str, counter: str) -> None:
+        original = getattr(storage, method)
+
+        def counting(*args, **kwargs):
+            trials = original(*args, **kwargs)
+            setattr(self, counter, getattr(self, counter) + len(trials))
+            return trials
+
+        setattr(storage, method, counting)
+
+
+def outcome_of(request) -> TrialOutcome:
+    """A finished outcome whose score repeats every 11 trials, so that the best is tied between several."""
+    summary = {"mean_score": float(request.trial_number * 7 % 11), "tasks": {}}
+    return TrialOutcome.of(request, OK, started_at=0.0, finished_at=1.0, worker=WORKER, summary=summary)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    """The full stage of a sweep with a random sampler (its asks read no trials, so what is counted is the
+    ledger's own), its storage an in-memory SQLite database, its MLflow calls counted by a ``CountingClient``."""
+    config = yaml.safe_load((REPO / "sweeps" / "configs" / "smoke.yaml").read_text())
+    config.update(trials=1000, sampler={"type": "random", "seed": 0}, storage={"state_dir": str(tmp_path)})
+    del config["screening"], config["test"], config["data"]["test"]
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    config = load_config(path)
+    records = SweepRecords(config, "scaling")
+    records.storage = open_storage_url("sqlite://")
+    records.tracker = SweepTracker(CountingClient(), "0", "scaling", "parent", tuple(config.search_space))
+    records.state.create()
+    ledger = TrialLedger(records, FULL_STAGE)
+    ledger.open()
+    return ledger
+
+
+def run_batches(ledger: TrialLedger, trials: int) -> None:
+    """Open and record ``trials`` trials, ``BATCH`` at a time, as the driver does."""
+    for _ in range(trials // BATCH):
+        for open_trial in ledger.open_trials(BATCH):
+            ledger.record(open_trial, outcome_of(open_trial.request), 0.0, 1)
+
+
+def test_a_trial_reads_as_much_of_the_storage_at_trial_100_as_at_trial_20(ledger):
+    reads = Reads(ledger.study, ledger.records.storage)
+    run_batches(ledger, 20)
+    early = reads.cached, reads.database
+    run_batches(ledger, 80)
+    before_late = reads.cached, reads.database
+    run_batches(ledger, 20)
+    late = [now - before for now, before in zip((reads.cached, reads.database), before_late)]
+    assert ledger.completed() == 120 and ledger.reused == 0
+    assert ledger.best() == [
+        {"number": t.number, "values": t.values, "params": t.params} for t in ledger.study.best_trials[:5]
+    ]
+    resumed = TrialLedger(ledger.records, FULL_STAGE)  # counts and best trials read back from the study
+    resumed.open()
+    assert (resumed.completed(), resumed.reused, resumed.best()) == (120, 0, ledger.best())
+    # NOTE: per 20 trials: the same reads late as early (a few trials in flight are read each time), where one scan of
+    # the study per trial would read 20 x 100 trials late against 20 x 10 early.
+    assert late[0] <= early[0] + 20 and late[1] <= early[1] + 20, (early, late)
+
+
+def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_reads_it(ledger):
+    run_batches(ledger, 20)
+    client = ledger.records.tracker.client
+    early = Counter(client.calls)
+    run_batches(ledger, 20)
+    # NOTE: per trial: its run created, its sampler's params, its results (no predictions here), its close, and the
+    # parent run's progress; no search, no run read back.
+    assert client.calls - early == Counter(create_run=20, log_batch=60, set_terminated=20)
+
+
+def test_reading_the_trials_once_per_suggestion_proposes_what_reading_them_each_time_does(tmp_path):
+    """TPE with a constant liar (the sweeps' sampler), batches of trials in flight, the baselines enqueued first: the
+    same proposals whether the storage is read once per suggested trial (``trials_read_once``) or at every read."""
+    config = load_config(REPO / "sweeps" / "configs" / "smoke.yaml")
+    proposals = {}
+    for once in (False, True):
+        storage = open_storage_url("sqlite://")
+        study = optuna.create_study(storage=storage, sampler=make_sampler(config, 0), direction="maximize")
+        for name, params in baseline_params(config):
+            study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
+        proposed = []
+        for _ in range(10):
+            batch = [study.ask() for _ in range(BATCH)]
+            for trial in batch:
+                with trials_read_once(study) if once else contextlib.nullcontext():
+                    proposed.append(configuration_key(suggest_press(trial, config)))
+            for trial in batch:
+                study.tell(trial, float(trial.number * 7 % 11))
+        proposals[once] = proposed
+    assert proposals[True] == proposals[False] and len(set(proposals[True])) == 10 * BATCH
