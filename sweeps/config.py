@@ -253,6 +253,14 @@ class StorageSection(Strict):
     """Optuna storage (only the driver writes it) and the driver's own state directory."""
 
     url: str | None = Field(default=None, description="RDB URL (postgresql://...) or None for a journal file")
+    outage_s: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "how long the database at url may be away mid-sweep (a restart, a failover): its calls are retried "
+            "that long before the driver stops in one line (exit 3)"
+        ),
+    )
     # NOTE: absolute by default: `ray job submit --working-dir` runs the driver in a fresh copy of the
     # tree, so a relative path would lose the state a resumed sweep needs.
     state_dir: str = str(GRKV_HOME / "sweeps")
