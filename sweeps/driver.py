@@ -199,7 +199,7 @@ class SweepDriver:
                 ledger.record(
                     open_trial, outcome, self._dispatch_share(dispatch, outcome, received), dispatch.attempt + 1
                 )
-            except TrackingUnavailableError:
+            except (TrackingUnavailableError, StorageUnavailableError):
                 # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
                 # (the first place a record writes), where the resume finds and logs them.
                 for later in outcomes[index + 1 :]:

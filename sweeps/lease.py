@@ -164,9 +164,14 @@ class SweepLease:
 
 
 def is_postgresql(url: str | None) -> bool:
+    """Whether ``url`` is a PostgreSQL one; a URL that does not parse is not (opening it reports it, in one line)."""
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    return url is not None and make_url(url).get_backend_name() == "postgresql"
+    try:
+        return url is not None and make_url(url).get_backend_name() == "postgresql"
+    except ArgumentError:
+        return False
 
 
 class DatabaseLease:

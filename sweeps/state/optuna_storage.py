@@ -165,7 +165,10 @@ class RetryingRDBStorage(RDBStorage):
     NOTE: a retried write whose first try committed although its answer was lost must not be applied twice: a new
     trial is looked for before it is created again (``_create_new_trial``), and a re-tried tell that finds its trial
     already finished in the state it was to set succeeds (``set_trial_state_values``). The other writes Optuna makes
-    are idempotent (attributes and parameters are set, not appended).
+    are idempotent (attributes and parameters are set, not appended). Optuna's own re-tries of a trial creation that
+    failed on commit (meant for deadlocks) are beyond this check: a copy they made would be a trial never proposed,
+    left RUNNING until a resume re-queues it, or a second copy of an enqueued configuration, which the ledgers do not
+    evaluate twice.
     """
 
     RETRY_WAIT_S = 1.0
