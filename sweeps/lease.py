@@ -117,7 +117,7 @@ class SweepLease:
         if self.database is not None:
             try:
                 # NOTE: the database names the last holder on any machine; the file only this machine's.
-                previous = self.database.acquire() or previous
+                previous = self.database.acquire(max(deadline - time.monotonic(), 0.0)) or previous
             except BaseException:
                 lease.close()
                 raise
@@ -212,11 +212,20 @@ class DatabaseLease:
         self.stopping = threading.Event()
         self.keeper: threading.Thread | None = None
 
-    def acquire(self) -> DriverIdentity | None:
-        """Take the lock, write this driver's name and start keeping it; return the previous holder's name if it
-        left one, or raise ``SweepBusyError`` naming the driver holding the lock."""
+    def acquire(self, wait_s: float = 0.0) -> DriverIdentity | None:
+        """Take the lock (waiting up to ``wait_s`` for its holder to end), write this driver's name and start keeping
+        it; return the previous holder's name if it left one, or raise ``SweepBusyError`` naming the driver holding
+        the lock."""
         self.identity = DriverIdentity.current()
-        self.connection, previous = self._take()
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.connection, previous = self._take()
+                break
+            except SweepBusyError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
         self.keeper = threading.Thread(target=self._keep, name=f"lease {self.sweep_id}", daemon=True)
         self.keeper.start()
         return previous

@@ -197,8 +197,10 @@ def test_the_database_lease_holds_across_state_dirs_and_is_taken_again_after_a_s
     caplog.clear()
     lease = SweepLease(tmp_path / "b", "lease", url)
     with caplog.at_level("WARNING", logger="grkv.sweep"):
-        lease.acquire()
-    assert time.monotonic() - started < 2.0
+        # NOTE: the server frees the lock once the dead holder's backend has read the end of its connection:
+        # milliseconds after the kill, not at the kill.
+        lease.acquire(wait_s=2.0)
+    print(f"the lease was free {time.monotonic() - started:.2f} s after the kill")
     lease.release()
     (takeover,) = [record.getMessage() for record in caplog.records]
     assert f"taking over the lease of a driver that died (pid {holder.pid} on" in takeover, takeover
