@@ -1,5 +1,5 @@
 """The sweep's Optuna storage: a journal file in the state directory, repaired after its writer died mid-write,
-or a database at ``storage.url``."""
+or a database at ``storage.url``, whose calls ride out an outage of up to ``storage.outage_s``."""
 
 from __future__ import annotations
 
@@ -209,6 +209,7 @@ class RetryingRDBStorage(RDBStorage):
             return result
 
     def _count_trials(self, study_id: int) -> int:
+        """How many trials the study has, read from Optuna's table ``trials``."""
         from sqlalchemy import text
 
         with self.engine.connect() as connection:
