@@ -187,25 +187,12 @@ class DatabaseLease:
     """
 
     def __init__(self, url: str, sweep_id: str):
-        from sqlalchemy import create_engine
-        from sqlalchemy.pool import NullPool
-
+        self.url = url
         self.sweep_id = sweep_id
         # NOTE: a signed 64-bit key from the sweep id: advisory locks are per database, so only this database's
         # sweeps share the key space.
         self.key = int.from_bytes(hashlib.sha256(f"grkv.sweep:{sweep_id}".encode()).digest()[:8], "big", signed=True)
-        self.engine = create_engine(
-            url,
-            poolclass=NullPool,
-            isolation_level="AUTOCOMMIT",
-            connect_args={
-                "connect_timeout": KEEPALIVE_INTERVAL_S,
-                "keepalives": 1,
-                "keepalives_idle": KEEPALIVE_IDLE_S,
-                "keepalives_interval": KEEPALIVE_INTERVAL_S,
-                "keepalives_count": KEEPALIVE_COUNT,
-            },
-        )
+        self.engine = None
         self.identity: DriverIdentity | None = None
         self.connection = None
         self.lost: str | None = None  # the driver that took the lock from this one, in words
@@ -216,6 +203,22 @@ class DatabaseLease:
         """Take the lock (waiting up to ``wait_s`` for its holder to end), write this driver's name and start keeping
         it; return the previous holder's name if it left one, or raise ``SweepBusyError`` naming the driver holding
         the lock."""
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import NullPool
+
+        # NOTE: made here, not with the lease: the storage, opened first, reports a URL or driver that cannot be used.
+        self.engine = create_engine(
+            self.url,
+            poolclass=NullPool,
+            isolation_level="AUTOCOMMIT",
+            connect_args={
+                "connect_timeout": KEEPALIVE_INTERVAL_S,
+                "keepalives": 1,
+                "keepalives_idle": KEEPALIVE_IDLE_S,
+                "keepalives_interval": KEEPALIVE_INTERVAL_S,
+                "keepalives_count": KEEPALIVE_COUNT,
+            },
+        )
         self.identity = DriverIdentity.current()
         deadline = time.monotonic() + wait_s
         while True:
