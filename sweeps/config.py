@@ -255,6 +255,14 @@ class StorageSection(Strict):
     url: str | None = Field(
         default=None, description="RDB URL (postgresql+psycopg2://..., the postgres extra) or None for a journal file"
     )
+    outage_s: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "how long the database at url may be away mid-sweep (a restart, a failover): its calls are retried "
+            "that long before the driver stops in one line (exit 3)"
+        ),
+    )
     # NOTE: absolute by default: `ray job submit --working-dir` runs the driver in a fresh copy of the
     # tree, so a relative path would lose the state a resumed sweep needs.
     state_dir: str = str(GRKV_HOME / "sweeps")

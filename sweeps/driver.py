@@ -26,6 +26,7 @@ from sweeps.config import SweepConfig
 from sweeps.space import baseline_params, one_at_a_time_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.state.ledgers import HeldOutLedger, TrialLedger
+from sweeps.state.optuna_storage import StorageUnavailableError
 from sweeps.state.records import StageLedger, SweepRecords
 from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
@@ -51,6 +52,7 @@ class SweepStopped(RuntimeError):
 LOST_SERVICES = (
     ClusterLostError,
     TrackingUnavailableError,
+    StorageUnavailableError,
     StateDirError,
     WorkerStartError,
     WorkerStorageError,
@@ -102,6 +104,8 @@ class SweepDriver:
                 raise
             if isinstance(error, TrackingUnavailableError):
                 self.records.tracking_lost = True
+            elif isinstance(error, StorageUnavailableError):
+                self.records.storage_lost = True
             elif isinstance(error, OSError):
                 error = StateDirError(self.records.state.unwritable(error))
             self.records.close("KILLED")
@@ -195,7 +199,7 @@ class SweepDriver:
                 ledger.record(
                     open_trial, outcome, self._dispatch_share(dispatch, outcome, received), dispatch.attempt + 1
                 )
-            except TrackingUnavailableError:
+            except (TrackingUnavailableError, StorageUnavailableError):
                 # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
                 # (the first place a record writes), where the resume finds and logs them.
                 for later in outcomes[index + 1 :]:
@@ -203,10 +207,13 @@ class SweepDriver:
                 raise
 
     def _abandon(self, ledger: StageLedger, open_trial) -> None:
-        """Abandon an in-flight trial on a stop; a service already lost leaves it to the resume's reconcile."""
+        """Abandon an in-flight trial on a stop; a service already lost leaves it to the resume's reconcile, and a
+        lease another driver took leaves it to that driver."""
+        if self.records.lease.lost:
+            return
         try:
             ledger.abandon(open_trial)
-        except (TrackingUnavailableError, OSError) as error:
+        except (TrackingUnavailableError, StorageUnavailableError, OSError) as error:
             self.records.tracking_lost |= isinstance(error, TrackingUnavailableError)
             log.warning("%s: left for the resume to re-queue (%s)", open_trial.request, error)
 

@@ -1,16 +1,20 @@
 """The sweep's Optuna storage: a journal file in the state directory, repaired after its writer died mid-write,
-or a database at ``storage.url``."""
+or a database at ``storage.url``, whose calls ride out an outage of up to ``storage.outage_s``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import RDBStorage
 
 from sweeps.state.state_dir import StateDirError
 from tracking.retry import one_line
@@ -19,7 +23,8 @@ log = logging.getLogger("grkv.sweep")
 
 
 class StorageUnavailableError(RuntimeError):
-    """The Optuna storage URL (``storage.url``) does not answer."""
+    """The Optuna storage URL (``storage.url``) does not answer: at the start, or for longer than
+    ``storage.outage_s`` mid-sweep."""
 
 
 def repair_journal(journal: Path) -> None:
@@ -94,27 +99,193 @@ def missing_driver(error: BaseException) -> str | None:
     return None
 
 
-def open_storage_url(url: str) -> optuna.storages.RDBStorage:
-    """The Optuna RDB storage at ``url``, or ``StorageUnavailableError`` (password hidden) when it does not answer
-    or its driver is not installed (then naming the package).
+def shown_url(url: str) -> str:
+    """``url`` as it may be shown: its password hidden."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
+        return url.split("@")[-1]
+
+
+def open_storage_url(url: str, outage_s: float = 0.0) -> "RetryingRDBStorage":
+    """The Optuna RDB storage at ``url`` (its calls retried through outages of up to ``outage_s``), or
+    ``StorageUnavailableError`` (password hidden) when it does not answer or its driver is not installed (then naming
+    the package).
 
     NOTE: ``pool_pre_ping`` tests each pooled connection before use: a database restarted mid-sweep leaves the pool's
     connections dead, and without it the first query on each fails although the server is back.
     """
-    from sqlalchemy.engine import make_url
-
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+        return RetryingRDBStorage(url, outage_s, engine_kwargs={"pool_pre_ping": True})
     except Exception as error:  # noqa: BLE001 - drivers raise their own types (ImportError, OperationalError...)
-        try:
-            shown = make_url(url).render_as_string(hide_password=True)
-        except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, less any password
-            shown = url.split("@")[-1]
         driver = missing_driver(error)
         if driver is not None:
-            raise StorageUnavailableError(f"Optuna storage {shown} cannot be opened: {driver}") from None
+            raise StorageUnavailableError(f"Optuna storage {shown_url(url)} cannot be opened: {driver}") from None
         reason = one_line(error)
         raise StorageUnavailableError(
-            f"Optuna storage {shown} cannot be opened ({type(error).__name__}: {reason}); "
+            f"Optuna storage {shown_url(url)} cannot be opened ({type(error).__name__}: {reason}); "
             "start it or fix storage.url / --storage-url"
         ) from None
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says the database cannot be reached, not that the request was wrong.
+
+    NOTE: Optuna turns a failed session into ``StorageInternalError`` (from SQLAlchemy's error); a lost or refused
+    connection is an ``OperationalError`` or ``InterfaceError`` of SQLAlchemy, or a ``DBAPIError`` that invalidated
+    its connection.
+    """
+    from sqlalchemy import exc
+
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, (exc.OperationalError, exc.InterfaceError)) or (
+            isinstance(error, exc.DBAPIError) and error.connection_invalidated
+        ):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost error's first line: the driver's own words ("connection refused")."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return one_line(error)
+
+
+class RetryingRDBStorage(RDBStorage):
+    """Optuna's RDB storage whose every call is retried while the database is away, up to ``outage_s`` seconds of
+    outage (``storage.outage_s``); then ``StorageUnavailableError`` in one line.
+
+    The outage is counted from its first failed call to the next call that succeeds, whatever calls fail in between:
+    once it is longer than ``outage_s`` each call fails after one try, so a driver stopping goes quickly.
+    NOTE: a retried write whose first try committed although its answer was lost must not be applied twice: a new
+    trial is looked for before it is created again (``_create_new_trial``), and a re-tried tell that finds its trial
+    already finished in the state it was to set succeeds (``set_trial_state_values``). The other writes Optuna makes
+    are idempotent (attributes and parameters are set, not appended). Optuna's own re-tries of a trial creation that
+    failed on commit (meant for deadlocks) are beyond this check: a copy they made would be a trial never proposed,
+    left RUNNING until a resume re-queues it, or a second copy of an enqueued configuration, which the ledgers do not
+    evaluate twice.
+    """
+
+    RETRY_WAIT_S = 1.0
+
+    def __init__(self, url: str, outage_s: float, **kwargs):
+        self.outage_s = outage_s
+        self.shown = shown_url(url)
+        self.outage_since: float | None = None
+        super().__init__(url, **kwargs)
+
+    def _retrying(self, call: Callable):
+        """``call()``, retried while the database is away (``outage_s``)."""
+        while True:
+            try:
+                result = call()
+            except Exception as error:
+                if not is_outage(error):
+                    raise
+                now = time.monotonic()
+                if self.outage_since is None:
+                    self.outage_since = now
+                    log.warning("Optuna storage %s does not answer (%s); retrying", self.shown, root_cause(error))
+                away = now - self.outage_since
+                if away >= self.outage_s:
+                    raise StorageUnavailableError(
+                        f"Optuna storage {self.shown} did not answer for {away:.0f} s (storage.outage_s "
+                        f"{self.outage_s:g}; {root_cause(error)})"
+                    ) from None
+                time.sleep(min(self.RETRY_WAIT_S, self.outage_s - away))
+                continue
+            if self.outage_since is not None:
+                log.warning(
+                    "Optuna storage %s answers again after %.0f s",
+                    self.shown,
+                    time.monotonic() - self.outage_since,
+                )
+                self.outage_since = None
+            return result
+
+    def _count_trials(self, study_id: int) -> int:
+        """How many trials the study has, read from Optuna's table ``trials``."""
+        from sqlalchemy import text
+
+        with self.engine.connect() as connection:
+            return connection.execute(
+                text("SELECT count(*) FROM trials WHERE study_id = :study"), {"study": study_id}
+            ).scalar_one()
+
+    def _create_new_trial(self, study_id: int, template_trial=None):
+        # NOTE: one driver writes a study (it holds the sweep's lease) and a new trial's number is the study's count
+        # of trials before it, so a trial numbered ``before`` found on a re-try is the one the lost answer created.
+        before = self._retrying(functools.partial(self._count_trials, study_id))
+        tries = 0
+
+        def create():
+            nonlocal tries
+            tries += 1
+            if tries > 1 and self._count_trials(study_id) > before:
+                log.info("Optuna storage %s: trial %d was created before the connection was lost", self.shown, before)
+                return RDBStorage.get_trial(
+                    self, RDBStorage.get_trial_id_from_study_id_trial_number(self, study_id, before)
+                )
+            return RDBStorage._create_new_trial(self, study_id, template_trial)
+
+        return self._retrying(create)
+
+    def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+        tries = 0
+
+        def tell():
+            nonlocal tries
+            tries += 1
+            try:
+                return RDBStorage.set_trial_state_values(self, trial_id, state, values)
+            except UpdateFinishedTrialError:
+                # NOTE: a re-try finding its trial finished as it was to be: the first try committed.
+                if tries > 1 and RDBStorage.get_trial(self, trial_id).state == state:
+                    return True
+                raise
+
+        return self._retrying(tell)
+
+
+def _retried(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return self._retrying(functools.partial(method, self, *args, **kwargs))
+
+    return call
+
+
+# NOTE: every method of RDBStorage that opens a session and is called from outside it (by Optuna's study, its cache
+# ``_CachedStorage`` or the ledgers); those that only call these are left as they are, so no call is retried twice
+# over.
+for _name in (
+    "create_new_study",
+    "delete_study",
+    "set_study_user_attr",
+    "set_study_system_attr",
+    "get_study_id_from_name",
+    "get_study_name_from_id",
+    "get_study_directions",
+    "get_study_user_attrs",
+    "get_study_system_attrs",
+    "get_trial_user_attrs",
+    "get_trial_system_attrs",
+    "get_all_studies",
+    "_set_trial_param",
+    "get_trial_param",
+    "set_trial_intermediate_value",
+    "set_trial_user_attr",
+    "set_trial_system_attr",
+    "get_trial_id_from_study_id_trial_number",
+    "get_trial",
+    "_get_trials",
+    "_get_best_trial_id",
+    "record_heartbeat",
+    "_get_stale_trial_ids",
+):
+    setattr(RetryingRDBStorage, _name, _retried(getattr(RDBStorage, _name)))

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Protocol
 
 import optuna
+from sqlalchemy.exc import DBAPIError
 
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
 from sweeps.state.driver_times import DriverTimes
-from sweeps.state.optuna_storage import open_journal, open_storage_url
+from sweeps.state.optuna_storage import StorageUnavailableError, open_journal, open_storage_url, root_cause
 from sweeps.state.state_dir import StateDir
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server
@@ -101,10 +102,12 @@ class SweepRecords:
         self.overhead = Overhead()
         self.ledgers: dict[str, StageLedger] = {}
         self.state = StateDir(Path(config.storage.state_dir).expanduser(), sweep_id)
-        self.lease = SweepLease(self.state.root, sweep_id)
+        self.lease = SweepLease(self.state.root, sweep_id, config.storage.url)
         # NOTE: set once an MLflow call has failed for good; from then on nothing more is sent to MLflow and the
         # runs left open are closed by the resume (``close_leftovers``).
         self.tracking_lost = False
+        # NOTE: likewise for the Optuna database, away for longer than ``storage.outage_s``: the resume reconciles.
+        self.storage_lost = False
 
     def check_services(self) -> None:
         """Fail fast, in one line, when the MLflow server or the Optuna storage URL does not answer.
@@ -113,14 +116,21 @@ class SweepRecords:
         state directory and no half-made runs behind.
         """
         check_tracking_server(self.config.tracking.tracking_uri)
-        self.storage = open_storage_url(self.config.storage.url) if self.config.storage.url else None
+        storage = self.config.storage
+        self.storage = open_storage_url(storage.url, storage.outage_s) if storage.url else None
 
     def open(self) -> None:
         """After ``check_services``: create the state directory, take the sweep's lease, open the Optuna storage
         and the MLflow parent run. NOTE: nothing of the sweep is written before its lease is held."""
         tracking = self.config.tracking
         self.state.create()
-        self.lease.acquire()
+        try:
+            self.lease.acquire()
+        except DBAPIError as error:  # the database of a PostgreSQL storage.url, lost since check_services
+            raise StorageUnavailableError(
+                f"Optuna storage {self.storage.shown} cannot hold the sweep's lease ({root_cause(error)}); start it "
+                "or fix storage.url / --storage-url"
+            ) from None
         try:
             self.storage = self.storage or open_journal(self.state.journal)
             self.tracker = SweepTracker.open(
@@ -138,6 +148,7 @@ class SweepRecords:
         self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, started: float
     ) -> dict[str, float] | None:
         """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
+        self.lease.check()
         with open_trial.times.part("state"):
             self.state.save(outcome)
         if not outcome.ok:
@@ -176,6 +187,7 @@ class SweepRecords:
     ) -> str:
         """Open the MLflow run of a request (or of a recovered outcome); the Optuna user attributes that name a
         baseline or a promotion become tags."""
+        self.lease.check()
         user_attrs = user_attrs or {}
         tags = {PROMOTED_FROM_TAG: str(user_attrs[PROMOTED_FROM_TAG])} if PROMOTED_FROM_TAG in user_attrs else {}
         return self.tracker.start_trial(
@@ -242,16 +254,22 @@ class SweepRecords:
         )
 
     def close(self, status: str) -> None:
-        """Close the parent run with ``status`` (when MLflow still answers) and give the lease back."""
+        """Close the parent run with ``status`` (when MLflow still answers; its Optuna summary when the database
+        does too) and give the lease back; a driver whose lease another took writes nothing."""
         try:
-            if not self.tracking_lost:
-                self.update_parent()
+            if not self.tracking_lost and not self.lease.lost:
+                if not self.storage_lost:
+                    self.update_parent()
                 self.tracker.close(
                     status,
-                    {name: text for ledger in self.ledgers.values() for name, text in ledger.artifacts().items()},
+                    {}
+                    if self.storage_lost
+                    else {name: text for ledger in self.ledgers.values() for name, text in ledger.artifacts().items()},
                 )
         except TrackingUnavailableError:
             self.tracking_lost = True
+        except StorageUnavailableError:
+            self.storage_lost = True
         finally:
             self.lease.release()
 
