@@ -31,7 +31,7 @@ from test_sweep_service import (
 from sweeps.state.optuna_storage import DRIVER_PACKAGES
 from tracking.mlflow_tracker import check_tracking_server
 from tracking.retry import TrackingUnavailableError
-from workers.names import SCREEN_STAGE
+from workers.names import SCREEN_STAGE, SWEEP_TAG
 
 INFRA = REPO / "infra"
 
@@ -86,11 +86,20 @@ def test_the_smoke_sweep_runs_end_to_end_with_optuna_and_mlflow_on_postgresql(st
     assert_each_configuration_evaluated_once(children, study, SMOKE)
     assert_one_finished_child_per_complete_trial(children, study)
     assert_one_finished_child_per_complete_trial(children, screen, SCREEN_STAGE)
-    # The runs are rows of the PostgreSQL backend store, the trials of the Optuna database.
-    runs = database_rows(postgres.url("mlflow"), "SELECT count(*) FROM runs WHERE status = 'FINISHED'")
+    # The runs are rows of the PostgreSQL backend store, the trials of the Optuna database (the session's server holds
+    # other tests' sweeps too).
+    runs = database_rows(
+        postgres.url("mlflow"),
+        "SELECT count(*) FROM runs JOIN tags ON tags.run_uuid = runs.run_uuid WHERE runs.status = 'FINISHED' "
+        f"AND tags.key = '{SWEEP_TAG}' AND tags.value = '{sweep_id}'",
+    )
     assert runs == len(parents) + len(children)
-    trials = database_rows(optuna_url, "SELECT count(*) FROM trials WHERE state = 'COMPLETE'")
-    assert trials >= len(complete_trials(study)) + len(complete_trials(screen))
+    trials = database_rows(
+        optuna_url,
+        "SELECT count(*) FROM trials JOIN studies ON studies.study_id = trials.study_id "
+        f"WHERE trials.state = 'COMPLETE' AND studies.study_name IN ('{sweep_id}', '{sweep_id}.screen')",
+    )
+    assert trials == len(complete_trials(study)) + len(complete_trials(screen))
 
 
 # ------------------------------------------------------------------------------- infra/'s MLflow server
