@@ -37,12 +37,11 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
     """The main study's best trials that are not baselines, at most ``test.top_k``: the best values for one
     objective, the Pareto set for several (ordered by the first objective), distinct configurations only (at least
     ``test.min_distance`` apart)."""
-    signs = [1.0 if direction == "minimize" else -1.0 for direction in config.directions]
     candidates = [
         trial for trial in study.get_trials(deepcopy=False, states=(COMPLETE,)) if BASELINE_TAG not in trial.user_attrs
     ]
-    costs = {trial.number: [sign * value for sign, value in zip(signs, trial.values)] for trial in candidates}
-    if len(signs) > 1:
+    costs = {trial.number: as_costs(trial.values, config.directions) for trial in candidates}
+    if len(config.directions) > 1:
         candidates = [
             trial
             for trial in candidates
@@ -114,6 +113,12 @@ def _distinct(trials: list[optuna.trial.FrozenTrial], min_distance: float = 0.0)
         if all(trial.params != other.params and configuration_distance(trial, other) >= min_distance for other in kept):
             kept.append(trial)
     return kept
+
+
+def as_costs(values: list[float], directions: list[str]) -> list[float]:
+    """A trial's objective ``values`` as costs, lower better in every objective (``directions``: minimize or
+    maximize, one each)."""
+    return [value if direction == "minimize" else -value for direction, value in zip(directions, values)]
 
 
 def dominates(costs: list[float], other: list[float]) -> bool:

@@ -20,7 +20,7 @@ from sweeps.space import (
     suggest_press,
     trials_read_once,
 )
-from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, dominates
+from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, as_costs, dominates
 from sweeps.state.driver_times import DriverTimes
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
 from tracking.mlflow_tracker import trial_metrics
@@ -249,17 +249,13 @@ class TrialLedger:
     def _add_completed(self, number: int, values: list[float], params: dict) -> None:
         """Count a completed trial, and keep the Pareto set up to date with it."""
         self._completed += 1
-        costs = self._costs(values)
-        if any(dominates(self._costs(best["values"]), costs) for best in self._front):
+        costs = as_costs(values, self.directions)
+        if any(dominates(as_costs(best["values"], self.directions), costs) for best in self._front):
             return
-        kept = [best for best in self._front if not dominates(costs, self._costs(best["values"]))]
+        kept = [best for best in self._front if not dominates(costs, as_costs(best["values"], self.directions))]
         self._front = sorted(
             [*kept, {"number": number, "values": list(values), "params": params}], key=lambda best: best["number"]
         )
-
-    def _costs(self, values: list[float]) -> list[float]:
-        """``values`` as costs: lower is better in every objective."""
-        return [value if direction == "minimize" else -value for direction, value in zip(self.directions, values)]
 
     def _objective_values(self, outcome: TrialOutcome) -> list[float] | None:
         metrics = trial_metrics(outcome.summary)
