@@ -184,10 +184,15 @@ class SweepDriver:
                         remaining += len(dispatch.context)
                         continue
                     self._record(ledger, dispatch, outcomes)
+                self.records.writer.check()
+            # NOTE: the next stage opens on every outcome of this one told (its promotions read the study).
+            self.records.writer.drain()
+            self.records.update_parent()
         except TrackingUnavailableError:
             self.records.tracking_lost = True
             raise
         finally:
+            self.records.settle()  # the in-flight trials' runs opened (or not) before they are abandoned
             for dispatch in pool.drain():
                 for open_trial in dispatch.context:
                     self._abandon(ledger, open_trial)
@@ -201,7 +206,8 @@ class SweepDriver:
                 )
             except (TrackingUnavailableError, StorageUnavailableError):
                 # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
-                # (the first place a record writes), where the resume finds and logs them.
+                # (the first place a record writes), where the resume finds and logs them. Here the error is the
+                # writer's, handed over before this outcome's records and raised as the next were handed over.
                 for later in outcomes[index + 1 :]:
                     self.records.state.save(later)
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import warnings
 
 import optuna
@@ -160,21 +161,27 @@ def proposing_at_random(study: optuna.Study, seed: int):
 
 @contextlib.contextmanager
 def trials_read_once(study: optuna.Study):
-    """Within the block, every read of the study's trials is answered from one read of its storage, the first.
+    """Within the block, every read of the study's trials by this thread is answered from one read of its storage, the
+    first.
 
-    NOTE: for the sampler's reads while one trial is suggested: TPE with a constant liar reads the study afresh for
-    each parameter (Optuna caches the finished trials, but reads the unfinished ones from the database each time:
-    several round trips a read, one a suggested parameter). The answer is the same every time: only the lease holder
-    writes the study, and while it suggests a trial nothing changes but that trial, which the sampler leaves out of
-    what it reads (tests/test_sweep_scaling.py checks the proposals are the same).
+    NOTE: for the sampler's reads while one trial is asked for and suggested: ``Study.ask`` reads the study two or three
+    times, and TPE with a constant liar reads it afresh for each parameter (Optuna caches the finished trials, but reads
+    the unfinished ones from the database each time: several round trips a read). The answer is the same every time:
+    only the lease holder writes the study; the trial being asked for is created after the first read and the sampler
+    leaves it out of what it reads; and a trial another thread of the driver tells meanwhile (``sweeps.state.writer``)
+    is one a read a moment earlier would have shown running (tests/test_sweep_scaling.py checks the proposals are the
+    same). Other threads read the storage as before.
     """
     storage = study._storage
     overridden = "get_all_trials" in vars(storage)
     read = storage.get_all_trials
+    reader = threading.get_ident()
     first: list | None = None
 
     def get_all_trials(study_id, deepcopy=True, states=None):
         nonlocal first
+        if threading.get_ident() != reader:
+            return read(study_id, deepcopy=deepcopy, states=states)
         if first is None:
             first = read(study_id, deepcopy=False)
         trials = first if states is None else [trial for trial in first if trial.state in states]

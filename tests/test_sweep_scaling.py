@@ -2,11 +2,12 @@
 
 A sweep of hundreds of trials (docs/results/sweep-scale.md) stays fast only while opening and recording a trial reads
 no more of the Optuna storage, and calls MLflow no more often, than it did early on. These run a stage's ledger with
-a real Optuna storage (an RDB on an in-memory SQLite, behind Optuna's cache as in a sweep) and an MLflow client that
+a real Optuna storage (an RDB on a SQLite file, behind Optuna's cache as in a sweep) and an MLflow client that
 counts its calls, no service, and fail if a per-trial cost becomes proportional to the number of trials again.
 """
 
 import contextlib
+import math
 from collections import Counter
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from conftest import REPO
 from sweeps.config import load_config
 from sweeps.space import baseline_params, make_sampler, suggest_press, trials_read_once
 from sweeps.state.ledgers import TrialLedger
-from sweeps.state.optuna_storage import open_storage_url
+from sweeps.state.optuna_storage import open_storage_url, parameters_in_one_commit
 from sweeps.state.records import SweepRecords
 from tracking.mlflow_tracker import SweepTracker
 from workers.names import BASELINE_TAG, FULL_STAGE
@@ -74,7 +75,7 @@ def outcome_of(request) -> TrialOutcome:
 @pytest.fixture
 def ledger(tmp_path):
     """The full stage of a sweep with a random sampler (its asks read no trials, so what is counted is the
-    ledger's own), its storage an in-memory SQLite database, its MLflow calls counted by a ``CountingClient``."""
+    ledger's own), its storage a SQLite database file, its MLflow calls counted by a ``CountingClient``."""
     config = yaml.safe_load((REPO / "sweeps" / "configs" / "smoke.yaml").read_text())
     config.update(trials=1000, sampler={"type": "random", "seed": 0}, storage={"state_dir": str(tmp_path)})
     del config["screening"], config["test"], config["data"]["test"]
@@ -82,19 +83,22 @@ def ledger(tmp_path):
     path.write_text(yaml.safe_dump(config))
     config = load_config(path)
     records = SweepRecords(config, "scaling")
-    records.storage = open_storage_url("sqlite://")
+    records.storage = open_storage_url(f"sqlite:///{tmp_path / 'optuna.db'}")
     records.tracker = SweepTracker(CountingClient(), "0", "scaling", "parent", tuple(config.search_space))
     records.state.create()
+    records.parent_every_s = math.inf  # the parent run updated once, at the first trial
     ledger = TrialLedger(records, FULL_STAGE)
     ledger.open()
     return ledger
 
 
 def run_batches(ledger: TrialLedger, trials: int) -> None:
-    """Open and record ``trials`` trials, ``BATCH`` at a time, as the driver does."""
+    """Open and record ``trials`` trials, ``BATCH`` at a time, as the driver does, the writer caught up after each
+    batch (the trials it has yet to tell are read as unfinished: as many as the driver hands it, not the study's)."""
     for _ in range(trials // BATCH):
         for open_trial in ledger.open_trials(BATCH):
             ledger.record(open_trial, outcome_of(open_trial.request), 0.0, 1)
+        ledger.records.writer.drain()
 
 
 def test_a_trial_reads_as_much_of_the_storage_at_trial_100_as_at_trial_20(ledger):
@@ -112,9 +116,11 @@ def test_a_trial_reads_as_much_of_the_storage_at_trial_100_as_at_trial_20(ledger
     resumed = TrialLedger(ledger.records, FULL_STAGE)  # counts and best trials read back from the study
     resumed.open()
     assert (resumed.completed(), resumed.reused, resumed.best()) == (120, 0, ledger.best())
-    # NOTE: per 20 trials: the same reads late as early (a few trials in flight are read each time), where one scan of
-    # the study per trial would read 20 x 100 trials late against 20 x 10 early.
-    assert late[0] <= early[0] + 20 and late[1] <= early[1] + 20, (early, late)
+    # NOTE: per 20 trials, from the database: the same reads late as early (a few trials in flight each time), where
+    # one scan of the study per trial would read 20 x 100 trials late against 20 x 10 early. From Optuna's cache (in
+    # memory): the study once per trial, the one read its ask and its sampler share (``trials_read_once``), no more.
+    assert late[1] <= early[1] + 20, (early, late)
+    assert late[0] <= sum(range(101, 121)), (early, late)
 
 
 def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_reads_it(ledger):
@@ -122,28 +128,64 @@ def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_reads_it(ledger)
     client = ledger.records.tracker.client
     early = Counter(client.calls)
     run_batches(ledger, 20)
-    # NOTE: per trial: its run created, its sampler's params, its results (no predictions here), its close, and the
-    # parent run's progress; no search, no run read back.
-    assert client.calls - early == Counter(create_run=20, log_batch=60, set_terminated=20)
+    # NOTE: per trial: its run created, its sampler's params, its results (no predictions here) and its close; no
+    # search, no run read back. The parent run's progress is not a trial's: at most every ``parent_every_s``.
+    assert client.calls - early == Counter(create_run=20, log_batch=40, set_terminated=20)
+    ledger.records.parent_every_s = 0.0
+    run_batches(ledger, 4)
+    assert client.calls - early == Counter(create_run=24, log_batch=48 + 4, set_terminated=24)
 
 
-def test_reading_the_trials_once_per_suggestion_proposes_what_reading_them_each_time_does(tmp_path):
+def test_reading_the_trials_once_per_ask_and_writing_its_parameters_at_once_proposes_and_stores_the_same(tmp_path):
     """TPE with a constant liar (the sweeps' sampler), batches of trials in flight, the baselines enqueued first: the
-    same proposals whether the storage is read once per suggested trial (``trials_read_once``) or at every read."""
+    same proposals, and the same trials read back from the database, whether a trial's ask and suggestions read the
+    storage once and write its parameters in one transaction (as the ledger asks) or read and write at every call."""
     config = load_config(REPO / "sweeps" / "configs" / "smoke.yaml")
-    proposals = {}
+    proposals, stored = {}, {}
     for once in (False, True):
-        storage = open_storage_url("sqlite://")
+        url = f"sqlite:///{tmp_path / f'once-{once}.db'}"
+        storage = open_storage_url(url)
         study = optuna.create_study(storage=storage, sampler=make_sampler(config, 0), direction="maximize")
         for name, params in baseline_params(config):
             study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
         proposed = []
         for _ in range(10):
-            batch = [study.ask() for _ in range(BATCH)]
-            for trial in batch:
-                with trials_read_once(study) if once else contextlib.nullcontext():
-                    proposed.append(configuration_key(suggest_press(trial, config)))
+            batch = []
+            for _ in range(BATCH):
+                with (
+                    trials_read_once(study) if once else contextlib.nullcontext(),
+                    parameters_in_one_commit(storage) if once else contextlib.nullcontext(),
+                ):
+                    batch.append(study.ask())
+                    proposed.append(configuration_key(suggest_press(batch[-1], config)))
             for trial in batch:
                 study.tell(trial, float(trial.number * 7 % 11))
         proposals[once] = proposed
+        reread = optuna.load_study(study_name=study.study_name, storage=url)
+        stored[once] = [(trial.params, trial.distributions, trial.values) for trial in reread.trials]
     assert proposals[True] == proposals[False] and len(set(proposals[True])) == 10 * BATCH
+    assert stored[True] == stored[False]
+
+
+def test_a_new_trial_is_read_back_from_its_creation_only_as_the_next_call_of_its_thread(tmp_path):
+    """``Study.ask`` reads back the trial it has just created: answered from the creation, equal to a database read;
+    any other call in between, or a waiting trial's creation (``enqueue_trial``), and the database is read."""
+    storage = open_storage_url(f"sqlite:///{tmp_path / 'optuna.db'}")
+    study_id = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], "created")
+    reads = Counter()
+    read = optuna.storages.RDBStorage.get_trial
+
+    def counting(self, trial_id):
+        reads[trial_id] += 1
+        return read(self, trial_id)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optuna.storages.RDBStorage, "get_trial", counting)
+        first = storage.create_new_trial(study_id)
+        assert storage.get_trial(first) == read(storage, first) and reads[first] == 0  # ``read``: uncounted
+        second = storage.create_new_trial(study_id)
+        storage.set_trial_user_attr(second, "seen", True)
+        assert storage.get_trial(second).user_attrs == {"seen": True} and reads[second] == 1
+        waiting = storage.create_new_trial(study_id, optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING))
+        storage.get_trial(waiting)
+        assert reads[waiting] == 1

@@ -3,7 +3,7 @@
 
 Each recorded evaluation appends one JSON line to ``<state>/<sweep>/driver_times.jsonl`` (``StateDir.log_times``):
 its stage and key, the seconds of each part of ``PARTS`` the driver spent on it (``ask_s``…: wall clock, the waits for
-the services included; ``ask_cpu_s``…: the driver thread's own CPU), the share of its batch's Ray round trip
+the services included; ``ask_cpu_s``…: the CPU of the thread it ran on), the share of its batch's Ray round trip
 (``dispatch_s``, waiting, not the driver's work) and the wall clock (``at``).
 
 NOTE: a file, not MLflow metrics: the parts that follow a run's close (the close itself, Optuna's tell, the parent
@@ -16,10 +16,13 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-# ask: the sampler's proposals until a new configuration (duplicates' asks and tells included); mlflow: the trial's
-# run opened, logged and closed; state: its result written to the state directory; tell: Optuna told; parent: the
-# parent run's progress (the study's counts and best trials read, one MLflow write).
-PARTS = ("ask", "mlflow", "state", "tell", "parent")
+# On the driver's loop, the parts the trials wait for: ask, the sampler's proposals until a new configuration
+# (duplicates' asks and tells included); state, its result written to the state directory; wait, the driver waiting
+# for room on the writer. On the writer (``sweeps.state.writer``): mlflow, the trial's run opened, logged and closed;
+# tell, Optuna told; parent, the parent run's progress (one MLflow write, at most every few seconds).
+LOOP_PARTS = ("ask", "state", "wait")
+WRITER_PARTS = ("mlflow", "tell", "parent")
+PARTS = LOOP_PARTS + WRITER_PARTS
 
 
 @dataclass
@@ -36,8 +39,17 @@ class DriverTimes:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
-            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.thread_time() - cpu_started
+            self.add(name, time.perf_counter() - started, time.thread_time() - cpu_started)
+
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """Add ``seconds`` of wall clock and ``cpu_seconds`` of CPU to ``name``."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
+
+    @property
+    def total_s(self) -> float:
+        """The wall clock of every part so far."""
+        return sum(self.seconds.values())
 
     def row(self, stage: str, key: str, dispatch_s: float) -> dict:
         """The JSON line of this evaluation."""

@@ -5,8 +5,8 @@ driver as a ``StageLedger``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import time
 from dataclasses import replace
 
 import optuna
@@ -22,6 +22,7 @@ from sweeps.space import (
 )
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, as_costs, dominates
 from sweeps.state.driver_times import DriverTimes
+from sweeps.state.optuna_storage import parameters_in_one_commit
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
 from tracking.mlflow_tracker import trial_metrics
 from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR, SCREEN_STAGE, TEST_STAGE
@@ -152,17 +153,17 @@ class TrialLedger:
         # NOTE: the duplicates' asks and tells count as the ask of the next trial opened: they are its price.
         times = DriverTimes()
         while len(opened) < count and not self.exhausted:
-            started = time.perf_counter()
             stuck = self.duplicates_in_a_row >= RANDOM_AFTER_DUPLICATES
             with (
                 times.part("ask"),
                 proposing_at_random(self.study, self.seed + len(self.study.get_trials(deepcopy=False)))
                 if stuck
                 else contextlib.nullcontext(),
+                trials_read_once(self.study),
+                parameters_in_one_commit(self.records.storage),
             ):
                 trial = self.study.ask()
-                with trials_read_once(self.study):
-                    press = suggest_press(trial, self.records.config)
+                press = suggest_press(trial, self.records.config)
             key = configuration_key(press)
             self.duplicates_in_a_row += 1
             original = self.evaluated.get(key, self.in_flight[key].trial.number if key in self.in_flight else None)
@@ -180,9 +181,8 @@ class TrialLedger:
             else:
                 self.duplicates_in_a_row = 0
                 request = TrialRequest(trial.number, press, self.stage, checkpoint_dir=self.records.state.checkpoints)
-                with times.part("mlflow"):
-                    run_id = self.records.start(request, trial.params, trial.user_attrs)
-                self.in_flight[key] = OpenTrial(request, run_id, time.perf_counter() - started, trial, times)
+                run = self.records.open_run(request, times, trial.params, trial.user_attrs)
+                self.in_flight[key] = OpenTrial(request, run, trial, times)
                 opened.append(self.in_flight[key])
                 times = DriverTimes()
         if self.exhausted:
@@ -195,30 +195,29 @@ class TrialLedger:
         return opened
 
     def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
-        """Write a trial's outcome: state directory, then MLflow, then Optuna, then the parent run's summary.
+        """Write a trial's outcome to the state directory, then hand the rest to the writer: MLflow, then Optuna,
+        then the parent run's summary (``SweepRecords.hand_over``).
 
         A finished trial whose objectives were not all measured is recorded as failed.
+        NOTE: the ledger counts the trial as evaluated here, not once the writer has told Optuna: the next proposal
+        of its configuration is a duplicate from now on, as it was while the trial was in flight.
         """
-        started = time.perf_counter()
         values = self._objective_values(outcome) if outcome.ok else None
         if outcome.ok and values is None:
             missing = [name for name in self.metrics if name not in trial_metrics(outcome.summary)]
             outcome = replace(outcome, status=FAILED, error=f"objective(s) {missing} not measured")
-        timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        self.records.save(open_trial, outcome)
         discard_checkpoint(outcome, open_trial.request)
         key = configuration_key(open_trial.request.press)
         del self.in_flight[key]
-        with open_trial.times.part("tell"):
-            if outcome.ok:
-                self.study.tell(open_trial.trial, values)
-            else:
-                self.study.tell(open_trial.trial, state=optuna.trial.TrialState.FAIL)
         if outcome.ok:
             self._add_completed(open_trial.trial.number, values, open_trial.trial.params)
             self.evaluated[key] = open_trial.trial.number
-            self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s -> %s", outcome, open_trial.trial.params, dict(zip(self.metrics, values)))
-        self.records.update_parent_after(open_trial, dispatch_s)
+            tell = functools.partial(self.study.tell, open_trial.trial, values)
+        else:
+            tell = functools.partial(self.study.tell, open_trial.trial, state=optuna.trial.TrialState.FAIL)
+        self.records.hand_over(open_trial, outcome, dispatch_s, attempts, tell)
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """On a stop: close the trial's run as KILLED and hand its parameters to the next run of the sweep."""
@@ -306,26 +305,23 @@ class HeldOutLedger:
         return len(self.pending)
 
     def open_trials(self, count: int) -> list[OpenTrial]:
-        """The next ``count`` test evaluations, their MLflow runs opened."""
+        """The next ``count`` test evaluations, the opening of their MLflow runs handed to the writer."""
         opened = []
         for request in self.pending[:count]:
-            started, times = time.perf_counter(), DriverTimes()
-            with times.part("mlflow"):
-                run_id = self.records.start(request)
-            opened.append(OpenTrial(request, run_id, time.perf_counter() - started, times=times))
+            times = DriverTimes()
+            opened.append(OpenTrial(request, self.records.open_run(request, times), times=times))
         del self.pending[:count]
         return opened
 
     def record(self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int) -> None:
-        """Write a test evaluation's outcome: state directory, then MLflow, then the parent run's summary."""
-        started = time.perf_counter()
-        timing = self.records.write(open_trial, outcome, dispatch_s, attempts, started)
+        """Write a test evaluation's outcome to the state directory, then hand the rest to the writer: MLflow, then
+        the parent run's summary."""
+        self.records.save(open_trial, outcome)
         discard_checkpoint(outcome, open_trial.request)
-        if timing is not None:
+        if outcome.ok:
             self.finished += 1
-            self.records.count(open_trial, timing, dispatch_s, started)
             log.info("%s: %s", outcome, outcome.summary["mean_score"])
-        self.records.update_parent_after(open_trial, dispatch_s)
+        self.records.hand_over(open_trial, outcome, dispatch_s, attempts, None)
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """Close the run as KILLED and put the evaluation back: this run of the sweep does it again (its worker

@@ -3,11 +3,14 @@ or a database at ``storage.url``, whose calls ride out an outage of up to ``stor
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage
+from optuna.storages._rdb.storage import _create_scoped_session
 
 from sweeps.state.state_dir import StateDirError
 from tracking.retry import one_line
@@ -130,6 +134,14 @@ def open_storage_url(url: str, outage_s: float = 0.0) -> "RetryingRDBStorage":
         ) from None
 
 
+def parameters_in_one_commit(storage: optuna.storages.BaseStorage):
+    """``storage``'s ``RetryingRDBStorage.parameters_in_one_commit``, or nothing for a storage that writes no
+    transactions (a journal file)."""
+    if isinstance(storage, RetryingRDBStorage):
+        return storage.parameters_in_one_commit()
+    return contextlib.nullcontext()
+
+
 def is_outage(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) says the database cannot be reached, not that the request was wrong.
 
@@ -165,22 +177,81 @@ class RetryingRDBStorage(RDBStorage):
     NOTE: a retried write whose first try committed although its answer was lost must not be applied twice: a new
     trial is looked for before it is created again (``_create_new_trial``), and a re-tried tell that finds its trial
     already finished in the state it was to set succeeds (``set_trial_state_values``). The other writes Optuna makes
-    are idempotent (attributes and parameters are set, not appended). Optuna's own re-tries of a trial creation that
-    failed on commit (meant for deadlocks) are beyond this check: a copy they made would be a trial never proposed,
-    left RUNNING until a resume re-queues it, or a second copy of an enqueued configuration, which the ledgers do not
-    evaluate twice.
+    are idempotent (attributes are set, not appended), and parameters written together are looked for before a
+    re-try (``parameters_in_one_commit``). Optuna's own re-tries of a trial creation that failed on commit (meant for
+    deadlocks) are beyond this check: a copy they made would be a trial never proposed, left RUNNING until a resume
+    re-queues it, or a second copy of an enqueued configuration, which the ledgers do not evaluate twice.
     """
 
     RETRY_WAIT_S = 1.0
 
     def __init__(self, url: str, outage_s: float, **kwargs):
+        # NOTE: per thread: the parameters set within ``parameters_in_one_commit`` (None outside it), and the new
+        # trial this thread has just created, while its next call to the storage is yet to come: ``Study.ask``
+        # reads it back at once (``get_trial``), and nothing else can have changed it.
+        self._local = threading.local()
         self.outage_s = outage_s
         self.shown = shown_url(url)
         self.outage_since: float | None = None
         super().__init__(url, **kwargs)
 
+    @contextlib.contextmanager
+    def parameters_in_one_commit(self):
+        """Within the block, the parameters this thread sets on trials are written at its end, in one transaction.
+
+        NOTE: for a trial being suggested: each parameter was a transaction of its own (four round trips), eight a
+        trial. Nothing reads them before the block ends: the trial's own ``Trial`` keeps what it suggested, and the
+        sampler leaves the trial it suggests out of what it reads. A distribution incompatible with the study's is
+        refused at its suggestion when the study's is known (Optuna's cache passes it), else when written.
+        """
+        self._local.params = pending = []
+        try:
+            yield
+        finally:
+            self._local.params = None
+        if pending:
+            self._retrying(functools.partial(self._write_params, pending, [0]))
+
+    def _set_trial_param(self, trial_id, param_name, param_value_internal, distribution, previous_distribution):
+        pending = getattr(self._local, "params", None)
+        if pending is None:
+            self._retrying(
+                functools.partial(
+                    RDBStorage._set_trial_param,
+                    self,
+                    trial_id,
+                    param_name,
+                    param_value_internal,
+                    distribution,
+                    previous_distribution,
+                )
+            )
+            return
+        if previous_distribution is not None:
+            optuna.distributions.check_distribution_compatibility(previous_distribution, distribution)
+        pending.append((trial_id, param_name, param_value_internal, distribution, previous_distribution))
+
+    def _write_params(self, pending: list[tuple], tries: list[int]) -> None:
+        """Write ``pending`` parameters in one transaction; a re-try whose first try committed writes nothing."""
+        tries[0] += 1
+        if tries[0] > 1:
+            written = {trial_id: RDBStorage.get_trial(self, trial_id).params for trial_id, *_ in pending}
+            if all(name in written[trial_id] for trial_id, name, *_ in pending):
+                return
+        with _create_scoped_session(self.scoped_session, True) as session, session.no_autoflush:
+            for param in pending:
+                self._set_trial_param_without_commit(session, *param)
+
+    def get_trial(self, trial_id: int):
+        created = getattr(self._local, "created", None)
+        if created is not None and created._trial_id == trial_id:
+            self._local.created = None
+            return copy.deepcopy(created)
+        return self._retrying(functools.partial(RDBStorage.get_trial, self, trial_id))
+
     def _retrying(self, call: Callable):
         """``call()``, retried while the database is away (``outage_s``)."""
+        self._local.created = None
         while True:
             try:
                 result = call()
@@ -233,7 +304,9 @@ class RetryingRDBStorage(RDBStorage):
                 )
             return RDBStorage._create_new_trial(self, study_id, template_trial)
 
-        return self._retrying(create)
+        trial = self._retrying(create)
+        self._local.created = trial if template_trial is None else None
+        return trial
 
     def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
         tries = 0
@@ -276,13 +349,11 @@ for _name in (
     "get_trial_user_attrs",
     "get_trial_system_attrs",
     "get_all_studies",
-    "_set_trial_param",
     "get_trial_param",
     "set_trial_intermediate_value",
     "set_trial_user_attr",
     "set_trial_system_attr",
     "get_trial_id_from_study_id_trial_number",
-    "get_trial",
     "_get_trials",
     "_get_best_trial_id",
     "record_heartbeat",

@@ -5,7 +5,10 @@ MLflow runs and the service overhead), the trials it has open, and what the driv
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +21,7 @@ from sweeps.lease import SweepLease
 from sweeps.state.driver_times import DriverTimes
 from sweeps.state.optuna_storage import StorageUnavailableError, open_journal, open_storage_url, root_cause
 from sweeps.state.state_dir import StateDir
+from sweeps.state.writer import RecordWriter
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server
 from tracking.retry import RetryPolicy, TrackingUnavailableError
@@ -25,18 +29,25 @@ from workers.names import BASELINE_TAG, FULL_STAGE, PRESS_ARTIFACT, PROMOTED_FRO
 from workers.protocol import TrialOutcome, TrialRequest
 
 log = logging.getLogger("grkv.sweep")
+PARENT_EVERY_S = 5.0  # see ``SweepRecords.parent_every_s``
 
 
 @dataclass
 class OpenTrial:
-    """A trial whose MLflow run is open; ``asked_s``: driver seconds spent opening it; ``trial``: its Optuna
-    trial (None in the test stage); ``times``: the driver's seconds on it by part, opening and recording it."""
+    """A trial handed to a worker; ``run``: the opening of its MLflow run, on the writer (``sweeps.state.writer``);
+    ``trial``: its Optuna trial (None in the test stage); ``times``: the driver's seconds on it by part, opening and
+    recording it."""
 
     request: TrialRequest
-    run_id: str
-    asked_s: float
+    run: Future
     trial: optuna.Trial | None = None
     times: DriverTimes = field(default_factory=DriverTimes)
+
+    @property
+    def run_id(self) -> str | None:
+        """Its MLflow run's id, once opened; None when the writer could not open it (MLflow lost: the resume
+        reconciles)."""
+        return None if self.run.exception() is not None else self.run.result()
 
 
 @dataclass
@@ -108,6 +119,12 @@ class SweepRecords:
         self.tracking_lost = False
         # NOTE: likewise for the Optuna database, away for longer than ``storage.outage_s``: the resume reconciles.
         self.storage_lost = False
+        self.writer = RecordWriter()
+        # NOTE: the parent run's progress is a view for a person: updated at most every ``parent_every_s`` as trials
+        # are recorded (one MLflow request a trial was a tenth of the driver's time at 500 trials), and at a stage's
+        # end and when the sweep closes.
+        self.parent_every_s = PARENT_EVERY_S
+        self.parent_updated_at = -math.inf
 
     def check_services(self) -> None:
         """Fail fast, in one line, when the MLflow server or the Optuna storage URL does not answer.
@@ -144,43 +161,72 @@ class SweepRecords:
             self.lease.release()
             raise
 
-    def write(
-        self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, started: float
-    ) -> dict[str, float] | None:
-        """Write an outcome to the state directory, then to its MLflow run; the timing logged if it finished."""
+    def open_run(
+        self,
+        request: TrialRequest,
+        times: DriverTimes,
+        sampler_params: dict | None = None,
+        user_attrs: dict | None = None,
+    ) -> Future:
+        """Hand the opening of a request's MLflow run (``start``) to the writer; the future gives its id."""
+        future, waited = self.writer.submit(
+            self._timed, times, "mlflow", self.start, request, sampler_params, user_attrs
+        )
+        times.add("wait", waited)
+        return future
+
+    def save(self, open_trial: OpenTrial, outcome: TrialOutcome) -> None:
+        """Write an outcome to the state directory: the first of its records, on the driver's thread."""
         self.lease.check()
         with open_trial.times.part("state"):
             self.state.save(outcome)
         if not outcome.ok:
-            with open_trial.times.part("mlflow"):
-                self.tracker.fail_trial(open_trial.run_id, outcome)
             log.warning("%s failed: %s", outcome, outcome.error)
-            return None
-        timing = outcome.worker_timing()
-        # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a crash
-        # never leaves a finished run without it; it therefore leaves out its own MLflow write and the Optuna
-        # tell that follow. The sweep-level total on the parent run (``count``) includes them.
-        timing.update(
-            trial_dispatch_s=dispatch_s,
-            worker_attempts=attempts,
-            service_overhead_s=open_trial.asked_s + dispatch_s + (time.perf_counter() - started),
-        )
-        with open_trial.times.part("mlflow"):
-            self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
-        return timing
 
-    def update_parent_after(self, open_trial: OpenTrial, dispatch_s: float) -> None:
-        """Once ``open_trial`` is recorded: the parent run's progress, then the driver's seconds on the trial
-        (``sweeps.state.driver_times``)."""
-        with open_trial.times.part("parent"):
-            self.update_parent()
-        self.state.log_times(open_trial.times.row(open_trial.request.stage, open_trial.request.key, dispatch_s))
+    def hand_over(
+        self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, tell: Callable | None
+    ) -> None:
+        """After ``save``: hand the rest of an outcome's records to the writer: its MLflow run logged and closed, then
+        ``tell`` (Optuna told), then the parent run's progress when due."""
+        _, waited = self.writer.submit(self._write, open_trial, outcome, dispatch_s, attempts, tell)
+        open_trial.times.add("wait", waited)
 
-    def count(self, open_trial: OpenTrial, timing: dict[str, float], dispatch_s: float, started: float) -> None:
-        """Add a finished trial, fully recorded, to the service overhead."""
-        self.overhead.evaluation_s += timing["trial_eval_s"]
-        self.overhead.service_s += open_trial.asked_s + dispatch_s + (time.perf_counter() - started)
-        self.overhead.trials += 1
+    def _write(
+        self, open_trial: OpenTrial, outcome: TrialOutcome, dispatch_s: float, attempts: int, tell: Callable | None
+    ) -> None:
+        """On the writer: an outcome's MLflow run, then ``tell``, the service overhead, the parent run's progress at
+        most every ``parent_every_s``, and the driver's seconds on it (``sweeps.state.driver_times``)."""
+        self.lease.check()
+        times = open_trial.times
+        timing = None
+        with times.part("mlflow"):
+            if outcome.ok:
+                timing = outcome.worker_timing()
+                # NOTE: the per-trial figure is logged with the run's other metrics, before it is closed, so a crash
+                # never leaves a finished run without it; it therefore leaves out its own MLflow write and the
+                # Optuna tell that follow. The sweep-level total on the parent run includes them.
+                timing.update(
+                    trial_dispatch_s=dispatch_s, worker_attempts=attempts, service_overhead_s=dispatch_s + times.total_s
+                )
+                self.tracker.finish_trial(open_trial.run_id, outcome, timing, self.state.kvpress_folder(outcome))
+            else:
+                self.tracker.fail_trial(open_trial.run_id, outcome)
+        if tell is not None:
+            with times.part("tell"):
+                tell()
+        if timing is not None:
+            self.overhead.evaluation_s += timing["trial_eval_s"]
+            self.overhead.service_s += dispatch_s + times.total_s
+            self.overhead.trials += 1
+        if time.monotonic() - self.parent_updated_at >= self.parent_every_s:
+            with times.part("parent"):
+                self.update_parent()
+        self.state.log_times(times.row(open_trial.request.stage, open_trial.request.key, dispatch_s))
+
+    @staticmethod
+    def _timed(times: DriverTimes, part: str, call: Callable, *args):
+        with times.part(part):
+            return call(*args)
 
     def start(
         self, item: TrialRequest | TrialOutcome, sampler_params: dict | None = None, user_attrs: dict | None = None
@@ -217,7 +263,7 @@ class SweepRecords:
 
     def abandon(self, open_trial: OpenTrial) -> None:
         """On a stop: close the trial's run as KILLED (left to the resume when MLflow is lost)."""
-        if self.tracking_lost:
+        if self.tracking_lost or open_trial.run_id is None:
             return
         try:
             self.tracker.fail_trial(
@@ -226,7 +272,16 @@ class SweepRecords:
         except TrackingUnavailableError:
             self.tracking_lost = True
 
+    def settle(self) -> None:
+        """Wait for the writer to make what it was handed, for a driver that stops: a service its error shows lost
+        is marked so (``tracking_lost``, ``storage_lost``), and nothing more is sent to it."""
+        error = self.writer.settle()
+        self.tracking_lost |= isinstance(error, TrackingUnavailableError)
+        self.storage_lost |= isinstance(error, StorageUnavailableError)
+
     def update_parent(self) -> None:
+        """The parent run's progress: every stage's counts, the service overhead and the best trials so far."""
+        self.parent_updated_at = time.monotonic()
         full = self.ledgers[FULL_STAGE]
         metrics = self.overhead.as_metrics()
         for ledger in self.ledgers.values():
@@ -256,6 +311,8 @@ class SweepRecords:
     def close(self, status: str) -> None:
         """Close the parent run with ``status`` (when MLflow still answers; its Optuna summary when the database
         does too) and give the lease back; a driver whose lease another took writes nothing."""
+        self.settle()
+        self.writer.close()
         try:
             if not self.tracking_lost and not self.lease.lost:
                 if not self.storage_lost:
