@@ -87,7 +87,8 @@ def kill_mid_trial(stack, config, sweep_id, state) -> subprocess.Popen:
 
 def test_a_retried_write_whose_first_try_committed_is_not_applied_twice(postgres):
     """The connection lost just after a commit (``after_commit`` raising what a dropped connection raises): the
-    re-tried trial creation finds the trial the first try made, and the re-tried tell finds its trial finished."""
+    re-tried trial creation finds the trial the first try made, the re-tried tell finds its trial finished, and the
+    re-tried write of a trial's parameters finds them written."""
     postgres.run("start")
     storage = open_storage_url(postgres.url("optuna"), outage_s=10)
     study = optuna.create_study(study_name="pieces-committed", storage=storage)
@@ -109,7 +110,17 @@ def test_a_retried_write_whose_first_try_committed_is_not_applied_twice(postgres
     lose.append(True)
     study.tell(trial, x)
     assert not lose
-    assert [(t.number, t.state, t.params) for t in study.trials] == [(0, optuna.trial.TrialState.COMPLETE, {"x": 0.5})]
+    second = study.ask()
+    lose.append(True)
+    with storage.parameters_in_one_commit():  # as the ledger suggests a trial
+        y = second.suggest_float("x", 0.0, 1.0)
+        n = second.suggest_int("n", 1, 3)
+    assert not lose
+    study.tell(second, y)
+    assert [(t.number, t.state, t.params) for t in study.trials] == [
+        (0, optuna.trial.TrialState.COMPLETE, {"x": 0.5}),
+        (1, optuna.trial.TrialState.COMPLETE, {"x": y, "n": n}),
+    ]
 
 
 HOLD_LEASE = """
