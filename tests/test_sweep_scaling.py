@@ -128,23 +128,24 @@ def test_a_trial_calls_mlflow_a_fixed_number_of_times_and_never_reads_it(ledger)
     client = ledger.records.tracker.client
     early = Counter(client.calls)
     run_batches(ledger, 20)
-    # NOTE: per trial: its run created, its sampler's params, its results (no predictions here) and its close; no
-    # search, no run read back. The parent run's progress is not a trial's: at most every ``parent_every_s``.
-    assert client.calls - early == Counter(create_run=20, log_batch=40, set_terminated=20)
+    # NOTE: per trial: its run created, its results with its sampler's params (no predictions here) and its close;
+    # no search, no run read back. The parent run's progress is not a trial's: at most every ``parent_every_s``.
+    assert client.calls - early == Counter(create_run=20, log_batch=20, set_terminated=20)
     ledger.records.parent_every_s = 0.0
     run_batches(ledger, 4)
-    assert client.calls - early == Counter(create_run=24, log_batch=48 + 4, set_terminated=24)
+    assert client.calls - early == Counter(create_run=24, log_batch=24 + 4, set_terminated=24)
 
 
 def test_reading_the_trials_once_per_ask_and_writing_its_parameters_at_once_proposes_and_stores_the_same(tmp_path):
     """TPE with a constant liar (the sweeps' sampler), batches of trials in flight, the baselines enqueued first: the
     same proposals, and the same trials read back from the database, whether a trial's ask and suggestions read the
-    storage once and write its parameters in one transaction (as the ledger asks) or read and write at every call."""
+    sweep's storage once and write its parameters in one transaction (as the ledger asks), or Optuna's own storage is
+    read and written at every call."""
     config = load_config(REPO / "sweeps" / "configs" / "smoke.yaml")
     proposals, stored = {}, {}
     for once in (False, True):
         url = f"sqlite:///{tmp_path / f'once-{once}.db'}"
-        storage = open_storage_url(url)
+        storage = open_storage_url(url) if once else optuna.storages.RDBStorage(url)  # the reference: Optuna's
         study = optuna.create_study(storage=storage, sampler=make_sampler(config, 0), direction="maximize")
         for name, params in baseline_params(config):
             study.enqueue_trial(params, user_attrs={BASELINE_TAG: name})
@@ -167,25 +168,48 @@ def test_reading_the_trials_once_per_ask_and_writing_its_parameters_at_once_prop
     assert stored[True] == stored[False]
 
 
-def test_a_new_trial_is_read_back_from_its_creation_only_as_the_next_call_of_its_thread(tmp_path):
-    """``Study.ask`` reads back the trial it has just created: answered from the creation, equal to a database read;
-    any other call in between, or a waiting trial's creation (``enqueue_trial``), and the database is read."""
-    storage = open_storage_url(f"sqlite:///{tmp_path / 'optuna.db'}")
-    study_id = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], "created")
-    reads = Counter()
-    read = optuna.storages.RDBStorage.get_trial
+def test_the_trials_a_storage_created_and_wrote_are_read_as_the_database_has_them(tmp_path):
+    """``RetryingRDBStorage`` answers reads of the running trials it created from what it wrote: the same trials as
+    Optuna's own reads of the database (the reference), whatever is asked; a trial written otherwise (an attribute,
+    its state) is read from the database again."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    storage, reference = open_storage_url(url), optuna.storages.RDBStorage(url)
+    study = optuna.create_study(study_name="known", storage=storage)
+    study.enqueue_trial({"x": 0.5})
+    for number in range(12):
+        with parameters_in_one_commit(storage):
+            trial = study.ask()
+            trial.suggest_float("x", 0.0, 1.0)
+            if number % 2:
+                trial.suggest_int("n", 1, 3)
+        if number % 3 == 0:
+            study.tell(trial, float(number))
+        elif number == 4:
+            trial.set_user_attr("seen", True)
+    study.enqueue_trial({"x": 0.25})
+    study_id, trials = study._study_id, reference.get_all_trials(study._study_id)
+    running = [t._trial_id for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert len(running) == 8 and len(storage._running) == 7  # the one with an attribute is read again
+    asked = [
+        (states, included, after)
+        for states in (None, (optuna.trial.TrialState.RUNNING,), (optuna.trial.TrialState.WAITING,))
+        for included, after in ((set(running[:3]), running[2]), (set(), -1), (set(running), trials[5]._trial_id))
+    ]
+    expected = [reference._get_trials(study_id, *arguments) for arguments in asked]
+    read_from_database = set()
+    read = optuna.storages.RDBStorage._get_trials
 
-    def counting(self, trial_id):
-        reads[trial_id] += 1
-        return read(self, trial_id)
+    def recording(self, *args):
+        found = read(self, *args)
+        read_from_database.update(trial._trial_id for trial in found)
+        return found
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(optuna.storages.RDBStorage, "get_trial", counting)
-        first = storage.create_new_trial(study_id)
-        assert storage.get_trial(first) == read(storage, first) and reads[first] == 0  # ``read``: uncounted
-        second = storage.create_new_trial(study_id)
-        storage.set_trial_user_attr(second, "seen", True)
-        assert storage.get_trial(second).user_attrs == {"seen": True} and reads[second] == 1
-        waiting = storage.create_new_trial(study_id, optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING))
-        storage.get_trial(waiting)
-        assert reads[waiting] == 1
+        patch.setattr(optuna.storages.RDBStorage, "_get_trials", recording)
+        assert [storage._get_trials(study_id, *arguments) for arguments in asked] == expected
+        for trial_id in running:
+            assert storage.get_trial(trial_id) == reference.get_trial(trial_id)
+    assert read_from_database and read_from_database.isdisjoint(storage._running)
+    study.tell(study.trials[running[0] - 1].number, 1.0)
+    assert storage.get_trial(running[0]) == reference.get_trial(running[0])
+    assert storage.get_trial(running[0]).state == optuna.trial.TrialState.COMPLETE

@@ -234,8 +234,10 @@ class SweepTracker:
     sweep_id: str
     parent_run_id: str
     searched: tuple[str, ...]
-    # NOTE: the names of the runs this tracker opened and has not closed yet, so that closing one costs no read.
+    # NOTE: the names of the runs this tracker opened and has not closed yet, so that closing one costs no read, and
+    # their sampler's parameters, logged with what closes them (one request a run fewer).
     names: dict[str, str] = field(default_factory=dict)
+    sampler_params: dict[str, list[Param]] = field(default_factory=dict)
 
     @classmethod
     def open(
@@ -296,7 +298,8 @@ class SweepTracker:
     ) -> str:
         """Open a child run: a trial (its number) of the screening or full stage, or a test-stage evaluation
         (what it tests, ``test_of``), with further ``tags``; the sampler's raw parameters as ``optuna.<name>``
-        params. Its name says what it is (``item_name``); the press is added once it ran (``finish_trial``)."""
+        params, logged when it closes (``finish_trial``, ``fail_trial``). Its name says what it is (``item_name``);
+        the press is added once it ran."""
         tags = {
             **(tags or {}),
             PARENT_TAG: self.parent_run_id,
@@ -313,9 +316,7 @@ class SweepTracker:
         name = item_name(trial_number, stage, test_of, baseline)
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         self.names[run.info.run_id] = name
-        self.client.log_batch(
-            run.info.run_id, params=[Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted(params.items())]
-        )
+        self.sampler_params[run.info.run_id] = [Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted(params.items())]
         return run.info.run_id
 
     def _named_with_press(self, run_id: str, resolved_press: dict) -> list[RunTag]:
@@ -338,7 +339,11 @@ class SweepTracker:
         self.client.log_batch(
             run_id,
             metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-            params=[*resolved_params(outcome.resolved_press), *worker_params(outcome.worker)],
+            params=[
+                *self.sampler_params.pop(run_id, []),
+                *resolved_params(outcome.resolved_press),
+                *worker_params(outcome.worker),
+            ],
             tags=[
                 RunTag(STATUS_TAG, "ok"),
                 RunTag(WORKER_PID_TAG, str(outcome.worker.pid)),
@@ -356,7 +361,7 @@ class SweepTracker:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
         self.client.log_batch(
             run_id,
-            params=resolved_params(outcome.resolved_press),
+            params=[*self.sampler_params.pop(run_id, []), *resolved_params(outcome.resolved_press)],
             tags=[RunTag(STATUS_TAG, "failed"), *self._named_with_press(run_id, outcome.resolved_press)],
         )
         self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")

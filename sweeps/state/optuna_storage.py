@@ -186,10 +186,14 @@ class RetryingRDBStorage(RDBStorage):
     RETRY_WAIT_S = 1.0
 
     def __init__(self, url: str, outage_s: float, **kwargs):
-        # NOTE: per thread: the parameters set within ``parameters_in_one_commit`` (None outside it), and the new
-        # trial this thread has just created, while its next call to the storage is yet to come: ``Study.ask``
-        # reads it back at once (``get_trial``), and nothing else can have changed it.
+        # NOTE: per thread: the parameters set within ``parameters_in_one_commit`` (None outside it).
         self._local = threading.local()
+        # NOTE: the trials this storage created and has not seen change but by their parameters, as it wrote them
+        # (trial id -> study id, trial): read from here, not from the database (``_get_trials``, ``get_trial``).
+        # Only the driver holding the sweep's lease writes its studies, so nothing else changes them; any other
+        # write to one (an attribute, its state) takes it out first.
+        self._running: dict[int, tuple[int, optuna.trial.FrozenTrial]] = {}
+        self._running_lock = threading.Lock()
         self.outage_s = outage_s
         self.shown = shown_url(url)
         self.outage_since: float | None = None
@@ -211,10 +215,17 @@ class RetryingRDBStorage(RDBStorage):
             self._local.params = None
         if pending:
             self._retrying(functools.partial(self._write_params, pending, [0]))
+            with self._running_lock:
+                for trial_id, name, value, distribution, _ in pending:
+                    if trial_id in self._running:
+                        trial = self._running[trial_id][1]
+                        trial.params = {**trial.params, name: distribution.to_external_repr(value)}
+                        trial.distributions = {**trial.distributions, name: distribution}
 
     def _set_trial_param(self, trial_id, param_name, param_value_internal, distribution, previous_distribution):
         pending = getattr(self._local, "params", None)
         if pending is None:
+            self._forget(trial_id)
             self._retrying(
                 functools.partial(
                     RDBStorage._set_trial_param,
@@ -243,15 +254,58 @@ class RetryingRDBStorage(RDBStorage):
                 self._set_trial_param_without_commit(session, *param)
 
     def get_trial(self, trial_id: int):
-        created = getattr(self._local, "created", None)
-        if created is not None and created._trial_id == trial_id:
-            self._local.created = None
-            return copy.deepcopy(created)
+        with self._running_lock:
+            if trial_id in self._running:
+                return copy.deepcopy(self._running[trial_id][1])
         return self._retrying(functools.partial(RDBStorage.get_trial, self, trial_id))
+
+    def _get_trials(self, study_id: int, states, included_trial_ids: set[int], trial_id_greater_than: int):
+        """Optuna's read of a study's trials (its cache's: the unfinished ones and those after the last finished),
+        the trials this storage knows (``_running``) answered from what it wrote where the database still has them
+        running, the others read from the database."""
+        with self._running_lock:
+            known = {trial_id: trial for trial_id, (study, trial) in self._running.items() if study == study_id}
+        if not known:
+            return self._retrying(
+                functools.partial(
+                    RDBStorage._get_trials, self, study_id, states, included_trial_ids, trial_id_greater_than
+                )
+            )
+        return self._retrying(
+            functools.partial(self._read_unknown, study_id, states, included_trial_ids, trial_id_greater_than, known)
+        )
+
+    def _read_unknown(self, study_id, states, included_trial_ids, trial_id_greater_than, known) -> list:
+        """``_get_trials`` with ``known`` trials: the ids and states of the trials asked for read first (one small
+        query), then the trials not known, or no longer running, read as Optuna reads them."""
+        from sqlalchemy import bindparam, text
+
+        query = text(
+            "SELECT trial_id, state FROM trials WHERE study_id = :study AND (trial_id IN :ids OR trial_id > :after)"
+        ).bindparams(bindparam("ids", expanding=True))
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                query, {"study": study_id, "ids": sorted(included_trial_ids), "after": trial_id_greater_than}
+            ).all()
+        wanted = {
+            trial_id: state for trial_id, state in rows if states is None or optuna.trial.TrialState[state] in states
+        }
+        mine = [trial_id for trial_id, state in wanted.items() if trial_id in known and state == "RUNNING"]
+        unknown = set(wanted) - set(mine)
+        with self._running_lock:
+            trials = [copy.deepcopy(known[trial_id]) for trial_id in mine]
+        if unknown:
+            # NOTE: Optuna's query for the trials ``unknown``, and for none after the greatest one found here.
+            trials += RDBStorage._get_trials(self, study_id, states, unknown, max(wanted))
+        return sorted(trials, key=lambda trial: trial._trial_id)
+
+    def _forget(self, trial_id: int) -> None:
+        """Take ``trial_id`` out of the trials read from what this storage wrote: it is about to change otherwise."""
+        with self._running_lock:
+            self._running.pop(trial_id, None)
 
     def _retrying(self, call: Callable):
         """``call()``, retried while the database is away (``outage_s``)."""
-        self._local.created = None
         while True:
             try:
                 result = call()
@@ -305,10 +359,13 @@ class RetryingRDBStorage(RDBStorage):
             return RDBStorage._create_new_trial(self, study_id, template_trial)
 
         trial = self._retrying(create)
-        self._local.created = trial if template_trial is None else None
+        if trial.state == optuna.trial.TrialState.RUNNING:
+            with self._running_lock:
+                self._running[trial._trial_id] = (study_id, copy.deepcopy(trial))
         return trial
 
     def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+        self._forget(trial_id)
         tries = 0
 
         def tell():
@@ -333,6 +390,17 @@ def _retried(method: Callable) -> Callable:
     return call
 
 
+def _retried_trial_write(method: Callable) -> Callable:
+    """``_retried``, for a write to a trial (its first argument): the trial is read from the database after it."""
+
+    @functools.wraps(method)
+    def call(self, trial_id, *args, **kwargs):
+        self._forget(trial_id)
+        return self._retrying(functools.partial(method, self, trial_id, *args, **kwargs))
+
+    return call
+
+
 # NOTE: every method of RDBStorage that opens a session and is called from outside it (by Optuna's study, its cache
 # ``_CachedStorage`` or the ledgers); those that only call these are left as they are, so no call is retried twice
 # over.
@@ -350,13 +418,11 @@ for _name in (
     "get_trial_system_attrs",
     "get_all_studies",
     "get_trial_param",
-    "set_trial_intermediate_value",
-    "set_trial_user_attr",
-    "set_trial_system_attr",
     "get_trial_id_from_study_id_trial_number",
-    "_get_trials",
     "_get_best_trial_id",
     "record_heartbeat",
     "_get_stale_trial_ids",
 ):
     setattr(RetryingRDBStorage, _name, _retried(getattr(RDBStorage, _name)))
+for _name in ("set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr"):
+    setattr(RetryingRDBStorage, _name, _retried_trial_write(getattr(RDBStorage, _name)))
