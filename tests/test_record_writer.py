@@ -84,3 +84,33 @@ def test_a_write_in_progress_is_waited_for_when_the_driver_drains():
     writer.drain()
     assert finished == [True]
     writer.close()
+
+
+def test_lanes_keep_each_lanes_order_and_go_on_beside_a_busy_one_and_one_failure_stops_them_all():
+    writer = RecordWriter(lanes=2)
+    released, made = threading.Event(), []
+    writer.submit(released.wait, lane=0)
+    writer.submit(made.append, "0 after the wait", lane=0)
+    for index in range(5):
+        writer.submit(made.append, f"1.{index}", lane=1)
+    deadline = time.monotonic() + 10
+    while len(made) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made == [f"1.{index}" for index in range(5)]  # lane 1 went on while lane 0 waited
+    released.set()
+    writer.drain()
+    assert made[-1] == "0 after the wait"
+
+    def fail():
+        raise OSError("state directory full")
+
+    blocked = threading.Event()
+    writer.submit(blocked.wait, lane=1)
+    writer.submit(made.append, "1 after the failure", lane=1)
+    writer.submit(fail, lane=0)
+    deadline = time.monotonic() + 10
+    while writer.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    blocked.set()
+    assert isinstance(writer.settle(), OSError) and "1 after the failure" not in made
+    writer.close()

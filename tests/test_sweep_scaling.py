@@ -40,7 +40,9 @@ class CountingClient:
             self.calls[name] += 1
             if name == "search_runs":
                 return []
-            info = SimpleNamespace(run_id=f"run-{sum(self.calls.values())}", run_name="run", status="RUNNING")
+            info = SimpleNamespace(
+                run_id=f"run-{sum(self.calls.values())}", run_name="run", status="RUNNING", artifact_uri="file:///runs"
+            )
             return SimpleNamespace(info=info)
 
         return call

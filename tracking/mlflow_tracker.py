@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
@@ -238,6 +240,10 @@ class SweepTracker:
     # their sampler's parameters, logged with what closes them (one request a run fewer).
     names: dict[str, str] = field(default_factory=dict)
     sampler_params: dict[str, list[Param]] = field(default_factory=dict)
+    # NOTE: and their artifact locations, where their files go straight (MLflow's client reads a run back for it
+    # first, one request a file); with the tracking URI they need (none: through the client).
+    artifact_uris: dict[str, str] = field(default_factory=dict)
+    tracking_uri: str | None = None
 
     @classmethod
     def open(
@@ -268,7 +274,7 @@ class SweepTracker:
             client.log_text(parent_id, json.dumps(config, indent=1), "sweep_config.json")
         if tracking_uri.startswith(("http://", "https://")):
             log.info("MLflow: the sweep's runs at %s", runs_page_url(tracking_uri, experiment_id, sweep_id))
-        return cls(client, experiment_id, sweep_id, parent_id, tuple(config["search_space"]))
+        return cls(client, experiment_id, sweep_id, parent_id, tuple(config["search_space"]), tracking_uri=tracking_uri)
 
     def child_runs(self, stage: str) -> dict[str, list]:
         """The child runs of ``stage``, by item (``TrialRequest.key``: trial number, or what a test run tests).
@@ -317,7 +323,30 @@ class SweepTracker:
         run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
         self.names[run.info.run_id] = name
         self.sampler_params[run.info.run_id] = [Param(SAMPLER_PREFIX + k, str(v)) for k, v in sorted(params.items())]
+        self.artifact_uris[run.info.run_id] = run.info.artifact_uri
         return run.info.run_id
+
+    def _upload(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        """Log the file or folder ``path`` on ``run_id`` (under ``artifact_path``): straight to the run's artifact
+        location when this tracker opened it, else through the client."""
+        uri = self.artifact_uris.get(run_id)
+        if uri is None or self.tracking_uri is None:
+            log_files = self.client.log_artifacts if path.is_dir() else self.client.log_artifact
+            log_files(run_id, str(path), artifact_path)
+            return
+        repository = get_artifact_repository(uri, tracking_uri=self.tracking_uri)
+        log_files = repository.log_artifacts if path.is_dir() else repository.log_artifact
+        if isinstance(self.client, RetryingClient):
+            self.client.retried(log_files, str(path), artifact_path, what="log_artifact")
+        else:
+            log_files(str(path), artifact_path)
+
+    def _log_text(self, run_id: str, text: str, name: str) -> None:
+        """Log ``text`` as the file ``name`` on ``run_id`` (``_upload``)."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / name
+            path.write_text(text)
+            self._upload(run_id, path)
 
     def _named_with_press(self, run_id: str, resolved_press: dict) -> list[RunTag]:
         """The tag that renames a run to its name at start followed by the press it ran (none if unknown)."""
@@ -352,10 +381,11 @@ class SweepTracker:
         )
         rows = prediction_rows(outcome.samples)
         if rows:
-            self.client.log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
+            self._log_text(run_id, json.dumps(rows, indent=1), "predictions.json")
         if kvpress_folder is not None:
-            self.client.log_artifacts(run_id, str(kvpress_folder), KVPRESS_FOLDER)
+            self._upload(run_id, kvpress_folder, KVPRESS_FOLDER)
         self.client.set_terminated(run_id, "FINISHED")
+        self.artifact_uris.pop(run_id, None)
 
     def fail_trial(self, run_id: str, outcome: TrialOutcome, status: str = "FAILED") -> None:
         """Close a failed (or, with ``status="KILLED"``, abandoned) trial's run with its error."""
@@ -364,8 +394,9 @@ class SweepTracker:
             params=[*self.sampler_params.pop(run_id, []), *resolved_params(outcome.resolved_press)],
             tags=[RunTag(STATUS_TAG, "failed"), *self._named_with_press(run_id, outcome.resolved_press)],
         )
-        self.client.log_text(run_id, outcome.traceback or outcome.error, "error.txt")
+        self._log_text(run_id, outcome.traceback or outcome.error, "error.txt")
         self.client.set_terminated(run_id, status)
+        self.artifact_uris.pop(run_id, None)
 
     def update_parent(self, best: list[dict], completed: int, metrics: dict[str, float]) -> None:
         """Carry the best trials so far and ``metrics`` (progress, service overhead) on the parent run, at step

@@ -86,6 +86,10 @@ class RetryingClient:
         self._client = client
         self._policy = policy
 
+    def retried(self, function, *args, what: str, **kwargs):
+        """``function(*args, **kwargs)`` (a call to MLflow not made through the client), retried as its calls are."""
+        return self._policy.call(function, *args, what=what, **kwargs)
+
     def __getattr__(self, name: str):
         attribute = getattr(self._client, name)
         if not callable(attribute):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -119,7 +121,8 @@ class SweepRecords:
         self.tracking_lost = False
         # NOTE: likewise for the Optuna database, away for longer than ``storage.outage_s``: the resume reconciles.
         self.storage_lost = False
-        self.writer = RecordWriter()
+        self.writer = RecordWriter(lanes=int(os.environ.get("GRKV_WRITER_LANES", "1")))
+        self._counting = threading.Lock()  # the overhead and the parent run's time, counted on the writer's lanes
         # NOTE: the parent run's progress is a view for a person: updated at most every ``parent_every_s`` as trials
         # are recorded (one MLflow request a trial was a tenth of the driver's time at 500 trials), and at a stage's
         # end and when the sweep closes.
@@ -170,7 +173,7 @@ class SweepRecords:
     ) -> Future:
         """Hand the opening of a request's MLflow run (``start``) to the writer; the future gives its id."""
         future, waited = self.writer.submit(
-            self._timed, times, "mlflow", self.start, request, sampler_params, user_attrs
+            self._timed, times, "mlflow", self.start, request, sampler_params, user_attrs, lane=hash(request.key)
         )
         times.add("wait", waited)
         return future
@@ -188,7 +191,8 @@ class SweepRecords:
     ) -> None:
         """After ``save``: hand the rest of an outcome's records to the writer: its MLflow run logged and closed, then
         ``tell`` (Optuna told), then the parent run's progress when due."""
-        _, waited = self.writer.submit(self._write, open_trial, outcome, dispatch_s, attempts, tell)
+        lane = hash(open_trial.request.key)  # the lane its run was opened on
+        _, waited = self.writer.submit(self._write, open_trial, outcome, dispatch_s, attempts, tell, lane=lane)
         open_trial.times.add("wait", waited)
 
     def _write(
@@ -214,11 +218,15 @@ class SweepRecords:
         if tell is not None:
             with times.part("tell"):
                 tell()
-        if timing is not None:
-            self.overhead.evaluation_s += timing["trial_eval_s"]
-            self.overhead.service_s += dispatch_s + times.total_s
-            self.overhead.trials += 1
-        if time.monotonic() - self.parent_updated_at >= self.parent_every_s:
+        with self._counting:
+            if timing is not None:
+                self.overhead.evaluation_s += timing["trial_eval_s"]
+                self.overhead.service_s += dispatch_s + times.total_s
+                self.overhead.trials += 1
+            due = time.monotonic() - self.parent_updated_at >= self.parent_every_s
+            if due:
+                self.parent_updated_at = time.monotonic()
+        if due:
             with times.part("parent"):
                 self.update_parent()
         self.state.log_times(times.row(open_trial.request.stage, open_trial.request.key, dispatch_s))

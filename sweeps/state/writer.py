@@ -27,26 +27,30 @@ class Skipped(RuntimeError):
 
 
 class RecordWriter:
-    """Runs the calls handed to it (``submit``) one after another on a thread of its own.
+    """Runs the calls handed to it (``submit``) on ``lanes`` threads of its own, those of one lane one after another.
 
-    The first call to fail stops the writer: the calls after it are skipped, and the driver's next ``check``,
-    ``submit`` or ``drain`` raises its error, so the driver stops as it would have had it made the call itself.
+    The first call to fail stops the writer: the calls after it, in every lane, are skipped, and the driver's next
+    ``check``, ``submit`` or ``drain`` raises its error, so the driver stops as it would have had it made the call
+    itself.
     """
 
-    def __init__(self, max_pending: int = MAX_PENDING):
+    def __init__(self, lanes: int = 1, max_pending: int = MAX_PENDING):
         self.max_pending = max_pending
         self.error: BaseException | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grkv-writer")
+        self._lanes = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"grkv-writer-{lane}") for lane in range(lanes)
+        ]
         self._pending: deque[Future] = deque()
 
-    def submit(self, call: Callable, *args) -> tuple[Future, float]:
-        """Hand ``call(*args)`` to the writer; returns its future and the seconds the driver waited for room."""
+    def submit(self, call: Callable, *args, lane: int = 0) -> tuple[Future, float]:
+        """Hand ``call(*args)`` to the writer, after the calls handed to the same ``lane`` (taken modulo the lanes);
+        returns its future and the seconds the driver waited for room."""
         started = time.perf_counter()
         self.check()
         while len(self._pending) >= self.max_pending:
             self._pending[0].exception()
             self.check()
-        future = self._pool.submit(self._run, call, args)
+        future = self._lanes[lane % len(self._lanes)].submit(self._run, call, args)
         self._pending.append(future)
         return future, time.perf_counter() - started
 
@@ -72,8 +76,9 @@ class RecordWriter:
         return None
 
     def close(self) -> None:
-        """Stop the thread once the calls handed over are made."""
-        self._pool.shutdown(wait=True)
+        """Stop the threads once the calls handed over are made."""
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
 
     def _run(self, call: Callable, args: tuple):
         if self.error is not None:
