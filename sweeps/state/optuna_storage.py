@@ -256,7 +256,7 @@ class RetryingRDBStorage(RDBStorage):
     def get_trial(self, trial_id: int):
         with self._running_lock:
             if trial_id in self._running:
-                return copy.deepcopy(self._running[trial_id][1])
+                return _copied(self._running[trial_id][1])
         return self._retrying(functools.partial(RDBStorage.get_trial, self, trial_id))
 
     def _get_trials(self, study_id: int, states, included_trial_ids: set[int], trial_id_greater_than: int):
@@ -293,7 +293,7 @@ class RetryingRDBStorage(RDBStorage):
         mine = [trial_id for trial_id, state in wanted.items() if trial_id in known and state == "RUNNING"]
         unknown = set(wanted) - set(mine)
         with self._running_lock:
-            trials = [copy.deepcopy(known[trial_id]) for trial_id in mine]
+            trials = [_copied(known[trial_id]) for trial_id in mine]
         if unknown:
             # NOTE: Optuna's query for the trials ``unknown``, and for none after the greatest one found here.
             trials += RDBStorage._get_trials(self, study_id, states, unknown, max(wanted))
@@ -361,7 +361,7 @@ class RetryingRDBStorage(RDBStorage):
         trial = self._retrying(create)
         if trial.state == optuna.trial.TrialState.RUNNING:
             with self._running_lock:
-                self._running[trial._trial_id] = (study_id, copy.deepcopy(trial))
+                self._running[trial._trial_id] = (study_id, _copied(trial))
         return trial
 
     def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
@@ -380,6 +380,17 @@ class RetryingRDBStorage(RDBStorage):
                 raise
 
         return self._retrying(tell)
+
+
+def _copied(trial: optuna.trial.FrozenTrial) -> optuna.trial.FrozenTrial:
+    """A copy of a running ``trial`` whose containers are its own. NOTE: what Optuna changes in the trials it reads
+    are those containers (``Trial`` adds its suggestions to its trial's); a ``deepcopy`` cost a tenth of an ask."""
+    twin = copy.copy(trial)
+    twin._params, twin._distributions = dict(trial.params), dict(trial.distributions)
+    twin._user_attrs, twin._system_attrs = dict(trial.user_attrs), dict(trial.system_attrs)
+    twin.intermediate_values = dict(trial.intermediate_values)
+    twin._values = None if trial.values is None else list(trial.values)
+    return twin
 
 
 def _retried(method: Callable) -> Callable:

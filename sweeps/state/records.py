@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from sweeps.lease import SweepLease
 from sweeps.state.driver_times import DriverTimes
 from sweeps.state.optuna_storage import StorageUnavailableError, open_journal, open_storage_url, root_cause
 from sweeps.state.state_dir import StateDir
-from sweeps.state.writer import RecordWriter
+from sweeps.state.writer import WRITER_LANES, RecordWriter
 from tracking.export import export_press
 from tracking.mlflow_tracker import SweepTracker, check_tracking_server
 from tracking.retry import RetryPolicy, TrackingUnavailableError
@@ -121,7 +120,7 @@ class SweepRecords:
         self.tracking_lost = False
         # NOTE: likewise for the Optuna database, away for longer than ``storage.outage_s``: the resume reconciles.
         self.storage_lost = False
-        self.writer = RecordWriter(lanes=int(os.environ.get("GRKV_WRITER_LANES", "1")))
+        self.writer = RecordWriter(lanes=WRITER_LANES)
         self._counting = threading.Lock()  # the overhead and the parent run's time, counted on the writer's lanes
         # NOTE: the parent run's progress is a view for a person: updated at most every ``parent_every_s`` as trials
         # are recorded (one MLflow request a trial was a tenth of the driver's time at 500 trials), and at a stage's

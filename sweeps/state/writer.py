@@ -18,8 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 log = logging.getLogger("grkv.sweep")
 
 # NOTE: the writes a driver may hand over before it waits for the writer: a few batches of every worker; a writer
-# slower than the trials' returns holds the driver back here rather than let its queue grow without bound.
+# slower than the trials' returns holds the driver back here rather than let its queue grow without bound (the
+# trials it has yet to tell are running to the sampler, which would propose from ever older news).
 MAX_PENDING = 64
+# NOTE: two trials' MLflow requests at a time: one trial's are made one after another, each waiting on the server,
+# and one lane could not keep up with 8 workers (docs/results/sweep-scale.md: the driver waited 72 ms a trial for it).
+WRITER_LANES = 2
 
 
 class Skipped(RuntimeError):
