@@ -206,8 +206,8 @@ class SweepDriver:
                 )
             except (TrackingUnavailableError, StorageUnavailableError):
                 # NOTE: nothing finished is lost: the batch's outcomes not recorded yet go to the state directory
-                # (the first place a record writes), where the resume finds and logs them. Here the error is the
-                # writer's, handed over before this outcome's records and raised as the next were handed over.
+                # (the first place a record writes), where the resume finds and logs them. The error is one the
+                # writer met on an earlier trial, raised as this one's records were handed over (its file written).
                 for later in outcomes[index + 1 :]:
                     self.records.state.save(later)
                 raise

@@ -12,7 +12,7 @@ re-enqueued once.
   run, service overhead) and what the driver asks of a stage's ledger (``StageLedger``);
 - ``ledgers``: one ledger a stage, a ``TrialLedger`` for an Optuna stage (the screening study or the main
   study), a ``HeldOutLedger`` for the held-out test stage;
-- ``writer``: the thread that writes a trial's MLflow run and Optuna tell, in order, after the driver has written
+- ``writer``: the threads that write a trial's MLflow run and Optuna tell, in order, after the driver has written
   its outcome to the state directory, while the driver goes on;
 - ``driver_times``: the driver's seconds per trial by part, on its loop and on its writer.
 """

@@ -1,5 +1,6 @@
-"""The driver's writer: one thread that writes, in the order handed to it, what the driver records of each trial in
-MLflow and Optuna, while the driver goes on asking the sampler and dispatching trials.
+"""The driver's writer: threads of its own ("lanes") that write what the driver records of each trial in MLflow and
+Optuna, a trial's writes on one lane in the order handed over, while the driver goes on asking the sampler and
+dispatching trials.
 
 NOTE: what reaches the writer is already safe: a trial's outcome is written to the state directory (on the driver's
 thread) before its MLflow run and its Optuna tell are handed over, so a writer that stops (MLflow or the database
