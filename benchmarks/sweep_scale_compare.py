@@ -5,7 +5,8 @@ whatever the code that ran them (before the driver's writer, every part of a tri
 
 Prints a markdown table, one column a folder: the sweep's rate once its workers were up (trials recorded per minute
 between the first and the last trial recorded), and the medians (p95) of the driver's seconds per trial on its loop
-(what the trials wait for), on its writer beside it, and by part, from ``<work>/state/<sweep>/driver_times.jsonl``.
+(what the trials wait for) and its CPU, on its writer beside it, and by part, from
+``<work>/state/<sweep>/driver_times.jsonl``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def driver_rows(work: Path) -> list[dict]:
 def figures(rows: list[dict]) -> dict[str, str]:
     """One column of the table."""
     on_writer = "wait_s" in rows[0]  # NOTE: the code before the writer had no wait, and every part on its loop
-    loop = [sum(row.get(f"{part}_s", 0.0) for part in (LOOP_PARTS if on_writer else PARTS)) for row in rows]
+    on_loop = LOOP_PARTS if on_writer else PARTS
+    loop = [sum(row.get(f"{part}_s", 0.0) for part in on_loop) for row in rows]
+    loop_cpu = [sum(row.get(f"{part}_cpu_s", 0.0) for part in on_loop) for row in rows]
     writer = [sum(row[f"{part}_s"] for part in WRITER_PARTS) for row in rows] if on_writer else None
     span = max(row["at"] for row in rows) - min(row["at"] for row in rows)
 
@@ -40,6 +43,7 @@ def figures(rows: list[dict]) -> dict[str, str]:
         "trials": str(len(rows)),
         "trials per minute, workers up": f"{len(rows) / (span / 60):.0f}",
         "driver's loop: median (p95) ms": ms(loop),
+        "its CPU": ms(loop_cpu),
         "its writer, beside the loop": ms(writer) if writer else "none: on the loop",
     }
     for part in PARTS:
