@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage
+from optuna.storages._rdb import models
 from optuna.storages._rdb.storage import _create_scoped_session
 
 from sweeps.state.state_dir import StateDirError
@@ -243,15 +244,26 @@ class RetryingRDBStorage(RDBStorage):
         pending.append((trial_id, param_name, param_value_internal, distribution, previous_distribution))
 
     def _write_params(self, pending: list[tuple], tries: list[int]) -> None:
-        """Write ``pending`` parameters in one transaction; a re-try whose first try committed writes nothing."""
+        """Write ``pending`` parameters in one transaction, each trial looked up once (Optuna's own write looks it up
+        for each parameter); a re-try whose first try committed writes nothing."""
         tries[0] += 1
         if tries[0] > 1:
             written = {trial_id: RDBStorage.get_trial(self, trial_id).params for trial_id, *_ in pending}
             if all(name in written[trial_id] for trial_id, name, *_ in pending):
                 return
         with _create_scoped_session(self.scoped_session, True) as session, session.no_autoflush:
-            for param in pending:
-                self._set_trial_param_without_commit(session, *param)
+            for trial_id in dict.fromkeys(trial_id for trial_id, *_ in pending):
+                self.check_trial_is_updatable(trial_id, models.TrialModel.find_or_raise_by_id(trial_id, session).state)
+            for trial_id, name, value, distribution, previous in pending:
+                if previous is None:  # Optuna's own write, which compares it with the study's first of that name
+                    self._set_trial_param_without_commit(session, trial_id, name, value, distribution)
+                    continue
+                as_json = optuna.distributions.distribution_to_json(distribution)
+                session.add(
+                    models.TrialParamModel(
+                        trial_id=trial_id, param_name=name, param_value=value, distribution_json=as_json
+                    )
+                )
 
     def get_trial(self, trial_id: int):
         with self._running_lock:
