@@ -171,9 +171,9 @@ def test_reading_the_trials_once_per_ask_and_writing_its_parameters_at_once_prop
 
 
 def test_the_trials_a_storage_created_and_wrote_are_read_as_the_database_has_them(tmp_path):
-    """``RetryingRDBStorage`` answers reads of the running trials it created from what it wrote: the same trials as
-    Optuna's own reads of the database (the reference), whatever is asked; a trial written otherwise (an attribute,
-    its state) is read from the database again."""
+    """``RetryingRDBStorage`` answers reads of the running trials it created from what it wrote, and a finished
+    trial it read back once from that read: the same trials as Optuna's own reads of the database (the reference),
+    whatever is asked; a trial written otherwise (an attribute, its state) is read from the database again."""
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     storage, reference = open_storage_url(url), optuna.storages.RDBStorage(url)
     study = optuna.create_study(study_name="known", storage=storage)
@@ -212,6 +212,15 @@ def test_the_trials_a_storage_created_and_wrote_are_read_as_the_database_has_the
         for trial_id in running:
             assert storage.get_trial(trial_id) == reference.get_trial(trial_id)
     assert read_from_database and read_from_database.isdisjoint(storage._running)
-    study.tell(study.trials[running[0] - 1].number, 1.0)
+    study.tell(study.trials[running[0] - 1].number, 1.0)  # which reads the trial back, finished
+    read_from_database.clear()
+    asked = (study_id, None, set(running), running[-1])
+    expected = reference._get_trials(*asked)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optuna.storages.RDBStorage, "_get_trials", recording)
+        assert storage._get_trials(*asked) == expected
+        assert running[0] not in read_from_database  # handed out as read back, once
+        assert storage._get_trials(*asked) == expected
+        assert running[0] in read_from_database
     assert storage.get_trial(running[0]) == reference.get_trial(running[0])
     assert storage.get_trial(running[0]).state == optuna.trial.TrialState.COMPLETE

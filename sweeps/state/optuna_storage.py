@@ -169,6 +169,10 @@ def root_cause(error: BaseException) -> str:
     return one_line(error)
 
 
+# NOTE: the finished trials read back and not yet handed out that a storage keeps at most (see ``_finished``).
+MAX_FINISHED_KEPT = 1024
+
+
 class RetryingRDBStorage(RDBStorage):
     """Optuna's RDB storage whose every call is retried while the database is away, up to ``outage_s`` seconds of
     outage (``storage.outage_s``); then ``StorageUnavailableError`` in one line.
@@ -194,6 +198,9 @@ class RetryingRDBStorage(RDBStorage):
         # Only the driver holding the sweep's lease writes its studies, so nothing else changes them; any other
         # write to one (an attribute, its state) takes it out first.
         self._running: dict[int, tuple[int, optuna.trial.FrozenTrial]] = {}
+        # NOTE: and the finished trials it read back (``Study.tell`` does), until a read of the study hands them out
+        # once: a finished trial does not change, and Optuna's cache reads it once.
+        self._finished: dict[int, optuna.trial.FrozenTrial] = {}
         self._running_lock = threading.Lock()
         self.outage_s = outage_s
         self.shown = shown_url(url)
@@ -269,7 +276,13 @@ class RetryingRDBStorage(RDBStorage):
         with self._running_lock:
             if trial_id in self._running:
                 return _copied(self._running[trial_id][1])
-        return self._retrying(functools.partial(RDBStorage.get_trial, self, trial_id))
+        trial = self._retrying(functools.partial(RDBStorage.get_trial, self, trial_id))
+        if trial.state.is_finished():
+            with self._running_lock:
+                self._finished[trial_id] = _copied(trial)
+                while len(self._finished) > MAX_FINISHED_KEPT:
+                    del self._finished[next(iter(self._finished))]
+        return trial
 
     def _get_trials(self, study_id: int, states, included_trial_ids: set[int], trial_id_greater_than: int):
         """Optuna's read of a study's trials (its cache's: the unfinished ones and those after the last finished),
@@ -277,7 +290,7 @@ class RetryingRDBStorage(RDBStorage):
         running, the others read from the database."""
         with self._running_lock:
             known = {trial_id: trial for trial_id, (study, trial) in self._running.items() if study == study_id}
-        if not known:
+        if not known and not self._finished:
             return self._retrying(
                 functools.partial(
                     RDBStorage._get_trials, self, study_id, states, included_trial_ids, trial_id_greater_than
@@ -289,7 +302,8 @@ class RetryingRDBStorage(RDBStorage):
 
     def _read_unknown(self, study_id, states, included_trial_ids, trial_id_greater_than, known) -> list:
         """``_get_trials`` with ``known`` trials: the ids and states of the trials asked for read first (one small
-        query), then the trials not known, or no longer running, read as Optuna reads them."""
+        query), then the trials neither known and running nor read back finished (``_finished``), read as Optuna
+        reads them."""
         from sqlalchemy import bindparam, text
 
         query = text(
@@ -302,10 +316,19 @@ class RetryingRDBStorage(RDBStorage):
         wanted = {
             trial_id: state for trial_id, state in rows if states is None or optuna.trial.TrialState[state] in states
         }
-        mine = [trial_id for trial_id, state in wanted.items() if trial_id in known and state == "RUNNING"]
-        unknown = set(wanted) - set(mine)
         with self._running_lock:
-            trials = [_copied(known[trial_id]) for trial_id in mine]
+            mine = [
+                _copied(known[trial_id])
+                for trial_id, state in wanted.items()
+                if trial_id in known and state == "RUNNING"
+            ]
+            mine += [
+                self._finished.pop(trial_id)
+                for trial_id, state in wanted.items()
+                if trial_id in self._finished and self._finished[trial_id].state.name == state
+            ]
+        trials = mine
+        unknown = set(wanted) - {trial._trial_id for trial in mine}
         if unknown:
             # NOTE: Optuna's query for the trials ``unknown``, and for none after the greatest one found here.
             trials += RDBStorage._get_trials(self, study_id, states, unknown, max(wanted))
