@@ -55,10 +55,16 @@ SERVICE_ENV = {
 EXPERIMENT = "grkv-sweep-scale"
 DESCRIBED = (
     ("loop", "the driver's loop (ask, state, wait): what the trials wait for"),
+    ("own", "the loop's own work (ask, state), its waits for the writer left out"),
     ("writer", "its writer (mlflow, tell, parent), beside the loop"),
     ("all", "both, as if made one after the other"),
 )
-GROUPS = {"loop": LOOP_PARTS, "writer": WRITER_PARTS, "all": LOOP_PARTS + WRITER_PARTS}
+GROUPS = {
+    "loop": LOOP_PARTS,
+    "own": tuple(part for part in LOOP_PARTS if part != "wait"),
+    "writer": WRITER_PARTS,
+    "all": LOOP_PARTS + WRITER_PARTS,
+}
 # The first and last this many trials compare the sampler's ask time early and late in the sweep.
 EDGE = 50
 
@@ -240,6 +246,7 @@ def measure(work: Path, out: Path, sweep_id: str, trials: int) -> dict:
         "driver_process_cpu_s_per_trial": sum(chunk.get("cpu_s", math.nan) for chunk in chunks) / len(complete),
         "trial_eval_s": {"median": statistics.median(evaluation), "p95": percentile(evaluation, 0.95)},
         "dispatch_s": {"median": statistics.median(row["dispatch_s"] for row in rows)},
+        "waited_for_writer": sum(row["wait_s"] > 0.001 for row in rows) / len(rows),
         "wall": driver_figures(rows, "_s"),
         "cpu": driver_figures(rows, "_cpu_s"),
         "report_s": report_s,
@@ -330,6 +337,9 @@ def markdown(figures: dict, command: str) -> str:
         f"| the trial's own evaluation (`trial_eval_s`): median / p95 | {ms(figures['trial_eval_s']['median'])} / "
         f"{ms(figures['trial_eval_s']['p95'])} | |",
         f"| its batch's Ray round trip, its share (`dispatch_s`): median | {ms(figures['dispatch_s']['median'])} | |",
+        "",
+        f"The loop waited for room on the writer (over 1 ms) on {100 * figures['waited_for_writer']:.0f}% of the "
+        "trials.",
         "",
         "![driver time per trial](driver_time.png)",
         "",
