@@ -286,8 +286,8 @@ class RetryingRDBStorage(RDBStorage):
 
     def _get_trials(self, study_id: int, states, included_trial_ids: set[int], trial_id_greater_than: int):
         """Optuna's read of a study's trials (its cache's: the unfinished ones and those after the last finished),
-        the trials this storage knows (``_running``) answered from what it wrote where the database still has them
-        running, the others read from the database."""
+        the trials this storage knows answered from what it has (``_running`` where the database still has them
+        running, ``_finished`` once), the others read from the database."""
         with self._running_lock:
             known = {trial_id: trial for trial_id, (study, trial) in self._running.items() if study == study_id}
         if not known and not self._finished:
