@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sweeps.config import ConfigError, load_config
     from sweeps.lease import SweepBusyError
-    from sweeps.state.optuna_storage import StorageUnavailableError
+    from sweeps.state.rdb_storage import StorageUnavailableError
     from sweeps.state.state_dir import StateDirError
     from sweeps.worker_pool import ClusterLostError
     from tracking.mlflow_tracker import TrackingUnavailableError

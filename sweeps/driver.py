@@ -26,7 +26,7 @@ from sweeps.config import SweepConfig
 from sweeps.space import baseline_params, one_at_a_time_params
 from sweeps.stages import presses_to_test, promotions
 from sweeps.state.ledgers import HeldOutLedger, TrialLedger
-from sweeps.state.optuna_storage import StorageUnavailableError
+from sweeps.state.rdb_storage import StorageUnavailableError
 from sweeps.state.records import StageLedger, SweepRecords
 from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool

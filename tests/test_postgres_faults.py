@@ -40,7 +40,8 @@ from test_sweep_service import REPO, complete_trials, local_stack, of_stage, slo
 
 from grkv_core.presses.from_config import load_press_config, resolved
 from sweeps.lease import SweepBusyError, SweepLease
-from sweeps.state.optuna_storage import StorageUnavailableError, open_storage_url
+from sweeps.state.optuna_storage import open_storage_url
+from sweeps.state.rdb_storage import StorageUnavailableError
 from workers.names import FULL_STAGE, PRESS_ARTIFACT
 
 # NOTE: sweep ids are the studies' names in the session's one database: each test has its own.

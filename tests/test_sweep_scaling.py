@@ -19,7 +19,8 @@ from conftest import REPO
 from sweeps.config import load_config
 from sweeps.space import baseline_params, make_sampler, suggest_press, trials_read_once
 from sweeps.state.ledgers import TrialLedger
-from sweeps.state.optuna_storage import open_storage_url, parameters_in_one_commit
+from sweeps.state.optuna_storage import open_storage_url
+from sweeps.state.rdb_storage import parameters_in_one_commit
 from sweeps.state.records import SweepRecords
 from tracking.mlflow_tracker import SweepTracker
 from workers.names import BASELINE_TAG, FULL_STAGE

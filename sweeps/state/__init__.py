@@ -7,7 +7,9 @@ re-enqueued once.
 
 - ``state_dir``: the driver's own record of finished trials, one JSON file each, and where the rest lives;
 - ``optuna_storage``: the Optuna storage, a journal file in the state directory (repaired after a torn write)
-  or a database URL (its calls retried through an outage of up to ``storage.outage_s``);
+  or a database URL, opened with a one-line error when it cannot be;
+- ``rdb_storage``: the database storage, its calls retried through an outage of up to ``storage.outage_s``, what
+  only the lease holder can have written read back from memory;
 - ``records``: what every stage writes through (``SweepRecords``: state directory, Optuna storage, MLflow parent
   run, service overhead) and what the driver asks of a stage's ledger (``StageLedger``);
 - ``ledgers``: one ledger a stage, a ``TrialLedger`` for an Optuna stage (the screening study or the main

@@ -22,7 +22,7 @@ from sweeps.space import (
 )
 from sweeps.stages import SCREEN_SEED_OFFSET, SCREEN_STUDY_SUFFIX, as_costs, dominates
 from sweeps.state.driver_times import DriverTimes
-from sweeps.state.optuna_storage import parameters_in_one_commit
+from sweeps.state.rdb_storage import parameters_in_one_commit
 from sweeps.state.records import OpenTrial, SweepRecords, discard_checkpoint
 from tracking.mlflow_tracker import trial_metrics
 from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR, SCREEN_STAGE, TEST_STAGE

@@ -20,7 +20,8 @@ from sqlalchemy.exc import DBAPIError
 from sweeps.config import SweepConfig
 from sweeps.lease import SweepLease
 from sweeps.state.driver_times import DriverTimes
-from sweeps.state.optuna_storage import StorageUnavailableError, open_journal, open_storage_url, root_cause
+from sweeps.state.optuna_storage import open_journal, open_storage_url
+from sweeps.state.rdb_storage import StorageUnavailableError, root_cause
 from sweeps.state.state_dir import StateDir
 from sweeps.state.writer import WRITER_LANES, RecordWriter
 from tracking.export import export_press
