@@ -2,6 +2,7 @@
 
 - ``selection``: the base press's decision (kept positions, scores) as data, without evicting anything.
 - ``merging``: ``BaseMergerPress``, the base of every merging press, which owns the ``compress`` template.
+- ``decoding``: ``MergingDecodingPress``, a cache kept bounded while the model decodes, any merger behind it.
 - ``per_layer``: ``PerLayerCompressionPress``, kvpress's compression ratio per layer, around a merger too.
 - ``grkv``: ``GRKVPress``, global ridge regression of the kept keys and values (the paper's method).
 - ``local_merging``: ``LocalMergePress`` and ``MergeInputs``, what the local baselines share; one baseline per
@@ -17,6 +18,7 @@ import logging
 from grkv_core.presses.asymkv import AsymKVPress
 from grkv_core.presses.cam import CaMPress
 from grkv_core.presses.d2o import D2OPress
+from grkv_core.presses.decoding import MergingDecodingPress
 from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.kvmerger import KVMergerPress
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs
@@ -47,6 +49,7 @@ __all__ = [
     "AsymKVPress",
     "CaMPress",
     "D2OPress",
+    "MergingDecodingPress",
     "GRKVPress",
     "KVMergerPress",
     "LocalMergePress",

@@ -56,7 +56,9 @@ class CaMPress(CaMOptions, LocalMergePress):
     def token_attention(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
-        surrogate = surrogate_queries(module, hidden_states, kwargs["position_embeddings"], n_queries=self.window_size)
+        surrogate = surrogate_queries(
+            module, hidden_states, kwargs["position_embeddings"], n_queries=self.window_size, cache_rows=keys.shape[2]
+        )
         return window_attention(surrogate.queries, keys, surrogate.positions, module.scaling)
 
     def merge_windows(self, inputs: MergeInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,10 +100,8 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
         )
         join = None
         try:
-            with capture.hooked(merged_attentions), super().__call__(model):
-                self._capture, self._policy = capture, policy
-                self._policy_rows = PolicyRowsMemo()
-                self._issues = SolveIssues()
+            with capture.hooked(merged_attentions), self.merging_state(policy), super().__call__(model):
+                self._capture = capture
                 self._groups = LayerGroups.for_press(
                     self, decoder, self.layers_per_solve, self._fixed, self._issues, self.merge_stream == "side"
                 )
@@ -112,11 +110,23 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
                     # queued after them.
                     join = decoder.register_forward_hook(lambda *args: self._groups.join())
                 yield
-            self._warn_issues()
         finally:
             if join is not None:
                 join.remove()
-            self._capture = self._groups = self._issues = self._policy = self._policy_rows = None
+            self._capture = self._groups = None
+
+    @contextmanager
+    def merging_state(self, policy: QueryPolicy | None = None):
+        """The query policy, the rows its layers share and the solves' issues for one stretch of compressions (this
+        press's own context, or ``MergingDecodingPress``'s); the issues are warned about once, at its end."""
+        self._policy = policy if policy is not None else query_policy(self.query_policy)
+        self._policy_rows = PolicyRowsMemo()
+        self._issues = SolveIssues()
+        try:
+            yield
+            self._warn_issues()
+        finally:
+            self._issues = self._policy = self._policy_rows = None
 
     def _warn_issues(self) -> None:
         """Warn once about what this context's solves found (``SolveIssues``: its one read of the device)."""
@@ -152,6 +162,7 @@ class GRKVPress(GRKVOptions, BaseMergerPress):
             n_queries=self.window_size,
             prompt_projections=projections,
             memo=self._policy_rows,
+            cache_rows=keys.shape[2],
         )
         full_outputs = stack_by_kv_head(outputs, surrogate)
         deferrable = (

@@ -249,6 +249,50 @@ class BaseMergerPress(BasePress):
                 f"{keys.shape[2]} entries for {hidden_states.shape[1]} prompt tokens: a press before it already "
                 "compressed the cache (put the merger first in a ComposedPress)"
             )
+        return self._compress_rows(module, hidden_states, keys, values, attentions, kwargs)
+
+    def compress_recent(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compress a cache of which only the most recent tokens' hidden states are at hand (``MergingDecodingPress``).
+
+        Parameters
+        ----------
+        hidden_states : torch.Tensor
+            (B, r, hidden) the layer's input of the cache's last r rows' tokens (r <= n), the base press's scoring
+            window and the source of the surrogate queries; ``kwargs["position_embeddings"]`` their RoPE tables.
+        keys, values : torch.Tensor
+            (B, H_kv, n, d) the cache, rows in stream order (a row stands for its position in the cache, whatever
+            the position its key was rotated to).
+
+        Returns
+        -------
+        keys, values : torch.Tensor
+            As ``compress``: the kept rows merged, in row order; ``module.kept_positions`` the cache rows kept.
+        """
+        self.check_options()
+        if hidden_states.shape[1] > keys.shape[2]:
+            raise ValueError(
+                f"{type(self).__name__}: {hidden_states.shape[1]} recent tokens for a cache of {keys.shape[2]} rows"
+            )
+        return self._compress_rows(module, hidden_states, keys, values, None, kwargs)
+
+    @contextmanager
+    def merging_state(self):
+        """What a merger keeps for one stretch of compressions (a prefill, a generation), outside its own hooks: none
+        by default."""
+        yield
+
+    def _compress_rows(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``compress`` once the cache is known to end with ``hidden_states``' tokens (all of them at the prefill)."""
         selection = select_tokens(self.press, module, hidden_states, keys, values, attentions, kwargs)
         if selection.uniform_budget is not None:
             module.kept_positions = selection.kept_positions()
@@ -355,7 +399,7 @@ def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 _SELECTS_ITSELF = "would select tokens itself, without merging them"
-_COMPRESSES_DECODING = "would compress the cache while decoding, and a merger merges the prefill"
+_COMPRESSES_DECODING = "would compress the cache while decoding"
 
 
 def _calling_press(merger: BaseMergerPress) -> BasePress | None:
@@ -388,6 +432,8 @@ def _wrapper_misuse(wrapper: BasePress, merger: BaseMergerPress) -> str | None:
         )
     if isinstance(wrapper, PrefillDecodingPress):
         return None if wrapper.prefilling_press is merger else _COMPRESSES_DECODING
+    if getattr(wrapper, "merges_while_decoding", False):
+        return None
     return _COMPRESSES_DECODING if isinstance(wrapper, DecodingPress) else _SELECTS_ITSELF
 
 
@@ -399,7 +445,12 @@ def _wrapper_refusal(merger: BaseMergerPress, what: str, wrapper: BasePress | No
     if wrapper is None:
         return f"a press around {name} {what}; wrap the eviction press instead: {name}(<wrapper>(<eviction press>))"
     kind = type(wrapper).__name__
-    if isinstance(wrapper, (BaseMergerPress, KVPRESS_MERGERS)):
+    if what == _COMPRESSES_DECODING:
+        advice = (
+            f"to merge while decoding use grkv_core.presses.MergingDecodingPress({name}(<eviction press>), "
+            "target_size=..., compression_interval=...)"
+        )
+    elif isinstance(wrapper, (BaseMergerPress, KVPRESS_MERGERS)):
         advice = "a merger cannot wrap another merger"
     elif isinstance(wrapper, (ScorerPress, *MASKING_PRESSES, *SELECTION_WRAPPERS)):
         advice = f"use {name}({kind}(...))"

@@ -54,6 +54,7 @@ def surrogate_queries(
     n_queries: int = PAPER_WINDOW,
     prompt_projections: torch.Tensor | None = None,
     memo: PolicyRowsMemo | None = None,
+    cache_rows: int | None = None,
 ) -> SurrogateQueries:
     """Build the surrogate queries of one attention layer.
 
@@ -76,6 +77,9 @@ def surrogate_queries(
     memo : PolicyRowsMemo, optional
         Where the rows that every layer of one prefill shares (RoPE rows, positions) are kept: computed at the first
         layer, reused by the rest. None: computed anew.
+    cache_rows : int, optional
+        The rows of the cache the queries attend to, when ``hidden_states`` are only its last tokens (a compression
+        while decoding): the positions are then cache rows, ``cache_rows - n`` after the tokens' own. None: n.
     """
     policy = WindowQueries() if policy is None else policy
     length = hidden_states.shape[1]
@@ -95,7 +99,13 @@ def surrogate_queries(
     # NOTE: query head h·groups + g reads KV head h (transformers' repeat_kv layout), so a plain view
     # stacks each KV head's group contiguously.
     stacked = queries.reshape(batch, module.config.num_key_value_heads, -1, head_dim)
-    return SurrogateQueries(stacked, rows.positions, rows.token_positions, loss_weight=policy.row_weight(m))
+    positions, token_positions = rows.positions, rows.token_positions
+    if cache_rows is not None and cache_rows != length:
+        # NOTE: the tokens are the cache's last rows (rows in stream order): causality between rows is shifted alike.
+        offset = cache_rows - length
+        positions = None if positions is None else positions + offset
+        token_positions = token_positions + offset
+    return SurrogateQueries(stacked, positions, token_positions, loss_weight=policy.row_weight(m))
 
 
 @dataclass(frozen=True)

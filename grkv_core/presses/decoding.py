@@ -1,0 +1,249 @@
+"""MergingDecodingPress: a cache kept bounded while the model decodes, the evicted rows merged into the kept ones."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from kvpress import BasePress, DecodingPress, ScorerPress, StreamingLLMPress
+from torch import nn
+
+from grkv_core import options
+from grkv_core.options import DecodingOptions
+from grkv_core.presses.merging import BaseMergerPress, _refuse_padding, options_docstring
+from grkv_core.presses.selection import (
+    MASKING_PRESSES,
+    SUPPORTED_BASE_PRESSES,
+    forced_score_ranges,
+    select_tokens,
+    unsupported_base_press_reason,
+)
+from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
+from grkv_core.solver.problem import gather_rows
+
+
+@dataclass
+class _LayerStream:
+    """One layer's decode-time state: the recent tokens' hidden states and RoPE tables, the tokens since its last
+    compression, and the stream position of each cached row."""
+
+    hidden_states: list[torch.Tensor] = field(default_factory=list)
+    cos: list[torch.Tensor] = field(default_factory=list)
+    sin: list[torch.Tensor] = field(default_factory=list)
+    since_compression: int = 0
+    seen: int = 0
+    positions: torch.Tensor | None = None  # (B, H_kv, rows) long; -1 where unknown
+
+    def keep_recent(self, size: int) -> None:
+        for buffer in (self.hidden_states, self.cos, self.sin):
+            recent = torch.cat(buffer, dim=1)[:, -size:]
+            buffer[:] = [recent]
+
+
+@dataclass
+class MergingDecodingPress(DecodingOptions, DecodingPress):
+    """Keep every layer's cache bounded while the model decodes: every ``compression_interval`` tokens the cache is
+    brought back to ``target_size`` rows (or to a fraction of the tokens seen, ``target_compression_ratio``), the base
+    press choosing the rows and, when it is a merger, the evicted rows merged into the kept ones.
+
+    kvpress's ``DecodingPress`` accepts an eviction press only; this one accepts any merger of this library around any
+    eviction press with a uniform budget (GRKV, CaM, D2O, AsymKV, KVMerger), or the eviction press alone (the
+    baseline, through the same steps). The base press scores with the hidden states of the most recent
+    ``hidden_states_buffer_size`` tokens, and GRKV's surrogate queries are theirs (its query policy applied to those
+    tokens), at their own positions; its target is their attention over the cache just before the compression.
+
+    Differences from kvpress's ``DecodingPress``, each on purpose:
+
+    * the interval counts tokens, not forward calls: a forward of 128 tokens is 128 steps, so a teacher-forced stream
+      fed in chunks of ``compression_interval`` holds at each chunk's end exactly the cache that decoding token by
+      token holds (``grkv_core.evaluation.streaming``);
+    * the buffered queries are rotated to their own positions (kvpress's rotates them all to the current token's);
+    * a prompt longer than the target is compressed at its end too, so the cache never holds more than
+      ``target_size + compression_interval`` rows (inside ``PrefillDecodingPress`` the prefilling press has the
+      prefill instead);
+    * the kept rows stay in stream order (kvpress's eviction leaves them in score order), so a press that keeps rows
+      by their place (StreamingLLM's sinks and recent window, GRKV's fixed sinks and window) finds them there.
+
+    NOTE: a compressed cache is shorter than the stream: whatever feeds the model next passes the stream's
+    ``position_ids`` (``model.generate`` and kvpress's pipeline do). The state (buffers, counts, the rows' stream
+    positions) exists only within one context of the press (``with press(model):``, or the enclosing
+    ``PrefillDecodingPress``'s), so the same press used twice gives the same result twice.
+
+    Parameters
+    ----------
+    base_press : BasePress
+        A merger (``BaseMergerPress``) around an eviction press, or an eviction press (one of
+        ``grkv_core.presses.selection.SUPPORTED_BASE_PRESSES`` with the same budget in every head).
+    """
+
+    base_press: BasePress = None
+    # NOTE: read by the mergers' check of the press that calls them (``merging._wrapper_misuse``).
+    merges_while_decoding = True
+
+    def __post_init__(self) -> None:
+        # NOTE: kvpress's __post_init__ asserts a ScorerPress; everything it sets up is replaced here.
+        options.check_options(self)
+        eviction = self.base_press.press if isinstance(self.base_press, BaseMergerPress) else self.base_press
+        if isinstance(eviction, MASKING_PRESSES):
+            raise ValueError(
+                f"MergingDecodingPress needs the same budget in every head; {type(eviction).__name__} masks a "
+                "different number per head and would never shrink the cache"
+            )
+        if not isinstance(self.base_press, BaseMergerPress):
+            reason = unsupported_base_press_reason(type(self.base_press))
+            if reason is not None or not isinstance(self.base_press, ScorerPress):
+                raise ValueError(
+                    f"base_press must be a merger or one of {SUPPORTED_BASE_PRESSES}; got "
+                    f"{type(self.base_press).__name__}" + (f": {reason}" if reason else "")
+                )
+        self._check_room()
+        self._streams: dict[int, _LayerStream] | None = None
+        self._stream_start: int | None = None
+
+    def _check_room(self) -> None:
+        """A one-line ValueError when ``target_size`` leaves no row to choose (every kept row protected) or the
+        buffer is shorter than a scoring window."""
+        merger = self.base_press if isinstance(self.base_press, BaseMergerPress) else None
+        eviction = merger.press if merger is not None else self.base_press
+        protected = sum(len(span) for span in forced_score_ranges(eviction, 10**9))
+        if isinstance(eviction, StreamingLLMPress):
+            protected += eviction.n_sink
+        needed, by = protected, f"{type(eviction).__name__}'s protected rows ({protected})"
+        if merger is not None and hasattr(merger, "n_sink"):
+            fixed = merger.n_sink + (merger.window_size if getattr(merger, "fix_window", False) else 0)
+            if fixed > needed:
+                needed, by = fixed, f"{type(merger).__name__}'s n_sink + window_size ({fixed})"
+        if self.target_compression_ratio is None and self.target_size <= needed:
+            raise ValueError(f"target_size must exceed {by}: got {self.target_size}")
+        window = getattr(eviction, "window_size", None)
+        if isinstance(window, int) and self.hidden_states_buffer_size <= window:
+            raise ValueError(
+                f"hidden_states_buffer_size must exceed {type(eviction).__name__}'s window_size ({window}), whose "
+                f"queries it scores with: got {self.hidden_states_buffer_size}"
+            )
+
+    def post_init_from_model(self, model) -> None:
+        self.base_press.post_init_from_model(model)
+
+    def reset(self) -> None:
+        self._streams = None
+        self._stream_start = None
+
+    @contextmanager
+    def __call__(self, model):
+        """kvpress's context manager: the press's state lives within it; padded batches are refused and
+        sliding-window layers left whole, as by every merger."""
+        options.check_options(self)
+        self._check_room()
+        state = self.base_press.merging_state() if isinstance(self.base_press, BaseMergerPress) else nullcontext()
+        guard = language_model(model).register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        self.reset()
+        try:
+            with state, BasePress.__call__(self, model):
+                unhook_sliding_layers(self, model)
+                yield
+        finally:
+            guard.remove()
+            self.reset()
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        """After every forward of a layer: buffer its tokens' hidden states, and every ``compression_interval``
+        tokens bring its cache back to the target."""
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            return output
+        hidden_states = kwargs["hidden_states"]
+        layer = cache.layers[module.layer_idx]
+        with torch.no_grad():
+            stream = self._stream(module.layer_idx, kwargs, layer.keys)
+            tokens = hidden_states.shape[1]
+            cos, sin = kwargs["position_embeddings"]
+            stream.hidden_states.append(hidden_states.detach())
+            stream.cos.append(cos.expand(hidden_states.shape[0], -1, -1))
+            stream.sin.append(sin.expand(hidden_states.shape[0], -1, -1))
+            new_positions = torch.arange(stream.seen, stream.seen + tokens, device=layer.keys.device)
+            stream.positions = torch.cat([stream.positions, new_positions.expand(*stream.positions.shape[:2], -1)], -1)
+            stream.seen += tokens
+            stream.since_compression += tokens
+            if stream.since_compression >= self.compression_interval:
+                target = self.resolved_target_size(stream.seen)
+                if layer.keys.shape[2] > target:
+                    self._compress_layer(module, kwargs, layer, stream, target)
+                stream.since_compression = 0
+                stream.hidden_states.clear(), stream.cos.clear(), stream.sin.clear()
+            elif stream.hidden_states:
+                stream.keep_recent(self.hidden_states_buffer_size)
+        return output
+
+    def resolved_target_size(self, seen: int) -> int:
+        """The rows a compression keeps once ``seen`` tokens have been streamed."""
+        if self.target_compression_ratio is None:
+            return self.target_size
+        return max(1, int(seen * (1 - self.target_compression_ratio)))
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor | None:
+        """(B, H_kv, rows) the stream position of each row of layer ``layer_idx``'s cache (-1: cached before this
+        press saw the stream), within the press's context; None before the layer's first forward."""
+        stream = (self._streams or {}).get(layer_idx)
+        return None if stream is None else stream.positions
+
+    def _stream(self, layer_idx: int, kwargs: dict, keys: torch.Tensor) -> _LayerStream:
+        """The layer's state, made at its first forward in this context from the cache it finds."""
+        if self._streams is None:
+            self._streams = {}
+        stream = self._streams.get(layer_idx)
+        if stream is not None:
+            return stream
+        tokens = kwargs["hidden_states"].shape[1]
+        earlier = keys.shape[2] - tokens
+        if self._stream_start is None:
+            # NOTE: the one read of the host per context: where the stream stands when the press first sees it (0
+            # for a prefill from an empty cache, known from the shapes).
+            positions = kwargs.get("position_ids")
+            positions = positions if positions is not None else kwargs.get("cache_position")
+            self._stream_start = 0 if earlier == 0 or positions is None else int(positions.reshape(-1)[0])
+        start = self._stream_start
+        known = start == earlier
+        rows = (
+            torch.arange(earlier, device=keys.device)
+            if known
+            else torch.full((earlier,), -1, dtype=torch.long, device=keys.device)
+        )
+        stream = _LayerStream(seen=start, positions=rows.expand(keys.shape[0], keys.shape[1], -1))
+        self._streams[layer_idx] = stream
+        return stream
+
+    def _compress_layer(self, module: nn.Module, kwargs: dict, layer, stream: _LayerStream, target: int) -> None:
+        """Bring the layer's cache back to ``target`` rows, scoring (and merging) with the buffered tokens."""
+        keys, values = layer.keys, layer.values
+        rows = keys.shape[2]
+        hidden_states = torch.cat(stream.hidden_states, dim=1)[:, -self.hidden_states_buffer_size :]
+        recent = hidden_states.shape[1]
+        embeddings = (torch.cat(stream.cos, dim=1)[:, -recent:], torch.cat(stream.sin, dim=1)[:, -recent:])
+        recent_kwargs = {**kwargs, "position_embeddings": embeddings}
+        # NOTE: a ratio that kvpress's rounding (int(n·(1 − ratio))) turns into exactly ``target`` rows.
+        ratio = (rows - target - 0.5) / rows
+        if isinstance(self.base_press, BaseMergerPress):
+            saved = self.base_press.compression_ratio
+            self.base_press.compression_ratio = ratio
+            try:
+                keys, values = self.base_press.compress_recent(module, hidden_states, keys, values, recent_kwargs)
+            finally:
+                self.base_press.compression_ratio = saved
+            kept = module.kept_positions
+        else:
+            saved = self.base_press.compression_ratio
+            self.base_press.compression_ratio = ratio
+            try:
+                selection = select_tokens(self.base_press, module, hidden_states, keys, values, None, recent_kwargs)
+            finally:
+                self.base_press.compression_ratio = saved
+            kept = selection.kept_positions()
+            keys, values = gather_rows(kept, keys, values)
+        layer.keys, layer.values = keys, values
+        stream.positions = stream.positions.gather(-1, kept)
+
+
+# NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.options``), the one source of their help.
+MergingDecodingPress.__doc__ = MergingDecodingPress.__doc__.rstrip() + "\n" + options_docstring(DecodingOptions)
