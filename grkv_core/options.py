@@ -8,6 +8,7 @@ NOTE: imports nothing heavy, like ``grkv_core.config``.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
@@ -431,41 +432,19 @@ class KVPressMergingOptions:
     )
 
 
-@dataclass
-class DecodingOptions:
-    """How a cache stays bounded while the model decodes (``MergingDecodingPress``), named as kvpress's
-    ``DecodingPress`` and ``CompressionRatioDecodingPress`` name them."""
-
-    compression_interval: int = option(
-        512,
-        OptionSpec(
-            "tokens between two compressions of a layer: every so many new tokens the cache is brought back to its "
-            "target",
-            int,
-            low=1,
-        ),
-    )
-    target_size: int = option(
-        2048, OptionSpec("tokens each layer keeps after a compression (the bounded cache's size)", int, low=1)
-    )
-    target_compression_ratio: float | None = option(
-        None,
-        OptionSpec(
-            "instead of target_size, the fraction of all tokens seen so far that a compression removes (kvpress's "
-            "CompressionRatioDecodingPress); None: target_size",
-            float,
-            low=0.0,
-            high=1.0,
-            high_open=True,
-            nullable=True,
-        ),
-    )
-    hidden_states_buffer_size: int = option(
-        256,
-        OptionSpec(
-            "the most recent tokens whose hidden states are kept between compressions: the base press scores with "
-            "them and GRKV's surrogate queries are theirs",
-            int,
-            low=1,
-        ),
-    )
+def options_docstring(options: type, indent: int = 4) -> str:
+    """NumPy-style parameter entries of an options dataclass's ``OptionSpec`` fields (name, values, default, help),
+    indented by ``indent`` spaces: a press documents its options where they are defined."""
+    margin = " " * indent
+    entries = []
+    for item in fields(options):
+        spec = item.metadata.get("spec")
+        if spec is not None:
+            entries.append(
+                f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
+                + textwrap.fill(
+                    spec.help.rstrip(".") + ".", width=120, initial_indent=margin * 2, subsequent_indent=margin * 2
+                )
+                + "\n"
+            )
+    return "".join(entries) + margin

@@ -10,8 +10,9 @@ from kvpress import BasePress, DecodingPress, ScorerPress, StreamingLLMPress
 from torch import nn
 
 from grkv_core import options
-from grkv_core.options import DecodingOptions
-from grkv_core.presses.merging import BaseMergerPress, _refuse_padding, options_docstring
+from grkv_core.options import options_docstring
+from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.padding import padding_refused
 from grkv_core.presses.selection import (
     MASKING_PRESSES,
     SUPPORTED_BASE_PRESSES,
@@ -19,8 +20,9 @@ from grkv_core.presses.selection import (
     select_tokens,
     unsupported_base_press_reason,
 )
-from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
+from grkv_core.presses.sliding_layers import unhook_sliding_layers
 from grkv_core.solver.problem import gather_rows
+from grkv_core.stream_options import DecodingOptions
 
 
 @dataclass
@@ -137,14 +139,12 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         options.check_options(self)
         self._check_room()
         state = self.base_press.merging_state() if isinstance(self.base_press, BaseMergerPress) else nullcontext()
-        guard = language_model(model).register_forward_pre_hook(_refuse_padding, with_kwargs=True)
         self.reset()
         try:
-            with state, BasePress.__call__(self, model):
+            with state, padding_refused(model), BasePress.__call__(self, model):
                 unhook_sliding_layers(self, model)
                 yield
         finally:
-            guard.remove()
             self.reset()
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):

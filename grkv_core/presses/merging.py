@@ -24,10 +24,9 @@ any layer runs. As the base press, inside the merger, ``ChunkPress``, ``AdaKVPre
 from __future__ import annotations
 
 import sys
-import textwrap
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +35,7 @@ from kvpress import MergingPress as KVPressMergingPress
 from torch import nn
 
 from grkv_core import options
+from grkv_core.presses.padding import padding_refused
 from grkv_core.presses.selection import (
     MASKING_PRESSES,
     SELECTION_WRAPPERS,
@@ -46,7 +46,7 @@ from grkv_core.presses.selection import (
     select_tokens,
     unsupported_base_press_reason,
 )
-from grkv_core.presses.sliding_layers import language_model, unhook_sliding_layers
+from grkv_core.presses.sliding_layers import unhook_sliding_layers
 from grkv_core.solver.problem import gather_rows
 
 # kvpress's own merger: like ours, it keeps a ScorerPress's tokens and merges the evicted ones into them.
@@ -163,13 +163,9 @@ class BaseMergerPress(BasePress):
         """kvpress's context manager, refusing bad options and padded batches before any layer runs; sliding-window
         layers are left whole (``sliding_layers``)."""
         self.check_options()
-        guard = language_model(model).register_forward_pre_hook(_refuse_padding, with_kwargs=True)
-        try:
-            with super().__call__(model):
-                unhook_sliding_layers(self, model)
-                yield
-        finally:
-            guard.remove()
+        with padding_refused(model), super().__call__(model):
+            unhook_sliding_layers(self, model)
+            yield
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         # NOTE: compression never builds an autograd graph, whether or not the caller's forward runs in grad
@@ -373,26 +369,6 @@ BaseMergerPress.compression_ratio = property(
 )
 
 
-def options_docstring(options: type, indent: int = 4) -> str:
-    """NumPy-style parameter entries for an options dataclass's fields, from their ``OptionSpec``s
-    (``grkv_core.options``): name, accepted values and default, then the help, wrapped at 120 columns and indented by
-    ``indent`` spaces (a class docstring's own indentation), so that a press documents its options where they are
-    defined."""
-    margin = " " * indent
-    entries = []
-    for item in fields(options):
-        spec = item.metadata.get("spec")
-        if spec is not None:
-            entries.append(
-                f"{margin}{item.name} : {spec.describe()}, default {item.default!r}\n"
-                + textwrap.fill(
-                    spec.help.rstrip(".") + ".", width=120, initial_indent=margin * 2, subsequent_indent=margin * 2
-                )
-                + "\n"
-            )
-    return "".join(entries) + margin
-
-
 def _finite_heads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(B, H_kv) bool: every key and value of that (batch, head) is finite (a NaN or inf propagates into the sum)."""
     return torch.isfinite(keys.sum(dim=(-2, -1), dtype=torch.float32) + values.sum(dim=(-2, -1), dtype=torch.float32))
@@ -457,14 +433,3 @@ def _wrapper_refusal(merger: BaseMergerPress, what: str, wrapper: BasePress | No
     else:
         advice = f"{name} cannot wrap it either: {unsupported_base_press_reason(type(wrapper))}"
     return f"{kind}({name}(...)) {what}; {advice}"
-
-
-def _refuse_padding(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: a merging press fits every query and key of the prompt, so pad tokens would be fitted."""
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
-        raise ValueError(
-            "merging presses do not support padded batches: the attention_mask marks padding, which "
-            "would be merged into the cache; compress each sequence on its own (batch 1) or batch "
-            "sequences of equal length without padding"
-        )
