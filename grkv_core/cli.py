@@ -25,6 +25,8 @@ from grkv_core.config import (
 )
 from grkv_core.merger_flags import add_merger_options, given_merge_options, merge_options, parse_merge_variant
 from grkv_core.options import GRKV_PRESETS
+from grkv_core.stream_cli import add_stream_flags
+from grkv_core.stream_options import STREAM_PROTOCOLS
 
 DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue")
 
@@ -69,11 +71,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--protocol",
         default=None,
-        choices=PROTOCOLS,
+        choices=(*PROTOCOLS, *STREAM_PROTOCOLS),
         help=(
             "question_agnostic: the context is compressed alone, then the question follows (kvpress's pipeline); "
-            "query_aware: the question is compressed with the context (kvpress's evaluation query_aware) "
-            f"(default: a press file's, else {QUESTION_AGNOSTIC})"
+            "query_aware: the question is compressed with the context (kvpress's evaluation query_aware); "
+            "stream_nll / stream_answer: a cache kept at --target-size while long texts, or a context and then "
+            f"its answer, stream through it (default: a press file's, else {QUESTION_AGNOSTIC})"
         ),
     )
     parser.add_argument("--no-progress", action="store_true")
@@ -163,6 +166,10 @@ def cmd_eval(args) -> int:
     from grkv_core.evaluation.run import run_evaluation
 
     press, protocol = _eval_press(args)
+    if args.protocol in STREAM_PROTOCOLS:
+        from grkv_core.stream_cli import cmd_stream_eval
+
+        return cmd_stream_eval(args, press)
     config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options, protocol=protocol)
     summary = run_evaluation(config, args.output, progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
     print(format_table([summary]))
@@ -179,9 +186,17 @@ def cmd_compare(args) -> int:
     from grkv_core.evaluation.run import EvaluationSetup, run_evaluations
 
     output_dir = Path(args.output_dir)
-    configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
     variants = [parse_merge_variant(text) for text in args.merge_variant]
     preset = GRKV_PRESETS[args.preset] if args.preset else {}
+    if args.protocol in STREAM_PROTOCOLS:
+        from grkv_core.stream_cli import cmd_stream_compare
+
+        rows = [PressConfig(args.press, 0.0)] + (
+            [] if args.only_variants else [PressConfig(args.press, 0.0, "grkv", preset)]
+        )
+        rows += [PressConfig(args.press, 0.0, merge, options, name) for name, merge, options in variants]
+        return cmd_stream_compare(args, rows)
+    configs = [_config(args, FULL_CACHE, 0.0, "none", {})]
     for ratio in args.compression_ratios:
         configs.append(_config(args, args.press, ratio, "none", {}))
         configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", preset)])
@@ -291,6 +306,7 @@ def _add_library_commands(commands) -> None:
         help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the merger options",
     )
     add_merger_options(evaluate)
+    add_stream_flags(evaluate, several_sizes=False)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     _add_evaluation_outputs(evaluate)
     evaluate.set_defaults(handler=cmd_eval)
@@ -315,6 +331,7 @@ def _add_library_commands(commands) -> None:
     compare.add_argument("--only-variants", action="store_true", help="no row of the press + GRKV's defaults")
     compare.add_argument("--preset", choices=sorted(GRKV_PRESETS), help="that row with a preset's options instead")
     compare.add_argument("--output-dir", default="outputs/compare")
+    add_stream_flags(compare, several_sizes=True)
     _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)
 
