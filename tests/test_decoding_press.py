@@ -201,6 +201,7 @@ def test_kept_rows_follow_the_stream_and_stay_in_stream_order():
         (dict(target_size=-1), "target_size must be an integer >= 1, got -1"),
         (dict(target_size=20), "target_size must exceed GRKVPress's n_sink + window_size (20): got 20"),
         (dict(hidden_states_buffer_size=8), "hidden_states_buffer_size must exceed SnapKVPress's window_size (8)"),
+        (dict(compression_interval=8), "compression_interval must exceed SnapKVPress's window_size (8)"),
         (dict(target_compression_ratio=1.0), "target_compression_ratio must be None or a finite number in [0, 1)"),
     ],
 )

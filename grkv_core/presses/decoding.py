@@ -119,11 +119,14 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         if self.target_compression_ratio is None and self.target_size <= needed:
             raise ValueError(f"target_size must exceed {by}: got {self.target_size}")
         window = getattr(eviction, "window_size", None)
-        if isinstance(window, int) and self.hidden_states_buffer_size <= window:
-            raise ValueError(
-                f"hidden_states_buffer_size must exceed {type(eviction).__name__}'s window_size ({window}), whose "
-                f"queries it scores with: got {self.hidden_states_buffer_size}"
-            )
+        for name in ("hidden_states_buffer_size", "compression_interval"):
+            # NOTE: the buffer holds the tokens since the last compression (their rows may since have been evicted),
+            # so the press scores with at most an interval's queries.
+            if isinstance(window, int) and getattr(self, name) <= window:
+                raise ValueError(
+                    f"{name} must exceed {type(eviction).__name__}'s window_size ({window}), whose queries it scores "
+                    f"with: got {getattr(self, name)}"
+                )
 
     def post_init_from_model(self, model) -> None:
         self.base_press.post_init_from_model(model)
