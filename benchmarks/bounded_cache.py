@@ -1,4 +1,4 @@
-"""Is a merge worth its memory where a cache must stay bounded? The pre-registered runs of docs/results/bounded-cache.md.
+"""Is a merge worth its memory where a cache stays bounded? The pre-registered runs of docs/results/bounded-cache.md.
 
     python -m benchmarks.bounded_cache tune  benchmarks/results/bounded-cache      # choose GRKV's options (tune texts)
     python -m benchmarks.bounded_cache table benchmarks/results/bounded-cache --model smollm2-135m --texts 40
@@ -120,12 +120,24 @@ def exchange_rate(nll: float, eviction: dict[int, float]) -> str:
         return f"≤ {sizes[0]}"
     for low, high in zip(sizes, sizes[1:]):
         if eviction[high] <= nll <= eviction[low]:
-            fraction = (eviction[low] - nll) / (eviction[low] - eviction[high]) if eviction[low] != eviction[high] else 0
+            drop = eviction[low] - eviction[high]
+            fraction = (eviction[low] - nll) / drop if drop else 0.0
             return f"{2 ** (math.log2(low) + fraction * (math.log2(high) - math.log2(low))):.0f}"
     return f"> {sizes[-1]}"
 
 
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``p_values`` (family-wise error), in their order."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
 def report(folder: Path) -> str:
+    """The measured cells per model, each merger's verdict under the rule, and the exchange rates."""
     from tracking.reports.stats import paired_bootstrap_ci, sign_flip_test
 
     lines = ["# Bounded caches: the measured cells", ""]
@@ -133,32 +145,50 @@ def report(folder: Path) -> str:
         full = read_cell(folder, model, "full")
         if not full:
             continue
-        lines += [f"## {model}", "", f"Full cache: mean NLL {sum(full.values()) / len(full):.4f} over {len(full)} texts.", ""]
-        lines += ["| press | size | merger | n | mean NLL | Δ vs eviction [95% CI] | p | exchange rate |"]
+        full_mean = sum(full.values()) / len(full)
+        lines += [f"## {model}", "", f"Full cache: mean NLL {full_mean:.4f} over {len(full)} texts.", ""]
+        lines += ["| press | size | merger | n | mean NLL | Δ vs eviction [95% CI] | p (Holm) | exchange rate |"]
         lines += ["|---|---:|---|---:|---:|---:|---:|---:|"]
-        for press in BASE_PRESSES:
-            eviction_means = {}
-            for size in TARGET_SIZES:
-                cell = read_cell(folder, model, f"{press}-{size}-none")
-                if cell:
-                    eviction_means[size] = sum(cell.values()) / len(cell)
-            for size in TARGET_SIZES:
-                evicted = read_cell(folder, model, f"{press}-{size}-none")
-                for merge in MERGERS:
-                    cell = read_cell(folder, model, f"{press}-{size}-{merge}")
+        rows, verdicts = [], []
+        for merge in MERGERS:
+            found = []
+            for press in BASE_PRESSES:
+                means = {size: read_cell(folder, model, f"{press}-{size}-none") for size in TARGET_SIZES}
+                eviction = {size: sum(cell.values()) / len(cell) for size, cell in means.items() if cell}
+                for size in TARGET_SIZES:
+                    cell, evicted = read_cell(folder, model, f"{press}-{size}-{merge}"), means[size]
                     texts = sorted(set(cell) & set(evicted))
-                    if not texts:
-                        continue
-                    mean = sum(cell[t] for t in texts) / len(texts)
-                    delta = p = rate = ""
-                    if merge != "none":
-                        differences = [cell[t] - evicted[t] for t in texts]
-                        ci = paired_bootstrap_ci(differences, n_resamples=10_000)
-                        delta = f"{ci.estimate:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]"
-                        p = f"{sign_flip_test(differences, n_resamples=100_000):.3g}"
-                        rate = exchange_rate(mean, eviction_means) if len(eviction_means) == len(TARGET_SIZES) else ""
-                    lines.append(f"| {press} | {size} | {merge} | {len(texts)} | {mean:.4f} | {delta} | {p} | {rate} |")
-        lines.append("")
+                    if texts:
+                        found.append((press, size, texts, cell, evicted, eviction))
+            p_values = []
+            for press, size, texts, cell, evicted, eviction in found:
+                differences = [cell[text] - evicted[text] for text in texts]
+                p_values.append(sign_flip_test(differences, n_resamples=100_000) if merge != "none" else 1.0)
+            adjusted = holm(p_values) if merge != "none" else p_values
+            better = worse = 0
+            ratios = []
+            for (press, size, texts, cell, evicted, eviction), p in zip(found, adjusted):
+                mean = sum(cell[text] for text in texts) / len(texts)
+                delta = shown_p = rate = ""
+                if merge != "none":
+                    ci = paired_bootstrap_ci([cell[text] - evicted[text] for text in texts], n_resamples=10_000)
+                    delta, shown_p = f"{ci.estimate:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]", f"{p:.3g}"
+                    better += ci.estimate < 0 and p < 0.01
+                    worse += ci.estimate > 0 and p < 0.01
+                    if len(eviction) == len(TARGET_SIZES):
+                        rate = exchange_rate(mean, eviction)
+                        if rate[0].isdigit():
+                            ratios.append(float(rate) / size)
+                cells_text = f"{len(texts)} | {mean:.4f} | {delta} | {shown_p} | {rate}"
+                rows.append(f"| {press} | {size} | {merge} | {cells_text} |")
+            if merge != "none" and found:
+                verdict = "earns its memory" if better >= 5 and not worse else "does no harm" if not worse else "harms"
+                median = f"{sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else "n/a"
+                verdicts.append(
+                    f"- {merge}: {verdict} (better in {better}, worse in {worse} of {len(found)} cells at Holm p < "
+                    f"0.01; median exchange ratio {median})"
+                )
+        lines += rows + [""] + verdicts + [""]
     text = "\n".join(lines)
     (folder / "report.md").write_text(text + "\n")
     return text
