@@ -94,7 +94,8 @@ class StreamStore:
 
     def __init__(self, path: Path, config: StreamConfig) -> None:
         self.path, self.results = path, {}
-        header = {"config": _resume_key(config)}
+        # NOTE: as JSON gives it back (tuples as lists), to compare with a stored header.
+        header = json.loads(json.dumps({"config": _resume_key(config)}))
         if path.exists():
             lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             if not lines or lines[0] != header:

@@ -1,0 +1,92 @@
+"""Bounded-cache evaluations end to end: grkv compare / grkv eval under stream_nll and stream_answer."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from grkv_core.cli import main
+from grkv_core.config import FULL_CACHE, PressConfig
+from grkv_core.datasets import load_dataset_samples
+from grkv_core.evaluation.answer_metrics import answer_log_probs, reference_ids
+from grkv_core.evaluation.generation import prefill, tokenize_sample
+from grkv_core.evaluation.stream_eval import StreamStore, bounded_press, evaluate_stream_item, load_stream_items
+from grkv_core.stream_options import STREAM_ANSWER, StreamConfig
+
+ANSWER_ARGS = ["--model", "tiny-llama", "--protocol", STREAM_ANSWER, "--tasks", "niah_single_1", "--samples", "2"]
+ANSWER_ARGS += ["--context-length", "512", "--compression-interval", "48", "--no-progress"]
+
+
+def test_compare_stream_answer_prints_full_eviction_and_grkv_per_size_and_resumes(tmp_path, capsys):
+    arguments = ["compare", *ANSWER_ARGS, "--press", "streamingllm", "--target-sizes", "128", "160"]
+    arguments += ["--output-dir", str(tmp_path)]
+    assert main(arguments) == 0
+    printed = capsys.readouterr().out
+    for label in ("| full | 2 |", "| streamingllm 128 | 2 |", "| streamingllm 128 + grkv | 2 |", "streamingllm 160"):
+        assert label in printed
+    folder = tmp_path / STREAM_ANSWER
+    files = sorted(path.name for path in folder.glob("*.jsonl"))
+    assert files == sorted(
+        ["full.jsonl", *(f"streamingllm-{size}{merge}.jsonl" for size in (128, 160) for merge in ("", "+grkv"))]
+    )
+    before = {path.name: path.read_text() for path in folder.glob("*.jsonl")}
+    assert main(arguments) == 0  # every text done: nothing evaluated again
+    assert {path.name: path.read_text() for path in folder.glob("*.jsonl")} == before
+    rows = [json.loads(line) for line in (folder / "streamingllm-128+grkv.jsonl").read_text().splitlines()[1:]]
+    assert len(rows) == 2 and all(row["rows"] <= 128 + 48 for row in rows)
+    assert (folder / "table.md").read_text().strip() in printed
+
+
+def test_eval_stream_answer_writes_one_configuration(tmp_path, capsys):
+    output = tmp_path / "one.jsonl"
+    arguments = ["eval", *ANSWER_ARGS, "--press", "snapkv", "--merge", "cam", "--target-size", "128"]
+    assert main([*arguments, "--output", str(output)]) == 0
+    assert "snapkv 128 + cam" in capsys.readouterr().out
+    header = json.loads(output.read_text().splitlines()[0])["config"]
+    assert header["press"]["merge"] == "cam" and header["target_size"] == 128
+
+
+def test_a_full_cache_streamed_context_gives_the_answer_log_probs_of_one_prefill():
+    loaded = tiny_model("tiny-llama")
+    config = StreamConfig(
+        protocol=STREAM_ANSWER, press=PressConfig(FULL_CACHE, 0.0), model="tiny-llama", source="ruler", samples=1,
+        max_tokens=512, min_tokens=1, tasks=("niah_single_1",), target_size=128, compression_interval=48,
+    )  # fmt: skip
+    item = load_stream_items(config, loaded.tokenizer)[0]
+    result, reference = evaluate_stream_item(loaded, item, config, None, None)
+    sample = load_dataset_samples(
+        "ruler", tasks=["niah_single_1"], context_length=512, samples_per_task=1, tokenizer=loaded.tokenizer
+    )[0]
+    context_ids, questions = tokenize_sample(loaded.tokenizer, sample)
+    answer = reference_ids(loaded.tokenizer, sample, 0)
+    expected = answer_log_probs(
+        loaded.model, prefill(loaded.model, context_ids), questions[0], answer, context_ids.shape[1]
+    )
+    torch.testing.assert_close(reference, expected[0], atol=1e-5, rtol=0)
+    assert result["answer_kl"] == pytest.approx(0.0, abs=1e-6) and result["answer_top1"] == 1.0
+    assert bounded_press(config) is None
+
+
+def test_a_results_file_of_another_configuration_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    StreamStore(path, StreamConfig(target_size=256))
+    with pytest.raises(ValueError, match="holds another configuration's results") as raised:
+        StreamStore(path, StreamConfig(target_size=512))
+    assert "\n" not in str(raised.value)
+    StreamStore(path, StreamConfig(target_size=256, samples=9))  # more texts of the same configuration resume it
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(protocol="stream"), "protocol must be one of ('stream_nll', 'stream_answer')"),
+        (dict(target_size=0), "target_size must be an integer >= 1, got 0"),
+        (dict(compression_interval=-3), "compression_interval must be an integer >= 1, got -3"),
+        (dict(min_tokens=100, max_tokens=50), "max_tokens >= min_tokens"),
+    ],
+)
+def test_bad_stream_configurations_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=None) as raised:
+        StreamConfig(**fields)
+    assert message in str(raised.value)
