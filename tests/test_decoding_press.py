@@ -271,3 +271,21 @@ def test_a_non_finite_row_stays_where_eviction_leaves_it():
         with press(model), torch.inference_mode():
             model(prompt(48))
     assert seen and all(seen)
+
+
+def test_a_press_file_with_decoding_sizes_gives_the_bounded_press(tmp_path):
+    from grkv_core.presses.from_config import load_press_file, press_from_file
+
+    path = tmp_path / "press.yaml"
+    path.write_text(
+        "press: snapkv\ncompression_ratio: 0.0\nmerge: grkv\nmerge_options: {lambda_k: 0.01}\nprotocol: stream_nll\n"
+        "decoding: {target_size: 256, compression_interval: 64}\n"
+    )
+    press = press_from_file(path)
+    assert isinstance(press, MergingDecodingPress) and isinstance(press.base_press, GRKVPress)
+    assert (press.target_size, press.compression_interval, press.base_press.lambda_k) == (256, 64, 0.01)
+    assert load_press_file(path)[1] == "stream_nll"
+    generate(tiny_model("tiny-llama").model, press, prompt(300), 8)
+    path.write_text("press: snapkv\ndecoding: {target_size: 0}\n")
+    with pytest.raises(ValueError, match=r"press.yaml: decoding.target_size must be an integer >= 1, got 0"):
+        press_from_file(path)

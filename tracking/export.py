@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.catalog import merger_option_specs
 from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
-from grkv_core.presses.from_config import PRESS_FILE_FIELDS, PROTOCOL_FIELD
+from grkv_core.presses.from_config import DECODING_FIELD, PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 
@@ -114,7 +114,7 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
 def press_file_text(press: PressConfig, comments: list[str], protocol: str = QUESTION_AGNOSTIC) -> str:
     """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``) and the protocol it
     was chosen under."""
-    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS if name != PROTOCOL_FIELD}
+    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS if name not in (PROTOCOL_FIELD, DECODING_FIELD)}
     body[PROTOCOL_FIELD] = protocol
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(body, sort_keys=False)
 

@@ -13,6 +13,8 @@ from kvpress import MergingPress as KVPressMergingPress
 
 from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NEEDS_EAGER, NO_MERGER, REFUSES_EAGER
 from grkv_core.config import FULL_CACHE, PROTOCOL_SPEC, PressConfig
+from grkv_core.options import option_specs
+from grkv_core.stream_options import STREAM_PROTOCOLS, DecodingOptions
 
 
 def _traits(press_name: str) -> frozenset[str]:
@@ -142,7 +144,14 @@ def _scalar_fields(press) -> dict[str, Any]:
 # the configuration that wrote it means, and optionally the protocol the press was chosen under
 # (``PROTOCOL_FIELD``); ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
 PROTOCOL_FIELD = "protocol"
-PRESS_FILE_FIELDS = (*(item.name for item in fields(PressConfig) if item.name != "variant"), PROTOCOL_FIELD)
+# NOTE: a press chosen for a bounded cache also names its sizes (``DecodingOptions``): ``press_from_file`` then builds
+# the ``MergingDecodingPress`` around it.
+DECODING_FIELD = "decoding"
+PRESS_FILE_FIELDS = (
+    *(item.name for item in fields(PressConfig) if item.name != "variant"),
+    PROTOCOL_FIELD,
+    DECODING_FIELD,
+)
 
 
 def load_press_config(path: str | Path) -> PressConfig:
@@ -155,6 +164,11 @@ def load_press_config(path: str | Path) -> PressConfig:
 def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
     """A press file's press configuration and the protocol it names (None if it names none); see
     ``load_press_config``."""
+    return _read_press_file(path)[:2]
+
+
+def _read_press_file(path: str | Path) -> tuple[PressConfig, str | None, dict[str, Any] | None]:
+    """A press file's press configuration, protocol and bounded-cache options (``decoding``; None if absent)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"press file not found: {path}")
@@ -170,10 +184,17 @@ def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
     if not isinstance(data.get("merge_options", {}), dict):
         raise ValueError(f"{path}: merge_options must be a mapping of option: value")
     protocol = data.pop(PROTOCOL_FIELD, None)
+    decoding = data.pop(DECODING_FIELD, None)
     try:
-        if protocol is not None:
+        if protocol is not None and protocol not in STREAM_PROTOCOLS:
             PROTOCOL_SPEC.check(PROTOCOL_FIELD, protocol)
-        return PressConfig(**data), protocol
+        if decoding is not None:
+            specs = option_specs(DecodingOptions)
+            if not isinstance(decoding, dict) or set(decoding) - set(specs):
+                raise ValueError(f"{DECODING_FIELD} must be a mapping of some of {list(specs)}, got {decoding!r}")
+            for name, value in decoding.items():
+                specs[name].check(f"{DECODING_FIELD}.{name}", value)
+        return PressConfig(**data), protocol, decoding
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None
 
@@ -184,5 +205,14 @@ def press_from_file(path: str | Path) -> BasePress | None:
     press = press_from_file("press.yaml")
     with press(model):
         model.model(input_ids=context_ids, past_key_values=cache)
+
+    A file with ``decoding`` (``target_size``, ``compression_interval``...) gives the ``MergingDecodingPress`` that
+    keeps a cache bounded with the press behind it.
     """
-    return build(load_press_config(path))
+    config, _, decoding = _read_press_file(path)
+    press = build(config)
+    if decoding is None or press is None:
+        return press
+    from grkv_core.presses.decoding import MergingDecodingPress
+
+    return MergingDecodingPress(press, **decoding)
