@@ -10,7 +10,8 @@ attention weights), ``layer_context`` and ``head_context``.
 Composition with kvpress's wrappers. A merger is a ``BasePress``, not a ``ScorerPress``: it has no scores of its
 own (its choice is its base press's) and keeps no top-k of them, so kvpress's wrappers that select tokens from a
 press's ``score`` (``AdaKVPress``, ``ChunkPress``, ``KeyRerotationPress``, ``MergingPress``...) and ``DecodingPress``
-refuse it when they are built (they assert that their press is a ``ScorerPress``). Its ``compression_ratio`` is its
+refuse it when they are built (they assert that their press is a ``ScorerPress``); ``MergingDecodingPress``
+(``decoding``) runs a merger while decoding, through ``compress_recent``. Its ``compression_ratio`` is its
 base press's budget. Wrappers that run a press's own hook over the whole prompt work around a merger:
 ``ComposedPress([merger, ...])`` (the merger first), ``PrefillDecodingPress(prefilling_press=merger, ...)`` and this
 package's ``PerLayerCompressionPress`` (``per_layer``; kvpress's own asserts a ``ScorerPress``). ``DMSPress``, a
