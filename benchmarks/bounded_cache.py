@@ -21,6 +21,7 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.default_rule import holm
 from grkv_core.config import FULL_CACHE, PressConfig
 from grkv_core.options import GRKV_PRESETS
 from grkv_core.stream_options import StreamConfig
@@ -124,16 +125,6 @@ def exchange_rate(nll: float, eviction: dict[int, float]) -> str:
             fraction = (eviction[low] - nll) / drop if drop else 0.0
             return f"{2 ** (math.log2(low) + fraction * (math.log2(high) - math.log2(low))):.0f}"
     return f"> {sizes[-1]}"
-
-
-def holm(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjustment of ``p_values`` (family-wise error), in their order."""
-    order = sorted(range(len(p_values)), key=p_values.__getitem__)
-    adjusted, running = [0.0] * len(p_values), 0.0
-    for rank, index in enumerate(order):
-        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
-        adjusted[index] = running
-    return adjusted
 
 
 def report(folder: Path) -> str:

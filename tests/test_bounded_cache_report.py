@@ -1,17 +1,10 @@
-"""benchmarks/bounded_cache.py's arithmetic: Holm's adjustment and the exchange rate."""
+"""benchmarks/bounded_cache.py's arithmetic: the exchange rate and the cells."""
 
 import math
 
 import pytest
 
-from benchmarks.bounded_cache import BASE_PRESSES, MERGERS, TARGET_SIZES, cells, exchange_rate, holm
-
-
-def test_holm_adjusts_as_its_step_down_definition():
-    p_values = [0.01, 0.04, 0.03, 0.005]
-    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1, kept non-decreasing: 0.02, 0.03, 0.06, 0.06
-    assert holm(p_values) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+from benchmarks.bounded_cache import BASE_PRESSES, MERGERS, TARGET_SIZES, cells, exchange_rate
 
 
 @pytest.mark.parametrize(
