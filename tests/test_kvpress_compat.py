@@ -367,7 +367,7 @@ def test_kvpress_wrappers_past_their_assert_are_refused_in_one_line_on_entering_
 
 
 @pytest.mark.parametrize("name", OUR_MERGERS)
-def test_decoding_press_past_its_assert_is_refused_naming_prefill_decoding_press(name):
+def test_decoding_press_past_its_assert_is_refused_naming_merging_decoding_press(name):
     model = tiny_model("tiny-llama").model
     press = DecodingPress(base_press=KnormPress(), compression_interval=2, target_size=24)
     press.base_press = merger(name)
@@ -376,7 +376,7 @@ def test_decoding_press_past_its_assert_is_refused_naming_prefill_decoding_press
         match=re.escape(
             f"DecodingPress({type(press.base_press).__name__}(...)) would compress the cache while decoding"
         )
-        + ".*use PrefillDecodingPress",
+        + ".*to merge while decoding use grkv_core.presses.MergingDecodingPress",
     ):
         with torch.inference_mode(), press(model):
             model.generate(

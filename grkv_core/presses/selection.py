@@ -54,8 +54,8 @@ _REFUSED_BASE_PRESSES: tuple[tuple[type, str], ...] = (
     ),
     (
         DecodingPress,
-        "it compresses while decoding, a merger compresses the prefill; for both, use "
-        "PrefillDecodingPress(prefilling_press=<merger>, decoding_press=DecodingPress(...))",
+        "it compresses while decoding on its own; to merge while decoding use "
+        "MergingDecodingPress(<merger>, target_size=..., compression_interval=...)",
     ),
     (
         KeyRerotationPress,
