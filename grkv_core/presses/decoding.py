@@ -28,19 +28,45 @@ from grkv_core.stream_options import DecodingOptions
 @dataclass
 class _LayerStream:
     """One layer's decode-time state: the recent tokens' hidden states and RoPE tables, the tokens since its last
-    compression, and the stream position of each cached row."""
+    compression, and the stream position of each cached row.
 
+    NOTE: the rows added since the last compression are the stream positions ``positions_through`` … ``seen`` − 1 in
+    order, so only the rows before them are stored (``all_positions`` adds the rest): nothing is concatenated per
+    step. The buffer is trimmed to its size only once it holds twice that, for the same reason.
+    """
+
+    seen: int
+    positions: torch.Tensor  # (B, H_kv, rows) long, the rows cached up to ``positions_through``; -1 where unknown
+    positions_through: int
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     cos: list[torch.Tensor] = field(default_factory=list)
     sin: list[torch.Tensor] = field(default_factory=list)
+    buffered: int = 0
     since_compression: int = 0
-    seen: int = 0
-    positions: torch.Tensor | None = None  # (B, H_kv, rows) long; -1 where unknown
 
-    def keep_recent(self, size: int) -> None:
-        for buffer in (self.hidden_states, self.cos, self.sin):
-            recent = torch.cat(buffer, dim=1)[:, -size:]
-            buffer[:] = [recent]
+    def buffer(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, size: int) -> None:
+        """Add a forward's tokens, keeping at least the last ``size`` of them."""
+        batch = hidden_states.shape[0]
+        self.hidden_states.append(hidden_states.detach())
+        self.cos.append(cos.expand(batch, -1, -1))
+        self.sin.append(sin.expand(batch, -1, -1))
+        self.buffered += hidden_states.shape[1]
+        if self.buffered > 2 * size:
+            for parts in (self.hidden_states, self.cos, self.sin):
+                parts[:] = [torch.cat(parts, dim=1)[:, -size:]]
+            self.buffered = size
+
+    def recent(self, size: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(B, r, hidden) the last r <= ``size`` buffered tokens' hidden states and their (cos, sin), (B, r, d)."""
+        return tuple(torch.cat(parts, dim=1)[:, -size:] for parts in (self.hidden_states, self.cos, self.sin))
+
+    def clear_buffer(self) -> None:
+        self.hidden_states, self.cos, self.sin, self.buffered = [], [], [], 0
+
+    def all_positions(self) -> torch.Tensor:
+        """(B, H_kv, rows) the stream position of every cached row."""
+        added = torch.arange(self.positions_through, self.seen, device=self.positions.device)
+        return torch.cat([self.positions, added.expand(*self.positions.shape[:2], -1)], dim=-1)
 
 
 @dataclass
@@ -86,7 +112,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
     def __post_init__(self) -> None:
         # NOTE: kvpress's __post_init__ asserts a ScorerPress; everything it sets up is replaced here.
         options.check_options(self)
-        eviction = self.base_press.press if isinstance(self.base_press, BaseMergerPress) else self.base_press
+        eviction = self._eviction_press()
         if isinstance(eviction, MASKING_PRESSES):
             raise ValueError(
                 f"MergingDecodingPress needs the same budget in every head; {type(eviction).__name__} masks a "
@@ -103,11 +129,15 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         self._streams: dict[int, _LayerStream] | None = None
         self._stream_start: int | None = None
 
+    def _eviction_press(self) -> BasePress:
+        """The eviction press that chooses the rows: the merger's base press, or the base press itself."""
+        return self.base_press.press if isinstance(self.base_press, BaseMergerPress) else self.base_press
+
     def _check_room(self) -> None:
         """A one-line ValueError when ``target_size`` leaves no row to choose (every kept row protected) or the
         buffer is shorter than a scoring window."""
         merger = self.base_press if isinstance(self.base_press, BaseMergerPress) else None
-        eviction = merger.press if merger is not None else self.base_press
+        eviction = self._eviction_press()
         protected = sum(len(span) for span in forced_score_ranges(eviction, 10**9))
         if isinstance(eviction, StreamingLLMPress):
             protected += eviction.n_sink
@@ -161,12 +191,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         with torch.no_grad():
             stream = self._stream(module.layer_idx, kwargs, layer.keys)
             tokens = hidden_states.shape[1]
-            cos, sin = kwargs["position_embeddings"]
-            stream.hidden_states.append(hidden_states.detach())
-            stream.cos.append(cos.expand(hidden_states.shape[0], -1, -1))
-            stream.sin.append(sin.expand(hidden_states.shape[0], -1, -1))
-            new_positions = torch.arange(stream.seen, stream.seen + tokens, device=layer.keys.device)
-            stream.positions = torch.cat([stream.positions, new_positions.expand(*stream.positions.shape[:2], -1)], -1)
+            stream.buffer(hidden_states, *kwargs["position_embeddings"], self.hidden_states_buffer_size)
             stream.seen += tokens
             stream.since_compression += tokens
             if stream.since_compression >= self.compression_interval:
@@ -174,9 +199,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
                 if layer.keys.shape[2] > target:
                     self._compress_layer(module, kwargs, layer, stream, target)
                 stream.since_compression = 0
-                stream.hidden_states.clear(), stream.cos.clear(), stream.sin.clear()
-            elif stream.hidden_states:
-                stream.keep_recent(self.hidden_states_buffer_size)
+                stream.clear_buffer()
         return output
 
     def resolved_target_size(self, seen: int) -> int:
@@ -189,7 +212,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         """(B, H_kv, rows) the stream position of each row of layer ``layer_idx``'s cache (-1: cached before this
         press saw the stream), within the press's context; None before the layer's first forward."""
         stream = (self._streams or {}).get(layer_idx)
-        return None if stream is None else stream.positions
+        return None if stream is None else stream.all_positions()
 
     def _stream(self, layer_idx: int, kwargs: dict, keys: torch.Tensor) -> _LayerStream:
         """The layer's state, made at its first forward in this context from the cache it finds."""
@@ -213,7 +236,9 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
             if known
             else torch.full((earlier,), -1, dtype=torch.long, device=keys.device)
         )
-        stream = _LayerStream(seen=start, positions=rows.expand(keys.shape[0], keys.shape[1], -1))
+        stream = _LayerStream(
+            seen=start, positions=rows.expand(keys.shape[0], keys.shape[1], -1), positions_through=start
+        )
         self._streams[layer_idx] = stream
         return stream
 
@@ -221,31 +246,24 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         """Bring the layer's cache back to ``target`` rows, scoring (and merging) with the buffered tokens."""
         keys, values = layer.keys, layer.values
         rows = keys.shape[2]
-        hidden_states = torch.cat(stream.hidden_states, dim=1)[:, -self.hidden_states_buffer_size :]
-        recent = hidden_states.shape[1]
-        embeddings = (torch.cat(stream.cos, dim=1)[:, -recent:], torch.cat(stream.sin, dim=1)[:, -recent:])
-        recent_kwargs = {**kwargs, "position_embeddings": embeddings}
+        hidden_states, *embeddings = stream.recent(self.hidden_states_buffer_size)
+        recent_kwargs = {**kwargs, "position_embeddings": tuple(embeddings)}
+        # NOTE: a merger's ratio is its base press's; set for this compression only, so the press is unchanged after.
+        saved = self.base_press.compression_ratio
         # NOTE: a ratio that kvpress's rounding (int(n·(1 − ratio))) turns into exactly ``target`` rows.
-        ratio = (rows - target - 0.5) / rows
-        if isinstance(self.base_press, BaseMergerPress):
-            saved = self.base_press.compression_ratio
-            self.base_press.compression_ratio = ratio
-            try:
+        self.base_press.compression_ratio = (rows - target - 0.5) / rows
+        try:
+            if isinstance(self.base_press, BaseMergerPress):
                 keys, values = self.base_press.compress_recent(module, hidden_states, keys, values, recent_kwargs)
-            finally:
-                self.base_press.compression_ratio = saved
-            kept = module.kept_positions
-        else:
-            saved = self.base_press.compression_ratio
-            self.base_press.compression_ratio = ratio
-            try:
+                kept = module.kept_positions
+            else:
                 selection = select_tokens(self.base_press, module, hidden_states, keys, values, None, recent_kwargs)
-            finally:
-                self.base_press.compression_ratio = saved
-            kept = selection.kept_positions()
-            keys, values = gather_rows(kept, keys, values)
+                kept = selection.kept_positions()
+                keys, values = gather_rows(kept, keys, values)
+        finally:
+            self.base_press.compression_ratio = saved
         layer.keys, layer.values = keys, values
-        stream.positions = stream.positions.gather(-1, kept)
+        stream.positions, stream.positions_through = stream.all_positions().gather(-1, kept), stream.seen
 
 
 # NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.options``), the one source of their help.
