@@ -159,18 +159,17 @@ def _stream(model, token_ids, press, prefill_tokens, score: bool) -> StreamedTex
             keep = tokens if score and chunk.start > 0 else 1
             logits = run_chunk(model, cache, token_ids[:, chunk], chunk.start, keep)
             if score:
-                scores.append(logits[0].float())
+                # NOTE: scored chunk by chunk (a stream's logits at once would be n × vocab floats): the logits at
+                # position t predict token t + 1, the prefill's last the first streamed token; the last chunk's last
+                # predicts nothing.
+                targets = token_ids[0, chunk.stop - keep + 1 : chunk.stop + 1].to(logits.device)
+                log_probs = torch.log_softmax(logits[0, : targets.numel()].float(), dim=-1)
+                scores.append(-log_probs.gather(-1, targets[:, None])[:, 0].cpu())
         if press is not None:
             decoder_layers = range(len(language_model(model).layers))
             kept = {index: press.kept_positions(index) for index in decoder_layers}
             kept = {index: positions for index, positions in kept.items() if positions is not None}
-    token_nll = torch.empty(0)
-    if score:
-        # NOTE: the logits at position t predict token t + 1: the prefill's last predicts the first streamed token,
-        # and the last chunk's last predicts nothing.
-        logits = torch.cat(scores, dim=0)[:-1]
-        targets = token_ids[0, prefill_tokens:].to(logits.device)
-        token_nll = -torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].cpu()
+    token_nll = torch.cat(scores) if score else torch.empty(0)
     return StreamedText(token_nll, cache, kept)
 
 
