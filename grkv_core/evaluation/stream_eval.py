@@ -138,14 +138,19 @@ def run_stream_evaluations(
     items = load_stream_items(base, loaded.tokenizer)
     stores = [StreamStore(Path(output), config) for config, output in zip(configs, outputs, strict=True)]
     presses = [bounded_press(config) for config in configs]
-    for item in tqdm(items, desc=base.protocol, unit="text", disable=not progress):
-        todo = [index for index, store in enumerate(stores) if item.item_id not in store.results]
-        if not todo:
-            continue
-        reference = None
-        for index in todo:
-            result, reference = evaluate_stream_item(loaded, item, configs[index], presses[index], reference)
-            stores[index].add(result)
+    pending = [
+        (item, [index for index, store in enumerate(stores) if item.item_id not in store.results]) for item in items
+    ]
+    # NOTE: one step per text and configuration (a text through every configuration can take many minutes).
+    bar = tqdm(total=sum(len(todo) for _, todo in pending), desc=base.protocol, unit="run", disable=not progress)
+    with bar:
+        for item, todo in pending:
+            reference = None
+            for index in todo:
+                bar.set_postfix_str(f"{item.item_id} · {configs[index].label}", refresh=True)
+                result, reference = evaluate_stream_item(loaded, item, configs[index], presses[index], reference)
+                stores[index].add(result)
+                bar.update()
     return [
         summarize_stream(config, [store.results[item.item_id] for item in items])
         for config, store in zip(configs, stores)
