@@ -22,9 +22,8 @@ import math
 from pathlib import Path
 
 from benchmarks.default_rule import holm
-from grkv_core.config import FULL_CACHE, PressConfig
+from grkv_core.config import FULL_CACHE, PressConfig, StreamConfig
 from grkv_core.options import GRKV_PRESETS
-from grkv_core.stream_options import StreamConfig
 
 TARGET_SIZES = (256, 512, 1024)
 INTERVAL = 128

@@ -1,5 +1,6 @@
-"""The configurations, as plain validated data: what compresses the cache (``PressConfig``) and what an evaluation
-runs (``EvalConfig``), with the protocols and the other choices they name.
+"""The configurations, as plain validated data: what compresses the cache (``PressConfig``), what an evaluation runs
+(``EvalConfig``) and what a bounded-cache evaluation runs (``StreamConfig``), with the protocols and the other choices
+they name.
 
 A configuration checks its names against the catalog (``grkv_core.catalog``) and its merger options against their
 specs (``grkv_core.options``) when it is made, so a bad one fails in one line before anything is loaded; a press is
@@ -11,11 +12,12 @@ parsing a command line stays instant.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_defaults, merger_option_specs
 from grkv_core.options import PAPER_WINDOW, OptionSpec
+from grkv_core.stream_options import STREAM_NLL, STREAM_PROTOCOL_SPEC, DecodingOptions, check_decoding
 
 FULL_CACHE = "full"
 # "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
@@ -49,20 +51,27 @@ COMPRESSION_RATIO_SPEC = OptionSpec(
 
 @dataclass(frozen=True)
 class PressConfig:
-    """What compresses the cache: an eviction press by name, its budget, and an optional merger."""
+    """What compresses the cache: an eviction press by name, its budget, and an optional merger.
+
+    ``decoding`` (``DecodingOptions``: ``target_size``, ``compression_interval``...) makes it a bounded cache: the press
+    is built into a ``MergingDecodingPress`` that brings the cache back to its target every interval, and
+    ``compression_ratio`` is unused (the decoding press sets it at each compression). Empty: a prefill press.
+    """
 
     press: str = "snapkv"
     compression_ratio: float = 0.9
     merge: str = NO_MERGER
     merge_options: dict[str, Any] = field(default_factory=dict)
     variant: str | None = None
+    decoding: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Check every name and option against its spec (nothing is built, nothing heavy imported)."""
         if self.press == FULL_CACHE:
-            if self.merge != NO_MERGER or self.merge_options:
-                raise ValueError("press 'full' keeps the whole cache: it takes no merger or merger options")
+            if self.merge != NO_MERGER or self.merge_options or self.decoding:
+                raise ValueError("press 'full' keeps the whole cache: it takes no merger, merger or decoding options")
             return
+        check_decoding(self.decoding)
         if self.press not in EVICTION_PRESSES:
             raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESSES]}")
         COMPRESSION_RATIO_SPEC.check("compression_ratio", self.compression_ratio)
@@ -82,7 +91,8 @@ class PressConfig:
         (a sweep's ledger, a checkpoint's name).
 
         NOTE: an option at its default is left out, so an option added later (at a default that keeps the old
-        behaviour) changes no configuration's canonical form.
+        behaviour) changes no configuration's canonical form; so is an empty ``decoding`` (a prefill press's form is
+        what it was before bounded caches).
         """
         defaults, specs = merger_option_defaults(self.merge), merger_option_specs(self.merge)
         options = {
@@ -94,13 +104,25 @@ class PressConfig:
             "compression_ratio": float(self.compression_ratio),
             "merge": self.merge,
             **{name: value for name, value in options.items() if value != defaults[name]},
+            **({"decoding": dict(sorted(self.decoding.items()))} if self.decoding else {}),
         }
 
     @property
+    def bounded(self) -> bool:
+        """A bounded cache (``decoding`` set), kept at its target while the text streams."""
+        return bool(self.decoding)
+
+    @property
     def label(self) -> str:
+        """``snapkv 10% + grkv`` (the fraction kept), or for a bounded cache ``snapkv 512 + grkv`` (its size in
+        tokens; ``snapkv 10%/stream`` with ``target_compression_ratio``)."""
         if self.press == FULL_CACHE:
             return FULL_CACHE
         budget = f"{1 - self.compression_ratio:.0%}"
+        if self.bounded:
+            ratio = self.decoding.get("target_compression_ratio")
+            size = self.decoding.get("target_size", DecodingOptions.target_size)
+            budget = f"{1 - ratio:.0%}/stream" if ratio is not None else f"{size}"
         merger = "" if self.merge == NO_MERGER else f" + {self.variant or self.merge}"
         return f"{self.press} {budget}{merger}"
 
@@ -162,3 +184,88 @@ class EvalConfig:
         key.pop("samples")
         key["tasks"] = list(key["tasks"]) if key["tasks"] is not None else None
         return key
+
+
+def stream_min_tokens(protocol: str, max_tokens: int) -> int:
+    """The shortest text a bounded-cache evaluation keeps: ``stream_nll``'s long texts of at least 4,096 tokens (or
+    ``max_tokens`` when smaller), any benchmark context for ``stream_answer``."""
+    return min(4096, max_tokens) if protocol == STREAM_NLL else 1
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Everything that determines a bounded-cache evaluation's results (and so whether it can be resumed).
+
+    ``press`` names the base press and merger (its ``compression_ratio`` is unused: the cache's size is
+    ``target_size``, brought back every ``compression_interval`` tokens). ``source``: a long-text domain
+    (``grkv_core.datasets.long_texts.LONG_TEXT_DOMAINS``) for ``stream_nll``, a dataset (``ruler``...) for
+    ``stream_answer``; ``split`` the long texts' (``eval`` for reports, ``tune`` for sweeps); ``max_tokens`` cuts
+    each text (and is RULER's context length). ``prefill_tokens``: None prefills ``target_size`` tokens.
+    """
+
+    protocol: str = STREAM_NLL
+    press: PressConfig = field(default_factory=lambda: PressConfig("streamingllm", 0.0))
+    target_size: int = 512
+    compression_interval: int = 128
+    model: str = "smollm2-135m"
+    source: str = "essays"
+    split: str = "eval"
+    samples: int = 3
+    min_tokens: int = 4096
+    max_tokens: int = 8192
+    prefill_tokens: int | None = None
+    tasks: tuple[str, ...] | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        STREAM_PROTOCOL_SPEC.check("protocol", self.protocol)
+        check_decoding({"target_size": self.target_size, "compression_interval": self.compression_interval}, "sizes")
+        if self.press.bounded:
+            raise ValueError(
+                "a StreamConfig's press takes no decoding: its cache is bounded by the config's target_size and "
+                "compression_interval (StreamConfig.with_press reads them from a bounded press)"
+            )
+        if self.samples < 1 or self.min_tokens < 1 or self.max_tokens < self.min_tokens:
+            raise ValueError(
+                f"samples and min_tokens must be >= 1 and max_tokens >= min_tokens, got {self.samples}, "
+                f"{self.min_tokens}, {self.max_tokens}"
+            )
+
+    @property
+    def bounded_press(self) -> PressConfig:
+        """The press as it streams: the base press and merger kept at ``target_size`` every ``compression_interval``
+        tokens (the full cache as it is)."""
+        if self.press.press == FULL_CACHE:
+            return self.press
+        sizes = {"target_size": self.target_size, "compression_interval": self.compression_interval}
+        return replace(self.press, compression_ratio=0.0, decoding=sizes)
+
+    def with_press(self, press: PressConfig) -> StreamConfig:
+        """This evaluation with a bounded ``press`` (its target size and interval, the config's where it names none;
+        a sweep's trial) or the full cache."""
+        other = set(press.decoding) - {"target_size", "compression_interval"}
+        if other:
+            raise ValueError(f"a bounded-cache evaluation sets target_size and compression_interval only, not {other}")
+        return replace(
+            self,
+            press=replace(press, decoding={}),
+            target_size=press.decoding.get("target_size", self.target_size),
+            compression_interval=press.decoding.get("compression_interval", self.compression_interval),
+        )
+
+    @property
+    def label(self) -> str:
+        return self.bounded_press.label
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StreamConfig:
+        data = {**data, "press": PressConfig(**data.get("press", {}))}
+        if data.get("tasks") is not None:
+            data["tasks"] = tuple(data["tasks"])
+        return cls(**data)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Metric families: the dataset's scorer, the reference answer teacher-forced on each cache
-# (``grkv_core.evaluation.answer_metrics``), the reconstruction discrepancies (``grkv_core.evaluation.probe``) and
-# what a press costs (time, memory, sizes).
-BENCHMARK, ANSWER, RECONSTRUCTION, COST = "benchmark", "answer", "reconstruction", "cost"
+# (``grkv_core.evaluation.answer_metrics``), the reconstruction discrepancies (``grkv_core.evaluation.probe``), long
+# text streamed through a bounded cache (``grkv_core.evaluation.streaming``) and what a press costs (time, memory,
+# sizes).
+BENCHMARK, ANSWER, RECONSTRUCTION, STREAM, COST = "benchmark", "answer", "reconstruction", "stream", "cost"
 # How an evaluation's summary (``grkv_core.evaluation.results.summarize``) holds a per-sample metric: the mean over
 # the samples that have a value (under its ``costs``), or per task the mean over its samples, then the mean over
 # the tasks (a sample's ``score``: the summary's ``tasks``, ``mean_score`` and ``mean_score_outside_window``).
@@ -98,6 +99,12 @@ METRICS: tuple[MetricSpec, ...] = (
         screening=True,
     ),
     MetricSpec(
+        "stream_nll",
+        STREAM,
+        "the mean NLL of every token of a long text streamed through the bounded cache (nats; protocol stream_nll)",
+        objective=True,
+    ),
+    MetricSpec(
         "ttft_s",
         COST,
         "time to first token: the prefill with its compression, plus the first question (s)",
@@ -113,10 +120,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("wall_s", COST, "the sample's wall time, shared among the presses evaluated with it (s)"),
     MetricSpec("context_tokens", COST, "the prefill's length (tokens)"),
 )
-# The per-sample metrics whose mean over the samples an evaluation's summary holds under ``costs``.
-SAMPLE_MEAN_METRICS = tuple(spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN)
+# The per-sample metrics whose mean over the samples an evaluation's summary holds under ``costs`` (a bounded-cache
+# evaluation's summary holds its own, ``STREAM_METRICS``, the same way).
+SAMPLE_MEAN_METRICS = tuple(spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN and spec.family != STREAM)
 LOSS_METRICS = tuple(spec.name for spec in METRICS if spec.family == RECONSTRUCTION)
 ANSWER_METRICS = tuple(spec.name for spec in METRICS if spec.family == ANSWER)
+STREAM_METRICS = tuple(spec.name for spec in METRICS if spec.family == STREAM)
 # NOTE: a summary's per-task scores (``score.<task>``) are scores too.
 HIGHER_IS_BETTER = frozenset(spec.name for spec in METRICS if spec.higher_is_better)
 SCREENING_METRICS = tuple(spec.name for spec in METRICS if spec.screening)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from grkv_core.config import FULL_CACHE, PressConfig
+from grkv_core.config import FULL_CACHE, PressConfig, StreamConfig, stream_min_tokens
 from grkv_core.datasets.long_texts import LONG_TEXT_DOMAINS
 from grkv_core.options import option_specs
-from grkv_core.stream_options import STREAM_NLL, DecodingOptions, StreamConfig
+from grkv_core.stream_options import STREAM_NLL, DecodingOptions
 
 _DECODING_SPECS = option_specs(DecodingOptions)
 
@@ -45,25 +45,25 @@ def add_stream_flags(parser: argparse.ArgumentParser, several_sizes: bool) -> No
 
 
 def stream_config(args, press: PressConfig, target_size: int) -> StreamConfig:
-    """The ``StreamConfig`` the command line describes for one press and size."""
+    """The ``StreamConfig`` the command line describes for one press and size (a bounded press, from a press file,
+    brings its own sizes)."""
     nll = args.protocol == STREAM_NLL
     return StreamConfig(
         protocol=args.protocol,
-        press=press,
         target_size=target_size,
         compression_interval=args.compression_interval,
         model=args.model,
         source=args.texts if nll else args.dataset,
         split=args.split,
         samples=args.samples,
-        min_tokens=min(4096, args.max_tokens) if nll else 1,
+        min_tokens=stream_min_tokens(args.protocol, args.max_tokens if nll else args.context_length),
         max_tokens=args.max_tokens if nll else args.context_length,
         tasks=None if nll or not args.tasks else tuple(args.tasks),
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
         data_dir=args.data_dir,
-    )
+    ).with_press(press)
 
 
 def _metric(protocol: str) -> str:

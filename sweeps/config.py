@@ -11,7 +11,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from grkv_core.catalog import (
     EVICTION_PRESSES,
-    MERGERS,
+    NO_MERGER,
     merger_names,
     merger_option_names,
     merger_option_spec,
@@ -26,12 +26,17 @@ from grkv_core.config import (
     PROTOCOLS,
     EvalConfig,
     PressConfig,
+    StreamConfig,
+    stream_min_tokens,
 )
-from grkv_core.metrics import HIGHER_IS_BETTER, OBJECTIVE_METRICS, SCREENING_METRICS
-from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, OptionSpec
-from sweeps.entry_points import GRKV_HOME
+from grkv_core.datasets.long_texts import LONG_TEXT_DOMAINS
+from grkv_core.metrics import ANSWER_METRICS, STREAM_METRICS
+from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, OptionSpec, option_specs
+from grkv_core.stream_options import STREAM_ANSWER, STREAM_NLL, STREAM_PROTOCOLS, DecodingOptions
 from sweeps.params import CategoricalParam, Param, Strict, can_fix, range_problem
-from workers.names import BASELINES, PAPER_DEFAULT
+from sweeps.search_sections import Objective, SamplerSection, ScreeningSection, TestSection
+from sweeps.service_sections import StorageSection, TrackingSection, WorkerSection
+from workers.names import BASELINES, BOUNDED_SIZES, BUDGET_PARAMS, PAPER_DEFAULT
 
 
 def _defaults(config_class) -> dict[str, Any]:
@@ -43,13 +48,17 @@ def _defaults(config_class) -> dict[str, Any]:
 # does), except ``model.device``, which follows the workers' GPUs when unset.
 EVAL_DEFAULTS = _defaults(EvalConfig)
 PRESS_DEFAULTS = _defaults(PressConfig)
+STREAM_DEFAULTS = _defaults(StreamConfig)
+# What a sweep under each bounded-cache protocol may optimise: what the protocol measures, and the cache's bytes.
+STREAM_OBJECTIVES = {STREAM_NLL: ("stream_nll", "kv_bytes"), STREAM_ANSWER: (*ANSWER_METRICS, "kv_bytes")}
 
 
 def searchable_specs() -> dict[str, OptionSpec]:
-    """What a sweep may search: the budget and every registered merger's options (each applied to the mergers that
-    take it)."""
+    """What a sweep may search: the budget (a bounded cache's sizes under a bounded-cache protocol) and every
+    registered merger's options (each applied to the mergers that take it)."""
     return {
         "compression_ratio": COMPRESSION_RATIO_SPEC,
+        **{name: option_specs(DecodingOptions)[name] for name in BOUNDED_SIZES},
         **{name: merger_option_spec(name) for name in merger_option_names()},
     }
 
@@ -80,12 +89,18 @@ class DataSection(Strict):
     )
     seed: int = EVAL_DEFAULTS["seed"]
     data_dir: str | None = EVAL_DEFAULTS["data_dir"]
-    protocol: Literal[PROTOCOLS] = Field(
+    protocol: Literal[PROTOCOLS + STREAM_PROTOCOLS] = Field(
         default=EVAL_DEFAULTS["protocol"],
         description=(
             "question_agnostic: the context compressed alone (kvpress's pipeline); query_aware: with its question "
-            "(kvpress's evaluation query_aware)"
+            "(kvpress's evaluation query_aware); stream_nll, stream_answer: a cache kept bounded over a stream "
+            "(press.target_size every press.compression_interval tokens), scored on every token of long texts "
+            "(data.texts; context_length cuts them) or on a benchmark's answer after its streamed context"
         ),
+    )
+    texts: Literal[LONG_TEXT_DOMAINS] = Field(
+        default=STREAM_DEFAULTS["source"],
+        description="stream_nll's long texts: tuning texts from their tune split, test texts from their eval split",
     )
     # NOTE: loaded in one call with the tuning samples and split per task, so the two sets are disjoint.
     test: TestSamplesSection = TestSamplesSection()
@@ -96,6 +111,20 @@ class PressSection(Strict):
 
     name: str = PRESS_DEFAULTS["press"]
     compression_ratio: float = PRESS_DEFAULTS["compression_ratio"]
+    target_size: int = Field(
+        default=STREAM_DEFAULTS["target_size"],
+        description="bounded-cache protocols: " + option_specs(DecodingOptions)["target_size"].help,
+    )
+    compression_interval: int = Field(
+        default=STREAM_DEFAULTS["compression_interval"],
+        description="bounded-cache protocols: " + option_specs(DecodingOptions)["compression_interval"].help,
+    )
+
+    @field_validator("target_size", "compression_interval")
+    @classmethod
+    def _size(cls, value, info):
+        option_specs(DecodingOptions)[info.field_name].check(info.field_name, value)
+        return value
 
     @field_validator("name")
     @classmethod
@@ -108,164 +137,6 @@ class PressSection(Strict):
     def _budget(cls, ratio):
         COMPRESSION_RATIO_SPEC.check("compression_ratio", ratio)
         return ratio
-
-
-class Objective(Strict):
-    """A metric to optimise; its direction follows from the metric (``HIGHER_IS_BETTER``) and may be left out."""
-
-    metric: Literal[OBJECTIVE_METRICS]
-    direction: Literal["maximize", "minimize"]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _direction(cls, data):
-        if isinstance(data, dict) and data.get("metric") in OBJECTIVE_METRICS:
-            better = "maximize" if data["metric"] in HIGHER_IS_BETTER else "minimize"
-            given = data.setdefault("direction", better)
-            if given != better:
-                raise ValueError(
-                    f"{data['metric']} is better {'higher' if better == 'maximize' else 'lower'}: "
-                    f"direction must be {better}, got {given!r}"
-                )
-        return data
-
-
-class SamplerSection(Strict):
-    type: Literal["tpe", "nsga2", "gp", "grid", "random", "one_at_a_time"] = Field(
-        default="tpe",
-        description=(
-            "one_at_a_time: the paper's ablation design, each searched option at each of its choices with every other "
-            "at the paper default's value (the rows are enqueued after the baselines; trials must count them all)"
-        ),
-    )
-    seed: int = 0
-    n_startup_trials: int = Field(default=8, ge=0)
-    together: list[list[str]] = Field(
-        default_factory=list,
-        description=(
-            "one_at_a_time: options varied together as one factor, e.g. [[lambda_k, lambda_v]] for the paper's λ"
-        ),
-    )
-
-
-class WorkerSection(Strict):
-    count: int = Field(default=1, ge=1)
-    num_cpus: float = Field(default=1.0, gt=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-    max_retries: int = Field(
-        default=2,
-        ge=0,
-        description=(
-            "restarts of a worker that died (its batch re-runs each time); a worker that dies more often is retired, "
-            "and with none left the sweep stops"
-        ),
-    )
-    node_wait_s: float = Field(
-        default=120.0,
-        gt=0,
-        description=(
-            "how long a batch waits for a node that can hold its worker (after nodes were lost) before the sweep stops"
-        ),
-    )
-    batch_size: int = Field(
-        default=8,
-        ge=1,
-        description=(
-            "most trials a worker evaluates together (one prefill per sample for all of them); a batch of K holds "
-            "K compressed caches plus one full cache in memory"
-        ),
-    )
-
-
-_MIN_DISTANCE = (
-    "skip a configuration closer than this to a better one already chosen: the largest difference over its "
-    "parameters, each as a fraction of its searched range (log scale where searched so), a different categorical "
-    "choice 1 (0: skip only repeats; e.g. 0.1 keeps the sampler's near-copies of one configuration out)"
-)
-
-
-class ScreeningSection(Strict):
-    """A cheap first stage: trials ranked by a reconstruction loss, nothing generated; the best are promoted."""
-
-    trials: int = Field(default=0, ge=0, description="screening trials before the full ones (0: no screening)")
-    promote: int = Field(default=4, ge=1, description="best screened configurations run first as full trials")
-    metric: Literal[SCREENING_METRICS] = "question_loss"
-    min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
-
-
-class TestSection(Strict):
-    """What the held-out test stage confirms (on ``data.test.samples`` samples per task)."""
-
-    top_k: int = Field(default=3, ge=1, description="best full trials tested (the Pareto set, capped)")
-    min_distance: float = Field(default=0.0, ge=0, le=1, description=_MIN_DISTANCE)
-    eviction_ratios: list[float] = Field(
-        default_factory=list,
-        description=(
-            "eviction-only at these compression ratios too: the base press at a larger budget than the sweep's"
-        ),
-    )
-    mergers: list[str] = Field(
-        default_factory=list,
-        description=(
-            "other mergers behind the base press at the sweep's budget, with their defaults (e.g. kvpress_merging: "
-            "kvpress's own MergingPress)"
-        ),
-    )
-
-    @field_validator("mergers")
-    @classmethod
-    def _other_mergers(cls, mergers):
-        unknown = [name for name in mergers if name not in MERGERS]
-        if unknown:
-            raise ValueError(f"unknown merger(s) {unknown}; choose from {sorted(MERGERS)}")
-        if len(set(mergers)) != len(mergers):
-            raise ValueError(f"mergers must differ, got {mergers}")
-        return mergers
-
-    @field_validator("eviction_ratios")
-    @classmethod
-    def _ratios(cls, ratios):
-        for ratio in ratios:
-            COMPRESSION_RATIO_SPEC.check("each ratio", ratio)
-        if len(set(ratios)) != len(ratios):
-            raise ValueError(f"ratios must differ, got {ratios}")
-        return ratios
-
-
-class TrackingSection(Strict):
-    tracking_uri: str = "http://127.0.0.1:5000"
-    experiment: str = "grkv-sweeps"
-    retries: int = Field(
-        default=5,
-        ge=0,
-        description=("re-tries of an MLflow call that found the server unreachable before the driver stops"),
-    )
-    retry_backoff_s: float = Field(
-        default=2.0,
-        ge=0,
-        description=(
-            "wait before the first re-try, doubled before each next one (5 re-tries from 2 s: about a minute)"
-        ),
-    )
-
-
-class StorageSection(Strict):
-    """Optuna storage (only the driver writes it) and the driver's own state directory."""
-
-    url: str | None = Field(
-        default=None, description="RDB URL (postgresql+psycopg2://..., the postgres extra) or None for a journal file"
-    )
-    outage_s: float = Field(
-        default=60.0,
-        ge=0,
-        description=(
-            "how long the database at url may be away mid-sweep (a restart, a failover): its calls are retried "
-            "that long before the driver stops in one line (exit 3)"
-        ),
-    )
-    # NOTE: absolute by default: `ray job submit --working-dir` runs the driver in a fresh copy of the
-    # tree, so a relative path would lose the state a resumed sweep needs.
-    state_dir: str = str(GRKV_HOME / "sweeps")
 
 
 class SweepConfig(Strict):
@@ -314,10 +185,11 @@ class SweepConfig(Strict):
             problem = range_problem(param, searchable[name])
             if problem:
                 raise ValueError(f"search_space.{name}: {problem}")
-            if name != "compression_ratio" and not set(mergers_taking(name)) & set(self.merge):
+            if name not in BUDGET_PARAMS and not set(mergers_taking(name)) & set(self.merge):
                 raise ValueError(
                     f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge {self.merge}"
                 )
+        self._check_protocol_fit()
         if self.sampler.type in ("grid", "one_at_a_time") and any(
             not isinstance(p, CategoricalParam) for p in self.search_space.values()
         ):
@@ -352,6 +224,50 @@ class SweepConfig(Strict):
                 f"({self.press.compression_ratio}): eviction-only is compared at a larger budget"
             )
         return self
+
+    def _check_protocol_fit(self) -> None:
+        """A bounded-cache sweep's budget is a size in tokens, it has no screening stage and optimises what its
+        protocol measures; a prefill sweep's budget is a ratio and its objectives are the prefill's metrics."""
+        searched = set(self.search_space)
+        if not self.bounded:
+            wrong = sorted(searched & set(BOUNDED_SIZES)) or (
+                ["test.eviction_sizes"] if self.test.eviction_sizes else []
+            )
+            stream = [o.metric for o in self.objectives if o.metric in STREAM_METRICS]
+            if wrong or stream:
+                raise ValueError(
+                    f"{(wrong or stream)[0]}: only a bounded-cache sweep (data.protocol: stream_nll or stream_answer) "
+                    "has it"
+                )
+            return
+        protocol = self.data.protocol
+        if "compression_ratio" in searched or self.test.eviction_ratios:
+            raise ValueError(
+                f"data.protocol {protocol} bounds the cache by press.target_size: search target_size and set "
+                "test.eviction_sizes instead of compression_ratio and test.eviction_ratios"
+            )
+        if self.screening.trials:
+            raise ValueError(f"screening.trials: data.protocol {protocol} has no screening stage; set it to 0")
+        allowed = STREAM_OBJECTIVES[protocol]
+        for objective in self.objectives:
+            if objective.metric not in allowed:
+                raise ValueError(
+                    f"objectives: data.protocol {protocol} measures {list(allowed)}, not {objective.metric}"
+                )
+        size = self.search_space.get("target_size")
+        if size is not None and self.baselines and not can_fix(size, self.press.target_size):
+            raise ValueError(
+                f"press.target_size: the baselines run at {self.press.target_size}, not among the choices of "
+                "search_space.target_size"
+            )
+        small = [size for size in self.test.eviction_sizes if size <= self.press.target_size]
+        if small or len(set(self.test.eviction_sizes)) != len(self.test.eviction_sizes):
+            raise ValueError(
+                f"test.eviction_sizes: {self.test.eviction_sizes} must differ and exceed press.target_size "
+                f"({self.press.target_size}): eviction-only is compared at a larger cache"
+            )
+        if self.test.eviction_sizes and not self.data.test.samples:
+            raise ValueError("test.eviction_sizes: a test stage needs held-out samples; set data.test.samples")
 
     def _check_one_at_a_time(self) -> None:
         if "grkv" not in self.merge or PAPER_DEFAULT not in self.baselines or "compression_ratio" in self.search_space:
@@ -391,6 +307,47 @@ class SweepConfig(Strict):
                 if any(choice != PAPER_GRKV_OPTIONS[name] for name in factor):
                     rows.append({name: choice for name in factor})
         return rows
+
+    @property
+    def bounded(self) -> bool:
+        """A bounded-cache sweep (``data.protocol`` stream_nll or stream_answer)."""
+        return self.data.protocol in STREAM_PROTOCOLS
+
+    def sweep_press(self, merge: str = NO_MERGER, **budget) -> PressConfig:
+        """The base press at the sweep's budget (``budget`` overrides it: ``compression_ratio``, or a bounded cache's
+        ``target_size`` and ``compression_interval``) behind ``merge`` with its defaults."""
+        if not self.bounded:
+            return PressConfig(self.press.name, budget.get("compression_ratio", self.press.compression_ratio), merge)
+        sizes = {name: budget.get(name, getattr(self.press, name)) for name in BOUNDED_SIZES}
+        return PressConfig(self.press.name, 0.0, merge, decoding=sizes)
+
+    def worker_config(self) -> dict:
+        """What each worker loads and evaluates every trial with (each trial replaces its press):
+        ``stream_config()`` of a bounded-cache sweep, else ``eval_config()``, as a dict."""
+        return (self.stream_config() if self.bounded else self.eval_config()).to_dict()
+
+    def stream_config(self) -> StreamConfig:
+        """A bounded-cache sweep's evaluation on its tuning texts (``stream_nll``: the tune split of ``data.texts``;
+        ``stream_answer``: the first ``data.samples`` per task, the test samples after them)."""
+        nll = self.data.protocol == STREAM_NLL
+        length = self.data.context_length or STREAM_DEFAULTS["max_tokens"]
+        return StreamConfig(
+            protocol=self.data.protocol,
+            press=PressConfig(self.press.name, 0.0),
+            target_size=self.press.target_size,
+            compression_interval=self.press.compression_interval,
+            model=self.model.name,
+            source=self.data.texts if nll else self.data.dataset,
+            split="tune",
+            samples=self.data.samples,
+            min_tokens=stream_min_tokens(self.data.protocol, length),
+            max_tokens=length,
+            tasks=None if nll or not self.data.tasks else tuple(self.data.tasks),
+            seed=self.data.seed,
+            dtype=self.model.dtype,
+            device=self.model.device or ("cuda" if self.workers.num_gpus > 0 else "cpu"),
+            data_dir=self.data.data_dir,
+        )
 
     @property
     def test_stage(self) -> bool:

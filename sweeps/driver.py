@@ -130,7 +130,7 @@ class SweepDriver:
         signal.signal(signal.SIGINT, self._request_stop)
         workers = self.config.workers
         pool = WorkerPool(
-            self.config.eval_config().to_dict(),
+            self.config.worker_config(),
             self.config.data.test.samples,
             workers.count,
             workers.num_cpus,

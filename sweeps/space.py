@@ -6,6 +6,7 @@ import contextlib
 import copy
 import threading
 import warnings
+from dataclasses import replace
 
 import optuna
 
@@ -17,6 +18,7 @@ from sweeps.params import FloatParam, IntParam, can_fix
 from workers.names import (
     BASELINE_TAG,
     BASELINES,
+    BUDGET_PARAMS,
     DESIGN_ROW_ATTR,
     EVICTION_ONLY,
     LIBRARY_DEFAULT,
@@ -45,10 +47,9 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
     trial takes the sweep's ``preset`` for the options it does not search (``GRKVPress``'s defaults without one).
     """
     space = dict(config.search_space)
-    ratio_param = space.pop("compression_ratio", None)
-    ratio = _suggest(trial, "compression_ratio", ratio_param) if ratio_param else config.press.compression_ratio
+    budget = {name: _suggest(trial, name, space.pop(name)) for name in BUDGET_PARAMS if name in space}
     if trial.user_attrs.get(BASELINE_TAG) == EVICTION_ONLY:
-        return PressConfig(press=config.press.name, compression_ratio=ratio)
+        return config.sweep_press(**budget)
     merge = trial.suggest_categorical("merge", config.merge)
     # NOTE: each searched option reaches the mergers that take it (GRKV's window_size is CaM's too); the others
     # keep their defaults, and the sampler is not asked for what the chosen merger does not read.
@@ -59,7 +60,7 @@ def suggest_press(trial: optuna.Trial, config: SweepConfig) -> PressConfig:
         options = {**PRESETS_OFF_DEFAULT["paper"], **options}
     elif config.preset and merge == "grkv" and baseline != LIBRARY_DEFAULT:
         options = {**PRESETS_OFF_DEFAULT[config.preset], **options}
-    return PressConfig(press=config.press.name, compression_ratio=ratio, merge=merge, merge_options=options)
+    return replace(config.sweep_press(merge, **budget), merge_options=options)
 
 
 def press_of(params: dict, config: SweepConfig, user_attrs: dict | None = None) -> PressConfig:
@@ -85,12 +86,14 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     """The trials enqueued first, as ``(name, params)`` (the driver tags each with its name): the paper's Alg. 1
     behind the press (here its values of the searched options; ``suggest_press`` adds the others), the press
     alone (named, not proposed: see ``suggest_press``) and GRKVPress's defaults behind the press (the library's
-    default, where a sweep starts); each at the sweep's ``press.compression_ratio``, also when the ratio is searched.
+    default, where a sweep starts); each at the sweep's budget (``press.compression_ratio``, or a bounded cache's
+    ``press.target_size`` and ``compression_interval``), also when it is searched.
     A searched parameter that cannot propose a baseline's value (a categorical one without it among its choices,
     e.g. ``null`` for no cap) is left to the sampler, with a warning."""
     budget = {}
-    if "compression_ratio" in config.search_space:
-        budget = _fixed("compression_ratio", config.search_space["compression_ratio"], config.press.compression_ratio)
+    for name in BUDGET_PARAMS:
+        if name in config.search_space:
+            budget.update(_fixed(name, config.search_space[name], getattr(config.press, name)))
     baselines = []
     for baseline in (name for name in BASELINES if name in config.baselines):
         if baseline == EVICTION_ONLY:

@@ -53,7 +53,8 @@ def best_trials(study: optuna.Study, config: SweepConfig) -> list[optuna.trial.F
 
 def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str, PressConfig]]:
     """The test stage, as ``(test_of, press)``: the best trials (``test_of`` their number), each baseline at
-    the sweep's budget (its name), eviction-only at every ``test.eviction_ratios`` (``eviction_only@0.88``) and
+    the sweep's budget (its name), eviction-only at every ``test.eviction_ratios`` (``eviction_only@0.88``) or, for a
+    bounded cache, every ``test.eviction_sizes`` (``eviction_only@1024``), and
     each of ``test.mergers`` with its defaults at the sweep's budget (its name, ``kvpress_merging``).
 
     NOTE: a baseline is tested with the press its full trial ran, so both stages compare the same methods.
@@ -74,12 +75,13 @@ def presses_to_test(study: optuna.Study, config: SweepConfig) -> list[tuple[str,
         if runs:
             presses.append((name, press_of(runs[0].params, config, runs[0].user_attrs)))
     presses += [
-        (f"{EVICTION_ONLY}@{ratio:g}", PressConfig(config.press.name, ratio)) for ratio in config.test.eviction_ratios
+        (f"{EVICTION_ONLY}@{ratio:g}", config.sweep_press(compression_ratio=ratio))
+        for ratio in config.test.eviction_ratios
     ]
     presses += [
-        (merger, PressConfig(config.press.name, config.press.compression_ratio, merger))
-        for merger in config.test.mergers
+        (f"{EVICTION_ONLY}@{size}", config.sweep_press(target_size=size)) for size in config.test.eviction_sizes
     ]
+    presses += [(merger, config.sweep_press(merger)) for merger in config.test.mergers]
     return presses
 
 

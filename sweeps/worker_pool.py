@@ -32,9 +32,8 @@ from ray.exceptions import (
 )
 
 from workers.protocol import TrialOutcome, TrialRequest
+from workers.stream_worker import StreamTrialWorker
 from workers.trial_worker import TrialWorker, WorkerStartError, WorkerStorageError
-
-RemoteTrialWorker = ray.remote(TrialWorker)
 
 log = logging.getLogger("grkv.sweep")
 
@@ -106,7 +105,8 @@ class WorkerPool:
     Parameters
     ----------
     eval_config : dict
-        ``EvalConfig.to_dict()`` of the sweep; each trial replaces its press.
+        ``SweepConfig.worker_config()``: ``EvalConfig.to_dict()`` of the sweep, or of a bounded-cache sweep its
+        ``StreamConfig.to_dict()`` (then the workers are ``StreamTrialWorker``); each trial replaces its press.
     test_samples : int
         Samples per task each worker holds out for the test stage.
     count, num_cpus, num_gpus : int, float, float
@@ -128,6 +128,8 @@ class WorkerPool:
         node_wait_s: float,
     ):
         self.eval_config, self.test_samples = eval_config, test_samples
+        # NOTE: only a StreamConfig has sizes of its own.
+        self.remote_worker = ray.remote(StreamTrialWorker if "target_size" in eval_config else TrialWorker)
         self.resources = dict(num_cpus=num_cpus, num_gpus=num_gpus)
         self.max_retries = max_retries
         self.node_wait_s = node_wait_s
@@ -226,7 +228,7 @@ class WorkerPool:
 
     def _create(self, slot: int) -> None:
         options = dict(**self.resources, max_restarts=self.max_retries, max_task_retries=0)
-        self.workers[slot] = RemoteTrialWorker.options(**options).remote(self.eval_config, self.test_samples)
+        self.workers[slot] = self.remote_worker.options(**options).remote(self.eval_config, self.test_samples)
         self.identities[slot] = self.workers[slot].identity.remote()
         self.node_of.pop(slot, None)
 

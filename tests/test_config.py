@@ -28,6 +28,8 @@ from grkv_core.metrics import (
     SAMPLE_MEAN,
     SAMPLE_MEAN_METRICS,
     SCREENING_METRICS,
+    STREAM,
+    STREAM_METRICS,
     TASK_MEAN,
 )
 from grkv_core.options import (
@@ -88,9 +90,12 @@ def test_every_metric_is_defined_once_and_the_metric_tuples_are_views_of_the_tab
         if isinstance(node, ast.Constant) and isinstance(node.value, str)
     )
     assert {name: literals[name] for name in names} == dict.fromkeys(names, 1)
-    assert all(spec.family in (BENCHMARK, ANSWER, RECONSTRUCTION, COST) for spec in METRICS)
+    assert all(spec.family in (BENCHMARK, ANSWER, RECONSTRUCTION, STREAM, COST) for spec in METRICS)
+    assert STREAM_METRICS == tuple(spec.name for spec in METRICS if spec.family == STREAM)
     assert all(spec.summary in (SAMPLE_MEAN, TASK_MEAN, None) for spec in METRICS)
-    assert SAMPLE_MEAN_METRICS == tuple(spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN)
+    assert SAMPLE_MEAN_METRICS == tuple(
+        spec.name for spec in METRICS if spec.summary == SAMPLE_MEAN and spec.name not in STREAM_METRICS
+    )
     assert ANSWER_METRICS == ("answer_nll", "answer_kl", "answer_top1")
     assert LOSS_METRICS == ("window_loss", "heldout_loss", "question_loss")
     assert HIGHER_IS_BETTER == {"score", "mean_score", "mean_score_outside_window", "answer_top1"}
@@ -99,6 +104,7 @@ def test_every_metric_is_defined_once_and_the_metric_tuples_are_views_of_the_tab
         "mean_score",
         *ANSWER_METRICS,
         *LOSS_METRICS,
+        *STREAM_METRICS,
         "ttft_s",
         "decode_ms_per_token",
         "kv_bytes",

@@ -1142,6 +1142,7 @@ def test_every_run_logs_its_samples_answer_metrics_and_losses(store, answer_swee
         "window_loss": 0.1,
         "heldout_loss": None,
         "question_loss": 0.1,
+        "stream_nll": None,
     }
     # Full- and test-stage rows are loaded, one per (sample, question), with the sample's metrics.
     assert len(runs.trial_predictions) == 4 * 4 and len(runs.test_predictions) == 3 * 8

@@ -7,12 +7,12 @@ import torch
 from conftest import tiny_model
 
 from grkv_core.cli import main
-from grkv_core.config import FULL_CACHE, PressConfig
+from grkv_core.config import FULL_CACHE, PressConfig, StreamConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.answer_metrics import answer_log_probs, reference_ids
 from grkv_core.evaluation.generation import prefill, tokenize_sample
 from grkv_core.evaluation.stream_eval import StreamStore, bounded_press, evaluate_stream_item, load_stream_items
-from grkv_core.stream_options import STREAM_ANSWER, StreamConfig
+from grkv_core.stream_options import STREAM_ANSWER
 
 ANSWER_ARGS = ["--model", "tiny-llama", "--protocol", STREAM_ANSWER, "--tasks", "niah_single_1", "--samples", "2"]
 ANSWER_ARGS += ["--context-length", "512", "--compression-interval", "48", "--no-progress"]

@@ -18,7 +18,9 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.catalog import merger_option_specs
 from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
-from grkv_core.presses.from_config import DECODING_FIELD, PRESS_FILE_FIELDS, PROTOCOL_FIELD
+from grkv_core.options import option_specs
+from grkv_core.presses.from_config import PRESS_FILE_FIELDS, PROTOCOL_FIELD
+from grkv_core.stream_options import DecodingOptions
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param
 from workers.names import EVICTION_ONLY, FULL_STAGE, PRESS_ARTIFACT, TEST_STAGE
 
@@ -42,11 +44,16 @@ class Export:
 
 
 def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
-    """The press configuration a finished trial or test run ran, from its params (every field of its merger)."""
+    """The press configuration a finished trial or test run ran, from its params (every field of its merger and, for
+    a bounded cache, every ``DecodingOptions`` field)."""
     params = {name: parse_param(text) for name, text in client.get_run(run_id).data.params.items()}
     merge = params["merge"]
     return PressConfig(
-        params["press"], params["compression_ratio"], merge, {name: params[name] for name in merger_option_specs(merge)}
+        params["press"],
+        params["compression_ratio"],
+        merge,
+        {name: params[name] for name in merger_option_specs(merge)},
+        decoding={name: params[name] for name in option_specs(DecodingOptions) if name in params},
     )
 
 
@@ -112,9 +119,11 @@ def choose(runs: SweepRuns, trial: int | None = None) -> Choice:
 
 
 def press_file_text(press: PressConfig, comments: list[str], protocol: str = QUESTION_AGNOSTIC) -> str:
-    """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``) and the protocol it
-    was chosen under."""
-    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS if name not in (PROTOCOL_FIELD, DECODING_FIELD)}
+    """A press file: ``comments`` as ``#`` lines, then the configuration (``PRESS_FILE_FIELDS``; ``decoding`` for a
+    bounded cache only) and the protocol it was chosen under."""
+    body = {name: getattr(press, name) for name in PRESS_FILE_FIELDS if name != PROTOCOL_FIELD}
+    if not press.bounded:
+        body.pop("decoding")
     body[PROTOCOL_FIELD] = protocol
     return "".join(f"# {line}\n" for line in comments) + yaml.safe_dump(body, sort_keys=False)
 

@@ -26,7 +26,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from grkv_core.config import PressConfig
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER
-from grkv_core.metrics import ANSWER_METRICS, LOSS_METRICS
+from grkv_core.metrics import ANSWER_METRICS, LOSS_METRICS, STREAM_METRICS
 from grkv_core.options import OPTION_SYMBOLS
 from tracking.retry import RetryingClient, RetryPolicy, TrackingUnavailableError
 from workers.names import (
@@ -64,8 +64,9 @@ SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 RUN_NAME_COLUMN = "attributes.`Run Name`"
 RUN_NAME_WIDTH_PX = 520
 # What a predictions.json row carries of its sample besides the question's prediction and score: the answer
-# metrics, where the needle sits (``answer_depth``, ``answer_in_window``) and the reconstruction losses.
-SAMPLE_FIELDS = (*ANSWER_METRICS, "answer_in_window", "answer_depth", *LOSS_METRICS)
+# metrics, where the needle sits (``answer_depth``, ``answer_in_window``), the reconstruction losses and a text's
+# bounded-cache metrics.
+SAMPLE_FIELDS = (*ANSWER_METRICS, "answer_in_window", "answer_depth", *LOSS_METRICS, *STREAM_METRICS)
 # Per needle-depth bin of ``summarize``'s ``depth_scores``: the bin's score and its scored samples, as metrics.
 DEPTH_SCORE_PREFIX = "score_depth."
 DEPTH_SAMPLES_PREFIX = "samples_depth."

@@ -47,3 +47,7 @@ EVICTION_ONLY = "eviction_only"
 LIBRARY_DEFAULT = "library_default"
 BASELINES = (PAPER_DEFAULT, EVICTION_ONLY, LIBRARY_DEFAULT)
 ZERO_SUFFIX = "_is_zero"
+# What sets a trial's budget when a sweep searches it: the compression ratio, or a bounded cache's sizes
+# (``grkv_core.stream_options.DecodingOptions``); never a merger option.
+BOUNDED_SIZES = ("target_size", "compression_interval")
+BUDGET_PARAMS = ("compression_ratio", *BOUNDED_SIZES)

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from grkv_core.config import EvalConfig
-from grkv_core.datasets import EvalSample
 from grkv_core.evaluation.kvpress_layout import kvpress_runs
 from grkv_core.evaluation.results import ResultStore, summarize
 from grkv_core.evaluation.run import EvaluationSetup, evaluate_samples
@@ -64,9 +63,20 @@ def _node_name() -> str:
     return socket.gethostname() + (f" (Ray node {context.get_node_id()[:12]})" if context else "")
 
 
-def split_samples(samples: list[EvalSample], tuning_per_task: int) -> dict[str, list[EvalSample]]:
+def check_device(device: str) -> None:
+    """Raise ``WorkerStartError`` where a worker is to run its model on CUDA and its node has none."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise WorkerStartError(
+            f"a worker cannot start on node {_node_name()}: model.device is 'cuda' and torch "
+            "sees no CUDA device there (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run the workers on GPU nodes "
+            "(workers.num_gpus: 1) or set model.device: auto or cpu"
+        )
+
+
+def split_samples(samples: list, tuning_per_task: int) -> dict[str, list]:
     """The samples each stage evaluates: the first ``tuning_per_task`` of each task tune (screening and full
-    trials), the rest are the held-out test samples.
+    trials), the rest are the held-out test samples (``EvalSample``s, or anything with ``task`` and ``sample_id``).
 
     Raises
     ------
@@ -106,15 +116,14 @@ class TrialWorker:
         transformers.utils.logging.disable_progress_bar()  # a worker's log is no terminal
         config = EvalConfig.from_dict(eval_config)
         self.config = replace(config, samples=config.samples + test_samples)
-        if self.config.device == "cuda" and not torch.cuda.is_available():
-            raise WorkerStartError(
-                f"a worker cannot start on node {_node_name()}: model.device is 'cuda' and torch "
-                "sees no CUDA device there (CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run the workers on GPU nodes "
-                "(workers.num_gpus: 1) or set model.device: auto or cpu"
-            )
+        check_device(self.config.device)
         self.setup = EvaluationSetup.load(self.config)
         self.samples = split_samples(self.setup.samples, config.samples)
+        self.loaded, self.model_dtype, self.sample_total = (
+            self.setup.loaded,
+            self.setup.model_dtype,
+            len(self.setup.samples),
+        )
         self.model_loads = 1
         self.trials_evaluated = 0
 
@@ -126,9 +135,9 @@ class TrialWorker:
             actor_id=(context.get_actor_id() if context else None) or "local",
             model_loads=self.model_loads,
             trials_evaluated=self.trials_evaluated,
-            samples=len(self.setup.samples),
-            device=str(self.setup.loaded.model.device),
-            dtype=self.setup.model_dtype,
+            samples=self.sample_total,
+            device=str(self.loaded.model.device),
+            dtype=self.model_dtype,
             visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
 
@@ -236,13 +245,21 @@ class TrialWorker:
     def _checkpoint(self, request: TrialRequest, press: BuiltPress) -> ResultStore | None:
         """The store of a request's per-sample results (``TrialRequest.checkpoint``, below this node's
         ``CHECKPOINT_DIR_ENV`` where set), or None."""
+        path = self._checkpoint_path(request)
+        if path is None:
+            return None
+        return ResultStore(path, self._stage_config(request), self.model_dtype, press.settings)
+
+    @staticmethod
+    def _checkpoint_path(request: TrialRequest) -> Path | None:
+        """``TrialRequest.checkpoint`` below this node's ``CHECKPOINT_DIR_ENV`` where set, its folder made; or None."""
         path = request.checkpoint
         if path is None:
             return None
         if os.environ.get(CHECKPOINT_DIR_ENV):
             path = Path(os.environ[CHECKPOINT_DIR_ENV]) / path.relative_to(path.anchor)
         path.parent.mkdir(parents=True, exist_ok=True)
-        return ResultStore(path, self._stage_config(request), self.setup.model_dtype, press.settings)
+        return path
 
     def _stage_config(self, request: TrialRequest) -> EvalConfig:
         """The evaluation a request's stage runs: its press; screening generates nothing."""

@@ -19,25 +19,30 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grkv_core.config import FULL_CACHE
+from grkv_core.config import StreamConfig
 from grkv_core.evaluation.answer_metrics import answer_log_probs, compare_to_reference, reference_ids
 from grkv_core.evaluation.generation import tokenize_sample
 from grkv_core.evaluation.streaming import stream_context, stream_text
 from grkv_core.models import LoadedModel, load_model
 from grkv_core.presses.decoding import MergingDecodingPress
 from grkv_core.presses.from_config import build
-from grkv_core.stream_options import STREAM_NLL, StreamConfig
+from grkv_core.stream_options import STREAM_NLL
 
 
 @dataclass(frozen=True)
 class StreamItem:
     """One text of a bounded-cache evaluation: (1, n) token ids streamed; for ``stream_answer`` also the (1, q)
-    question and (1, a) reference answer that follow it."""
+    question and (1, a) reference answer that follow it. ``task``: the long texts' domain, or the benchmark's task."""
 
     item_id: str
     token_ids: torch.Tensor
     question_ids: torch.Tensor | None = None
     answer_ids: torch.Tensor | None = None
+    task: str = ""
+
+    @property
+    def sample_id(self) -> str:
+        return self.item_id
 
 
 def load_stream_items(config: StreamConfig, tokenizer) -> list[StreamItem]:
@@ -54,7 +59,10 @@ def load_stream_items(config: StreamConfig, tokenizer) -> list[StreamItem]:
             data_dir=config.data_dir,
             limit=config.samples,
         )
-        return [StreamItem(text.text_id, _ids(tokenizer, text.text)[:, : config.max_tokens]) for text in texts]
+        return [
+            StreamItem(text.text_id, _ids(tokenizer, text.text)[:, : config.max_tokens], task=config.source)
+            for text in texts
+        ]
     from grkv_core.datasets import load_dataset_samples
 
     samples = load_dataset_samples(
@@ -69,7 +77,8 @@ def load_stream_items(config: StreamConfig, tokenizer) -> list[StreamItem]:
     items = []
     for sample in samples:
         context_ids, question_ids = tokenize_sample(tokenizer, sample)
-        items.append(StreamItem(sample.sample_id, context_ids, question_ids[0], reference_ids(tokenizer, sample, 0)))
+        answer_ids = reference_ids(tokenizer, sample, 0)
+        items.append(StreamItem(sample.sample_id, context_ids, question_ids[0], answer_ids, sample.task))
     return items
 
 
@@ -79,13 +88,7 @@ def _ids(tokenizer, text: str) -> torch.Tensor:
 
 def bounded_press(config: StreamConfig) -> MergingDecodingPress | None:
     """The press ``config`` describes, kept bounded by ``MergingDecodingPress``; None for the full cache."""
-    if config.press.press == FULL_CACHE:
-        return None
-    return MergingDecodingPress(
-        build(replace(config.press, compression_ratio=0.0)),
-        compression_interval=config.compression_interval,
-        target_size=config.target_size,
-    )
+    return build(config.bounded_press)
 
 
 class StreamStore:
@@ -114,6 +117,8 @@ class StreamStore:
 def _resume_key(config: StreamConfig) -> dict:
     key = config.to_dict()
     key.pop("samples")
+    # NOTE: always empty (the sizes are the config's own), and absent from the files written before it existed.
+    key["press"].pop("decoding")
     return key
 
 

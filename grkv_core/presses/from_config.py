@@ -3,7 +3,7 @@ merger (``build``, ``BuiltPress``), and press files (``press_from_file``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,13 @@ def build_press(
 
 def build(config: PressConfig) -> BasePress | None:
     """The press a configuration describes (None for the full cache); its names and options were checked when the
-    configuration was made."""
+    configuration was made. A bounded one (``decoding``) is the ``MergingDecodingPress`` around the press."""
     if config.press == FULL_CACHE:
         return None
+    if config.bounded:
+        from grkv_core.presses.decoding import MergingDecodingPress
+
+        return MergingDecodingPress(build(replace(config, decoding={})), **config.decoding)
     base = EVICTION_PRESSES[config.press].load()(compression_ratio=float(config.compression_ratio))
     if config.merge == NO_MERGER:
         return base
@@ -106,12 +110,16 @@ class BuiltPress:
             "compression_ratio": config.compression_ratio,
             "merge": config.merge,
         }
-        eviction = press
-        if press is not None and config.merge != NO_MERGER:
-            merger = _scalar_fields(press)
+        compressing = press
+        if config.bounded:
+            settings.update({name: getattr(press, name) for name in option_specs(DecodingOptions)})
+            compressing = press.base_press
+        eviction = compressing
+        if compressing is not None and config.merge != NO_MERGER:
+            merger = _scalar_fields(compressing)
             merger.pop("class")
             settings.update(merger)
-            eviction = press.press
+            eviction = compressing.press
         if eviction is not None:
             settings.update({f"press.{name}": value for name, value in _scalar_fields(eviction).items()})
         return cls(config, press, settings)
@@ -119,8 +127,9 @@ class BuiltPress:
 
 def resolved(config: PressConfig) -> dict[str, Any]:
     """Every setting of the press ``config`` builds, flat and JSON-ready: the names and the budget, every field of
-    the merger (all of GRKV's options, defaults included), and every scalar field of the eviction press under
-    ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``).
+    the merger (all of GRKV's options, defaults included), every scalar field of the eviction press under
+    ``press.`` (``press.class``, ``press.window_size``...; a wrapped press under ``press.press.``), and for a bounded
+    cache every ``DecodingOptions`` field (``target_size``, ``compression_interval``...).
 
     What MLflow logs and the reports read, so nothing depends on how a sampler encoded its proposals. Builds the
     press: where it is built anyway, take ``BuiltPress.settings``.
@@ -141,34 +150,22 @@ def _scalar_fields(press) -> dict[str, Any]:
 
 
 # NOTE: a press file holds a ``PressConfig``'s fields but its display label, so the file means exactly what
-# the configuration that wrote it means, and optionally the protocol the press was chosen under
-# (``PROTOCOL_FIELD``); ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
+# the configuration that wrote it means (a bounded cache's sizes under ``decoding``), and optionally the protocol the
+# press was chosen under (``PROTOCOL_FIELD``); ``grkv export`` writes one, ``grkv eval --press-config`` reads one.
 PROTOCOL_FIELD = "protocol"
-# NOTE: a press chosen for a bounded cache also names its sizes (``DecodingOptions``): ``press_from_file`` then builds
-# the ``MergingDecodingPress`` around it.
-DECODING_FIELD = "decoding"
-PRESS_FILE_FIELDS = (
-    *(item.name for item in fields(PressConfig) if item.name != "variant"),
-    PROTOCOL_FIELD,
-    DECODING_FIELD,
-)
+PRESS_FILE_FIELDS = (*(item.name for item in fields(PressConfig) if item.name != "variant"), PROTOCOL_FIELD)
 
 
 def load_press_config(path: str | Path) -> PressConfig:
     """The press configuration of a press file (YAML: ``press``, ``compression_ratio``, ``merge``,
-    ``merge_options``, optionally ``protocol``), validated; a ValueError (FileNotFoundError if absent) names the file
-    and the problem."""
+    ``merge_options``, optionally ``decoding`` and ``protocol``), validated; a ValueError (FileNotFoundError if absent)
+    names the file and the problem."""
     return load_press_file(path)[0]
 
 
 def load_press_file(path: str | Path) -> tuple[PressConfig, str | None]:
     """A press file's press configuration and the protocol it names (None if it names none); see
     ``load_press_config``."""
-    return _read_press_file(path)[:2]
-
-
-def _read_press_file(path: str | Path) -> tuple[PressConfig, str | None, dict[str, Any] | None]:
-    """A press file's press configuration, protocol and bounded-cache options (``decoding``; None if absent)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"press file not found: {path}")
@@ -184,17 +181,10 @@ def _read_press_file(path: str | Path) -> tuple[PressConfig, str | None, dict[st
     if not isinstance(data.get("merge_options", {}), dict):
         raise ValueError(f"{path}: merge_options must be a mapping of option: value")
     protocol = data.pop(PROTOCOL_FIELD, None)
-    decoding = data.pop(DECODING_FIELD, None)
     try:
         if protocol is not None and protocol not in STREAM_PROTOCOLS:
             PROTOCOL_SPEC.check(PROTOCOL_FIELD, protocol)
-        if decoding is not None:
-            specs = option_specs(DecodingOptions)
-            if not isinstance(decoding, dict) or set(decoding) - set(specs):
-                raise ValueError(f"{DECODING_FIELD} must be a mapping of some of {list(specs)}, got {decoding!r}")
-            for name, value in decoding.items():
-                specs[name].check(f"{DECODING_FIELD}.{name}", value)
-        return PressConfig(**data), protocol, decoding
+        return PressConfig(**data), protocol
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: {error}") from None
 
@@ -209,10 +199,4 @@ def press_from_file(path: str | Path) -> BasePress | None:
     A file with ``decoding`` (``target_size``, ``compression_interval``...) gives the ``MergingDecodingPress`` that
     keeps a cache bounded with the press behind it.
     """
-    config, _, decoding = _read_press_file(path)
-    press = build(config)
-    if decoding is None or press is None:
-        return press
-    from grkv_core.presses.decoding import MergingDecodingPress
-
-    return MergingDecodingPress(press, **decoding)
+    return build(load_press_config(path))

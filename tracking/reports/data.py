@@ -176,11 +176,9 @@ class SweepRuns:
     def data_seed(self) -> str:
         return self.parent_params.get("data.seed", "0")
 
-    def baseline_trial(self, name: str, compression_ratio: float | None = None) -> pd.Series | None:
-        """The trial enqueued as baseline ``name`` (at ``compression_ratio`` when given), or None."""
+    def baseline_trial(self, name: str) -> pd.Series | None:
+        """The trial enqueued as baseline ``name``, or None."""
         rows = self.trials[self.trials["baseline"] == name]
-        if compression_ratio is not None:
-            rows = rows[np.isclose(rows["compression_ratio"], compression_ratio)]
         return rows.iloc[0] if len(rows) else None
 
 
@@ -393,9 +391,7 @@ def _confirming(test_trials: pd.DataFrame, trials: pd.DataFrame) -> pd.DataFrame
             number = int(label)
         else:
             baseline, configuration = label.partition(BUDGET_SEPARATOR)[0], label
-            confirmed = trials[
-                (trials["baseline"] == baseline) & np.isclose(trials["compression_ratio"], run["compression_ratio"])
-            ]
+            confirmed = trials[(trials["baseline"] == baseline) & np.isclose(trials["budget"], run["budget"])]
             number = confirmed["trial_number"].iloc[0] if len(confirmed) else np.nan
         numbers.append(number)
         baselines.append(baseline)
@@ -426,6 +422,9 @@ def _with_derived_columns(trials: pd.DataFrame) -> pd.DataFrame:
     trials["compression_ratio"] = trials["compression_ratio"].astype(float)
     # Rounded so that 1 - 0.9 reads 0.1 and budgets can be compared and used as keys.
     trials["budget"] = (1.0 - trials["compression_ratio"]).round(12)
+    if "target_size" in trials:
+        # NOTE: a bounded cache's budget is its size in tokens (``budget_text``), never a fraction: always above 1.
+        trials["budget"] = trials["target_size"].astype(float).fillna(trials["budget"])
     trials["method"] = [
         press if merge == "none" else f"{press}+{merge}" for press, merge in zip(trials["press"], trials["merge"])
     ]

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from tracking.reports.analyses.loss_performance import LossPerformance
+from tracking.reports.analyses.metrics import budget_text
 from tracking.reports.analyses.resources import TradeOff
 from tracking.reports.analyses.screening import SCREEN_PREFIX
 from tracking.reports.labels import label_points, thin_ticks
@@ -372,7 +373,7 @@ def budget_figure(lines: dict[str, pd.DataFrame], stage: str, colors: dict[str, 
     for ax, points, metric in prefill_panels:
         # The lines' points first: where labels would collide, theirs are kept.
         ordered = points.sort_values("selected", ascending=False, kind="stable")
-        budgets = [f"{budget:.0%}" for budget in ordered["budget"]]
+        budgets = [f"{budget_text(budget)}" for budget in ordered["budget"]]
         label_points(ax, zip(budgets, ordered["prefill_s"], ordered[metric]), renderer, fontsize=7, color="dimgray")
     return _save(figure, path)
 
@@ -398,7 +399,7 @@ def _budget_axis(ax, points: pd.DataFrame):
     """The memory panel's top axis: one tick per budget, at its points' mean persistent KV memory."""
     known = points.dropna(subset=["kv_mib"])
     # Budgets that print alike (20.0% and 20.4%) share one tick: two ticks would print the same label twice.
-    memory = known.groupby(known["budget"].map("{:.0%}".format))["kv_mib"].mean()
+    memory = known.groupby(known["budget"].map(budget_text))["kv_mib"].mean()
     top = ax.secondary_xaxis("top")
     top.set_ticks(memory.to_numpy(), memory.index.to_list())
     top.tick_params(labelsize=8)

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tracking.reports.analyses.metrics import higher_is_better
+from tracking.reports.analyses.metrics import BudgetFormat, higher_is_better
 
 MISSING = "–"
 SCORE_FORMAT = "{:.2f}"
-PERCENT = "{:.0%}"
+BUDGET = BudgetFormat()
 P_VALUE = "{:.3g}"
 
 

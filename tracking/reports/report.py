@@ -6,13 +6,14 @@ binary score ties on); a metric that ties everywhere says so in one line instead
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from grkv_core.metrics import ANSWER_METRICS
+from grkv_core.metrics import ANSWER_METRICS, STREAM_METRICS
+from grkv_core.stream_options import STREAM_ANSWER, STREAM_NLL, STREAM_PROTOCOLS
 from tracking.reports import figures
 from tracking.reports.analyses.ablation import ablation_table
 from tracking.reports.analyses.depth_window import depth_window
@@ -76,6 +77,9 @@ def build_report(
         No parent run carries ``sweep_id``.
     """
     runs = load_sweep(client, sweep_id, experiment)
+    if runs.protocol in STREAM_PROTOCOLS and options.score == ReportOptions.score:
+        # NOTE: a bounded-cache sweep scores no benchmark: its first objective is what it measures.
+        options = replace(options, score=runs.objectives[0].metric)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     writer = TableWriter(output_dir)
@@ -105,8 +109,7 @@ def _overview(runs: SweepRuns) -> Section:
         "Sweep",
         lines=[
             f"Parent run {runs.parent_run_id} ({runs.parent_status}) in experiment {runs.experiment_id}.",
-            f"Model {params.get('model.name', '?')}, dataset {params.get('data.dataset', '?')}, "
-            f"press {runs.press_name} at compression ratio {params.get('press.compression_ratio', '?')}, "
+            f"Model {params.get('model.name', '?')}, {_what_is_measured(runs)}, "
             f"data seed {runs.data_seed}; {len(runs.task_names)} task(s).",
             f"Child runs: {counts}. Finished runs per stage: {stages}. Analyses use the {len(runs.trials)} "
             "full-stage trial(s) (scored on the tuning samples) unless a section says otherwise.",
@@ -118,11 +121,30 @@ def _overview(runs: SweepRuns) -> Section:
     return section
 
 
+def _what_is_measured(runs: SweepRuns) -> str:
+    params = runs.parent_params
+    if runs.protocol == STREAM_NLL:
+        return (
+            f"{params.get('data.texts', '?')} texts streamed through {runs.press_name} kept at "
+            f"{params.get('press.target_size', '?')} tokens every {params.get('press.compression_interval', '?')}"
+        )
+    if runs.protocol == STREAM_ANSWER:
+        return (
+            f"dataset {params.get('data.dataset', '?')}, contexts streamed through {runs.press_name} kept at "
+            f"{params.get('press.target_size', '?')} tokens every {params.get('press.compression_interval', '?')}"
+        )
+    return (
+        f"dataset {params.get('data.dataset', '?')}, press {runs.press_name} at compression ratio "
+        f"{params.get('press.compression_ratio', '?')}"
+    )
+
+
 def compared_metrics(runs: SweepRuns, score: str = "mean_score") -> list[str]:
-    """``score``, then each answer metric that a full- or test-stage run logged: what the report compares."""
+    """``score``, then each answer (or bounded-cache) metric that a full- or test-stage run logged: what the report
+    compares."""
     logged = [
         metric
-        for metric in ANSWER_METRICS
+        for metric in (*ANSWER_METRICS, *STREAM_METRICS)
         if any(metric in frame and frame[metric].notna().any() for frame in (runs.trials, runs.test_trials))
     ]
     return list(dict.fromkeys([score, *logged]))

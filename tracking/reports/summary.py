@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from grkv_core.metrics import ANSWER_METRICS
-from tracking.reports.analyses.metrics import higher_is_better
+from tracking.reports.analyses.metrics import budget_text, higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns
 from tracking.reports.render import Section, format_value, metric_name, metric_text, p_value_text
@@ -38,7 +38,7 @@ def headline(runs: SweepRuns, score: str = "mean_score") -> str:
             lines.append(
                 f"{metric} on {runs.test_sample_count} held-out test samples: "
                 + "; ".join(
-                    f"{row['configuration']} ({row['budget']:.0%}) {metric_text(metric, row[metric])}"
+                    f"{row['configuration']} ({budget_text(row['budget'])}) {metric_text(metric, row[metric])}"
                     for _, row in runs.test_trials.iterrows()
                 )
             )
@@ -62,7 +62,8 @@ def finding(runs: SweepRuns, metric: str | None = None, n_resamples: int = 100_0
         return f"Sweep {runs.sweep_id}: no held-out finding on {metric_name(metric)} ({result.reason})."
     comparison, treatment, control = result.comparison, result.treatment, result.control
     who = (
-        f"{treatment['method']} ({treatment['configuration']}) vs {control['method']} at {treatment['budget']:.0%} "
+        f"{treatment['method']} ({treatment['configuration']}) vs {control['method']} at "
+        f"{budget_text(treatment['budget'])} "
         f"on {len(comparison.units)} held-out samples"
     )
     if comparison.tied:

@@ -15,7 +15,7 @@ from tracking.reports.analyses.metrics import higher_is_better, score_columns
 from tracking.reports.analyses.significance import trial_sample_scores
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import compare_configs
-from workers.names import PAPER_DEFAULT
+from workers.names import BUDGET_PARAMS, PAPER_DEFAULT
 
 COMPONENT_NAMES = {"kv": "GRKV", "k": "GRK", "v": "GRV"}
 
@@ -137,12 +137,9 @@ def ablation_table(
             ["no paper_default trial in this sweep: nothing to hold the other hyperparameters at"],
         )
     reference = reference.iloc[0]
-    merged = trials[
-        (trials["merge"] == reference["merge"])
-        & np.isclose(trials["compression_ratio"], reference["compression_ratio"])
-    ]
-    tunable = [name for name in runs.search_space if name != "compression_ratio" and name in trials]
-    base = eviction_rows(trials, reference["compression_ratio"])
+    merged = trials[(trials["merge"] == reference["merge"]) & np.isclose(trials["budget"], reference["budget"])]
+    tunable = [name for name in runs.search_space if name not in BUDGET_PARAMS and name in trials]
+    base = eviction_rows(trials, reference["budget"])
     task_columns = score_columns(runs)
     metrics = [
         metric for metric in ANSWER_METRICS if metric != score and metric in trials and trials[metric].notna().any()

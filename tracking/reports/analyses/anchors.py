@@ -11,8 +11,9 @@ from tracking.reports.data import SweepRuns
 from workers.names import EVICTION_ONLY, PAPER_DEFAULT
 
 
-def eviction_rows(trials: pd.DataFrame, compression_ratio: float) -> pd.DataFrame:
-    at_budget = trials[(trials["merge"] == "none") & np.isclose(trials["compression_ratio"], compression_ratio)]
+def eviction_rows(trials: pd.DataFrame, budget: float) -> pd.DataFrame:
+    """The eviction-only runs among ``trials`` at ``budget`` (the one enqueued as the baseline where there is one)."""
+    at_budget = trials[(trials["merge"] == "none") & np.isclose(trials["budget"], budget)]
     tagged = at_budget[at_budget["baseline"] == EVICTION_ONLY]
     return tagged if len(tagged) else at_budget
 
@@ -32,16 +33,16 @@ def default_and_best(merged: pd.DataFrame, score: str) -> list[tuple[str, pd.Dat
 
 
 def representative_trials(
-    runs: SweepRuns, score: str = "mean_score", compression_ratio: float | None = None
+    runs: SweepRuns, score: str = "mean_score", budget: float | None = None
 ) -> list[tuple[str, pd.Series]]:
-    """Merging configurations worth comparing: the paper default and the best (at ``compression_ratio``).
+    """Merging configurations worth comparing: the paper default and the best (at ``budget``).
 
     Returns ``(label, trial)`` pairs. The best is chosen on the same data it is scored on, so its
     score (and any gain or p-value computed from it) is optimistic.
     """
     merged = runs.trials[runs.trials["merge"] != "none"]
-    if compression_ratio is not None:
-        merged = merged[np.isclose(merged["compression_ratio"], compression_ratio)]
+    if budget is not None:
+        merged = merged[np.isclose(merged["budget"], budget)]
     return [(label, rows.iloc[0]) for label, rows in default_and_best(merged, score)]
 
 

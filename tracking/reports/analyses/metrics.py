@@ -6,13 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from grkv_core.metrics import ANSWER_METRICS, HIGHER_IS_BETTER
+from grkv_core.metrics import ANSWER_METRICS, HIGHER_IS_BETTER, STREAM_METRICS
 from tracking.mlflow_tracker import SAMPLE_FIELDS
 from tracking.reports.data import SCORE_PREFIX, SweepRuns
 
 # What a configuration is judged by: the score (0-100), and the answer metrics, continuous and measured on every
-# run without decoding.
-PERFORMANCE_METRICS = ("mean_score", *ANSWER_METRICS)
+# run without decoding; a bounded-cache sweep's streamed tokens' NLL.
+PERFORMANCE_METRICS = ("mean_score", *ANSWER_METRICS, *STREAM_METRICS)
+
+
+class BudgetFormat:
+    """A budget as text: the fraction of the cache kept (``10%``) or a bounded cache's size in tokens (``512 tok``,
+    always above 1); ``format`` as a format string's, so tables take it per column."""
+
+    @staticmethod
+    def format(budget: float) -> str:
+        return f"{budget:.0%}" if budget <= 1 else f"{budget:.0f} tok"
+
+
+def budget_text(budget: float) -> str:
+    return BudgetFormat.format(budget)
 
 
 def score_columns(runs: SweepRuns) -> list[str]:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from tracking.reports.analyses.anchors import default_and_best, eviction_rows, tuning_scores
-from tracking.reports.analyses.metrics import best_index, higher_is_better
+from tracking.reports.analyses.metrics import best_index, budget_text, higher_is_better
 from tracking.reports.data import SweepRuns
 from tracking.reports.stats import pareto_front
 from workers.names import FULL_STAGE, TEST_STAGE
@@ -56,7 +56,7 @@ def budget_points(runs: SweepRuns, score: str = "mean_score") -> tuple[str, pd.D
         stage, frame = FULL_STAGE, runs.trials.assign(_selection=runs.trials.get(score, np.nan))
     points = []
     for _, at_budget in frame.groupby("budget", sort=True):
-        eviction = eviction_rows(at_budget, at_budget["compression_ratio"].iloc[0])
+        eviction = eviction_rows(at_budget, at_budget["budget"].iloc[0])
         if len(eviction):
             points.append(_point(eviction.iloc[0], "eviction only", True, score))
         for _, merged in at_budget[at_budget["merge"] != "none"].groupby("merge"):
@@ -195,7 +195,7 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
                     else ("; search compression_ratio (with merge 'none') to get eviction runs at other budgets")
                 )
             notes.append(
-                f"iso-prefill: no eviction-only trial at a budget above {merging['budget']:.0%} has a TTFT "
+                f"iso-prefill: no eviction-only trial at a budget above {budget_text(merging['budget'])} has a TTFT "
                 f"within {ttft_tolerance:.0%} of {merging_columns['merging']} ({merging['ttft_s']:.3g} s)"
                 f"{hint}"
             )
@@ -214,13 +214,12 @@ def _iso_memory(runs: SweepRuns, score: str, notes: list[str]) -> pd.DataFrame:
     """Full stage, per budget: eviction only, and per merger its paper default and best trial."""
     rows = []
     for budget, at_budget in runs.trials.groupby("budget", sort=True):
-        ratio = at_budget["compression_ratio"].iloc[0]
         if "kv_bytes" in at_budget and at_budget["kv_bytes"].notna().any():
             kv = at_budget["kv_bytes"]
             spread = (kv.max() - kv.min()) / kv.max() if kv.max() > 0 else 0.0
             if spread > 0.01:
-                notes.append(f"budget {budget:.0%}: persistent KV bytes differ by {spread:.1%} across trials")
-        eviction = eviction_rows(at_budget, ratio)
+                notes.append(f"budget {budget_text(budget)}: persistent KV bytes differ by {spread:.1%} across trials")
+        eviction = eviction_rows(at_budget, budget)
         budget_rows = [_iso_row(budget, "eviction only", runs.press_name, eviction, score)] if len(eviction) else []
         for merge, merged in at_budget[at_budget["merge"] != "none"].groupby("merge"):
             budget_rows += [

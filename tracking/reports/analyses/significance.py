@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from tracking.reports.analyses.anchors import eviction_rows, representative_trials, tuning_scores
-from tracking.reports.analyses.metrics import higher_is_better, sample_table, score_columns
+from tracking.reports.analyses.metrics import budget_text, higher_is_better, sample_table, score_columns
 from tracking.reports.data import BUDGET_SEPARATOR, SCORE_PREFIX, SweepRuns
 from tracking.reports.stats import PairedComparison, compare_configs
 from workers.names import EVICTION_ONLY, FULL_STAGE, LIBRARY_DEFAULT, PAPER_DEFAULT, TEST_STAGE
@@ -110,7 +110,7 @@ def significance(
 
 
 def _test_name(run: pd.Series) -> str:
-    return f"{run['configuration']} ({run['method']}, {run['budget']:.0%})"
+    return f"{run['configuration']} ({run['method']}, {budget_text(run['budget'])})"
 
 
 def _test_tidy(runs: SweepRuns, metric: str) -> pd.DataFrame:
@@ -150,8 +150,8 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
         )
     comparisons = []
     for _, treatment in test[test["merge"] != "none"].iterrows():
-        same_budget = test[np.isclose(test["compression_ratio"], treatment["compression_ratio"])]
-        eviction = eviction_rows(same_budget, treatment["compression_ratio"])
+        same_budget = test[np.isclose(test["budget"], treatment["budget"])]
+        eviction = eviction_rows(same_budget, treatment["budget"])
         merged_baselines = same_budget[
             (same_budget["merge"] != "none") & (same_budget["run_id"] != treatment["run_id"])
         ]
@@ -169,11 +169,13 @@ def _test_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: int
             ),
         ):
             if controls.empty:
-                notes.append(f"no {kind} test run at {treatment['budget']:.0%} to compare {_test_name(treatment)} with")
+                notes.append(
+                    f"no {kind} test run at {budget_text(treatment['budget'])} to compare {_test_name(treatment)} with"
+                )
                 continue
             at_budget.append(controls.iloc[0])
         # NOTE: eviction at a larger budget keeps the memory the merge saves: the paired iso-memory question
-        larger = test[(test["merge"] == "none") & (test["compression_ratio"] < treatment["compression_ratio"] - 1e-9)]
+        larger = test[(test["merge"] == "none") & (test["budget"] > treatment["budget"] + 1e-9)]
         for control in [*at_budget, *(row for _, row in larger.iterrows())]:
             try:
                 comparisons.append(_test_comparison(tidy, treatment, control, metric, n_resamples, seed))
@@ -216,9 +218,9 @@ def _tuning_significance(runs: SweepRuns, metric: str, n_resamples: int, seed: i
         tidy, unit, column = tidy_task_scores(runs), "task", "score"
     else:
         return result([], [f"no test stage, and the trials logged no per-sample {metric} to pair"])
-    treatments = representative_trials(runs, metric, base["compression_ratio"])
+    treatments = representative_trials(runs, metric, base["budget"])
     if not treatments:
-        return result([], [f"no merging trial at the eviction_only trial's budget ({base['budget']:.0%})"])
+        return result([], [f"no merging trial at the eviction_only trial's budget ({budget_text(base['budget'])})"])
     control_name = f"{EVICTION_ONLY} (trial {int(base['trial_number'])})"
     names = {trial["trial_number"]: f"{label} (trial {int(trial['trial_number'])})" for label, trial in treatments}
     names[base["trial_number"]] = control_name
@@ -294,10 +296,10 @@ def held_out_finding(runs: SweepRuns, metric: str, n_resamples: int = 100_000, s
     winner = tuned_winner(runs, metric)
     if winner is None:
         return nothing("no merging configuration was confirmed on the test stage at the sweep's budget")
-    same_budget = runs.test_trials[np.isclose(runs.test_trials["compression_ratio"], winner["compression_ratio"])]
-    eviction = eviction_rows(same_budget, winner["compression_ratio"])
+    same_budget = runs.test_trials[np.isclose(runs.test_trials["budget"], winner["budget"])]
+    eviction = eviction_rows(same_budget, winner["budget"])
     if eviction.empty:
-        return nothing(f"no eviction-only test run at {winner['budget']:.0%}", winner)
+        return nothing(f"no eviction-only test run at {budget_text(winner['budget'])}", winner)
     tidy = _test_tidy(runs, metric)
     try:
         comparison = _test_comparison(tidy, winner, eviction.iloc[0], metric, n_resamples, seed)

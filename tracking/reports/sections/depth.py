@@ -4,8 +4,9 @@ keeps."""
 from __future__ import annotations
 
 from tracking.reports.analyses.depth_window import DepthWindow
+from tracking.reports.analyses.metrics import budget_text
 from tracking.reports.data import SweepRuns
-from tracking.reports.render import PERCENT, SCORE_FORMAT, Section, TableWriter, format_value, formatted, metric_text
+from tracking.reports.render import BUDGET, SCORE_FORMAT, Section, TableWriter, format_value, formatted, metric_text
 from tracking.reports.sections.words import stage_words
 
 
@@ -27,7 +28,7 @@ def depth_section(runs: SweepRuns, result: DepthWindow, writer: TableWriter) -> 
         )
         return section
     section.lines += [
-        f"{row['configuration']} ({row['method']}, {row['budget']:.0%}): "
+        f"{row['configuration']} ({row['method']}, {budget_text(row['budget'])}): "
         f"{metric_text('mean_score', row['mean_score'])} "
         f"overall, {metric_text('mean_score', row['mean_score_outside_window'])} outside the window "
         f"({format_value(row['window_samples'], '{:.0f}')} sample(s) inside it)"
@@ -41,7 +42,7 @@ def depth_section(runs: SweepRuns, result: DepthWindow, writer: TableWriter) -> 
     display = formatted(
         table,
         {
-            "budget": PERCENT,
+            "budget": BUDGET,
             "window_samples": "{:.0f}",
             **{column: SCORE_FORMAT for column in table.columns[3:] if column != "window_samples"},
         },

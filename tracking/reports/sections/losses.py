@@ -12,8 +12,8 @@ from tracking.reports import figures
 from tracking.reports.analyses.loss_performance import LossPerformance
 from tracking.reports.analyses.screening import Screening
 from tracking.reports.render import (
+    BUDGET,
     P_VALUE,
-    PERCENT,
     SCORE_FORMAT,
     Section,
     TableWriter,
@@ -45,7 +45,7 @@ def loss_section(result: LossPerformance, colors: dict[str, str], writer: TableW
         ],
     )
     table_formats = {
-        "budget": PERCENT,
+        "budget": BUDGET,
         **{loss: "{:.4g}" for loss in LOSS_METRICS},
         **{metric: metric_spec(metric) for metric in metrics},
     }
@@ -157,7 +157,7 @@ def screening_section(result: Screening, colors: dict[str, str], writer: TableWr
     ]
     display = formatted(
         promoted.table,
-        {"budget": PERCENT, "trial_number": "{:.0f}", "screen_trial": "{:.0f}", promoted.score: SCORE_FORMAT},
+        {"budget": BUDGET, "trial_number": "{:.0f}", "screen_trial": "{:.0f}", promoted.score: SCORE_FORMAT},
         {"trial_number": "trial", "screen_trial": "screening trial"},
     )
     writer.table("screening", promoted.table, display)

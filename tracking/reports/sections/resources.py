@@ -6,10 +6,11 @@ from __future__ import annotations
 import pandas as pd
 
 from tracking.reports import figures
+from tracking.reports.analyses.metrics import budget_text
 from tracking.reports.analyses.resources import MIB, IsoResource, budget_points, trade_off
 from tracking.reports.data import SweepRuns
 from tracking.reports.options import ReportOptions
-from tracking.reports.render import PERCENT, Section, TableWriter, formatted, metric_name, metric_spec, metric_text
+from tracking.reports.render import BUDGET, Section, TableWriter, formatted, metric_name, metric_spec, metric_text
 from tracking.reports.sections.words import direction, stage_words
 from workers.names import TEST_STAGE
 
@@ -74,7 +75,7 @@ def _resource_tables(
     memory_display = formatted(
         result.iso_memory,
         {
-            "budget": PERCENT,
+            "budget": BUDGET,
             "kv_mib": "{:.3f}",
             "ttft_s": "{:.3g}",
             metric: spec,
@@ -86,7 +87,7 @@ def _resource_tables(
     points_display = formatted(
         result.points.drop(columns=["compression_ratio", "is_eviction"]),
         {
-            "budget": PERCENT,
+            "budget": BUDGET,
             "trial_number": "{:.0f}",
             "kv_mib": "{:.3f}",
             "prefill_s": "{:.3g}",
@@ -137,7 +138,7 @@ def _pairs_display(frame: pd.DataFrame, score: str) -> pd.DataFrame:
         formats.update(
             {
                 f"{side}_trial": "{:.0f}",
-                f"{side}_budget": PERCENT,
+                f"{side}_budget": BUDGET,
                 f"{side}_kv_mib": "{:.3f}",
                 f"{side}_prefill_s": "{:.3g}",
                 f"{side}_ttft_s": "{:.3g}",
@@ -183,7 +184,7 @@ def _budget_lines(runs: SweepRuns, result: IsoResource, score: str) -> list[str]
         lines.append(
             f"{method}: "
             + ", ".join(
-                f"{row['budget']:.0%} {metric_text(score, row[score])}"
+                f"{budget_text(row['budget'])} {metric_text(score, row[score])}"
                 for _, row in rows.sort_values("budget").iterrows()
             )
         )
@@ -191,8 +192,9 @@ def _budget_lines(runs: SweepRuns, result: IsoResource, score: str) -> list[str]
     for _, pair in result.cross_budget.iterrows():
         if pair["merging_configuration"] in selected:
             lines.append(
-                f"{pair['merging']}{_trial_text(result, pair['merging_trial'])} at {pair['merging_budget']:.0%}: "
-                f"{metric_text(score, pair[f'merging_{score}'])} vs eviction only at {pair['eviction_budget']:.0%}: "
+                f"{pair['merging']}{_trial_text(result, pair['merging_trial'])} at "
+                f"{budget_text(pair['merging_budget'])}: {metric_text(score, pair[f'merging_{score}'])} vs eviction "
+                f"only at {budget_text(pair['eviction_budget'])}: "
                 f"{metric_text(score, pair[f'eviction_{score}'])} (eviction "
                 f"{metric_text(score, pair['eviction_minus_merging'], signed=True)}) with "
                 f"{pair['kv_ratio']:.2f}x the persistent KV and {pair['prefill_ratio']:.2f}x the prefill time"
@@ -215,7 +217,8 @@ def _iso_memory_lines(result: IsoResource, score: str) -> list[str]:
             for _, row in rows.iterrows()
         ]
         lines.append(
-            f"Iso-memory at budget {budget:.0%} ({rows['kv_mib'].mean():.3g} MiB persistent KV): " + "; ".join(entries)
+            f"Iso-memory at budget {budget_text(budget)} ({rows['kv_mib'].mean():.3g} MiB persistent KV): "
+            + "; ".join(entries)
         )
     return lines
 
@@ -225,9 +228,10 @@ def _iso_prefill_lines(result: IsoResource, score: str) -> list[str]:
         return []
     matched = result.iso_prefill.dropna(subset=["eviction_budget"])
     return [
-        f"Iso-prefill: {row['merging']}{_trial_text(result, row['merging_trial'])} at {row['merging_budget']:.0%}, "
+        f"Iso-prefill: {row['merging']}{_trial_text(result, row['merging_trial'])} at "
+        f"{budget_text(row['merging_budget'])}, "
         f"TTFT {row['merging_ttft_s']:.3g} s: {metric_text(score, row[f'merging_{score}'])} vs eviction only"
-        f"{_trial_text(result, row['eviction_trial'])} at {row['eviction_budget']:.0%}, TTFT "
+        f"{_trial_text(result, row['eviction_trial'])} at {budget_text(row['eviction_budget'])}, TTFT "
         f"{row['eviction_ttft_s']:.3g} s, {row['kv_ratio']:.2f}x the persistent KV: "
         f"{metric_text(score, row[f'eviction_{score}'])} "
         f"(eviction {metric_text(score, row['eviction_minus_merging'], signed=True)})"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from tracking.reports import figures
-from tracking.reports.analyses.metrics import higher_is_better
+from tracking.reports.analyses.metrics import budget_text, higher_is_better
 from tracking.reports.analyses.significance import Significance, significance
 from tracking.reports.data import SweepRuns
 from tracking.reports.options import ReportOptions
@@ -127,8 +127,8 @@ def _held_out_lines(result: Significance, score: str, winners_only: bool = False
         []
         if winners_only
         else [
-            f"{row['configuration']} ({row['method']}, {row['budget']:.0%}): {value(row[tuning])} on the tuning "
-            f"samples, {value(row[test])} on the held-out test samples ({value(row['change'], True)})"
+            f"{row['configuration']} ({row['method']}, {budget_text(row['budget'])}): {value(row[tuning])} on the "
+            f"tuning samples, {value(row[test])} on the held-out test samples ({value(row['change'], True)})"
             for _, row in result.held_out.iterrows()
         ]
     )
@@ -141,7 +141,7 @@ def _held_out_lines(result: Significance, score: str, winners_only: bool = False
         )
         measure = "score" if score == "mean_score" else score
         lines.append(
-            f"The tuned winner at {winner['budget']:.0%}, {winner['configuration']} (best tuning {measure} of "
+            f"The tuned winner at {budget_text(winner['budget'])}, {winner['configuration']} (best tuning {measure} of "
             f"the confirmed merging configurations there, {value(winner[tuning])}), scores "
             f"{value(winner[test])} on the held-out test samples ({value(winner['change'], True)}): "
             f"{verdict}."
