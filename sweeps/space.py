@@ -14,7 +14,7 @@ from grkv_core.catalog import merger_option_specs
 from grkv_core.config import PressConfig
 from grkv_core.options import GRKV_DEFAULTS, GRKV_PRESETS, PAPER_GRKV_OPTIONS
 from sweeps.config import SweepConfig
-from sweeps.params import FloatParam, IntParam, can_fix
+from sweeps.params import CategoricalParam, FloatParam, IntParam, can_fix
 from workers.names import (
     BASELINE_TAG,
     BASELINES,
@@ -85,7 +85,8 @@ def _suggest(trial: optuna.Trial, name: str, param):
 def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     """The trials enqueued first, as ``(name, params)`` (the driver tags each with its name): the paper's Alg. 1
     behind the press (here its values of the searched options; ``suggest_press`` adds the others), the press
-    alone (named, not proposed: see ``suggest_press``) and GRKVPress's defaults behind the press (the library's
+    alone (named, not proposed: see ``suggest_press``; in a bounded-cache sweep also at each other searched target
+    size) and GRKVPress's defaults behind the press (the library's
     default, where a sweep starts); each at the sweep's budget (``press.compression_ratio``, or a bounded cache's
     ``press.target_size`` and ``compression_interval``), also when it is searched.
     A searched parameter that cannot propose a baseline's value (a categorical one without it among its choices,
@@ -98,10 +99,20 @@ def baseline_params(config: SweepConfig) -> list[tuple[str, dict]]:
     for baseline in (name for name in BASELINES if name in config.baselines):
         if baseline == EVICTION_ONLY:
             baselines.append((EVICTION_ONLY, budget))
+            baselines += [(EVICTION_ONLY, {**budget, "target_size": size}) for size in _other_sizes(config)]
         elif "grkv" in config.merge:
             options = PAPER_GRKV_OPTIONS if baseline == PAPER_DEFAULT else GRKV_DEFAULTS
             baselines.append((baseline, {**budget, "merge": "grkv", **_searched_at(config, baseline, options)}))
     return baselines
+
+
+def _other_sizes(config: SweepConfig) -> list[int]:
+    """A bounded-cache sweep's searched target sizes (its choices) besides its own, where eviction-only runs too: every
+    size a merger may be chosen at has eviction alone beside it (the iso-memory comparison)."""
+    param = config.search_space.get("target_size")
+    if not config.bounded or not isinstance(param, CategoricalParam):
+        return []
+    return [size for size in param.choices if size != config.press.target_size]
 
 
 def _searched_at(config: SweepConfig, baseline: str, options: dict) -> dict:

@@ -110,7 +110,7 @@ def _overview(runs: SweepRuns) -> Section:
         lines=[
             f"Parent run {runs.parent_run_id} ({runs.parent_status}) in experiment {runs.experiment_id}.",
             f"Model {params.get('model.name', '?')}, {_what_is_measured(runs)}, "
-            f"data seed {runs.data_seed}; {len(runs.task_names)} task(s).",
+            f"data seed {runs.data_seed}" + (f"; {len(runs.task_names)} task(s)." if runs.task_names else "."),
             f"Child runs: {counts}. Finished runs per stage: {stages}. Analyses use the {len(runs.trials)} "
             "full-stage trial(s) (scored on the tuning samples) unless a section says otherwise.",
             *runs.notes,

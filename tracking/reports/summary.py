@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from grkv_core.metrics import ANSWER_METRICS
+from grkv_core.metrics import ANSWER_METRICS, STREAM_METRICS
 from tracking.reports.analyses.metrics import budget_text, higher_is_better
 from tracking.reports.analyses.significance import held_out_finding
 from tracking.reports.data import SweepRuns
@@ -46,9 +46,10 @@ def headline(runs: SweepRuns, score: str = "mean_score") -> str:
 
 
 def finding_metric(runs: SweepRuns) -> str:
-    """The metric of the one-sentence finding: the first objective when it is an answer metric, else answer_nll."""
+    """The metric of the one-sentence finding: the first objective when it is an answer or bounded-cache metric, else
+    answer_nll."""
     first = runs.objectives[0].metric
-    return first if first in ANSWER_METRICS else "answer_nll"
+    return first if first in (*ANSWER_METRICS, *STREAM_METRICS) else "answer_nll"
 
 
 def finding(runs: SweepRuns, metric: str | None = None, n_resamples: int = 100_000, seed: int = 0) -> str:

@@ -186,6 +186,8 @@ def iso_resource(runs: SweepRuns, score: str = "mean_score", ttft_tolerance: flo
             prefill.append(min(close, key=lambda pair: abs(pair["ttft_gap"])))
         else:
             prefill.append(merging_columns)
+            if np.isnan(merging["ttft_s"]):
+                continue  # NOTE: a bounded cache's stream has no prefill to compare
             if stage == TEST_STAGE:
                 hint = "; list larger budgets in test.eviction_ratios to test eviction there"
             else:

@@ -197,7 +197,8 @@ def _budget_lines(runs: SweepRuns, result: IsoResource, score: str) -> list[str]
                 f"only at {budget_text(pair['eviction_budget'])}: "
                 f"{metric_text(score, pair[f'eviction_{score}'])} (eviction "
                 f"{metric_text(score, pair['eviction_minus_merging'], signed=True)}) with "
-                f"{pair['kv_ratio']:.2f}x the persistent KV and {pair['prefill_ratio']:.2f}x the prefill time"
+                f"{pair['kv_ratio']:.2f}x the persistent KV"
+                + (f" and {pair['prefill_ratio']:.2f}x the prefill time" if pd.notna(pair["prefill_ratio"]) else "")
             )
     return lines
 
