@@ -1,6 +1,7 @@
 """Bounded-cache evaluations end to end: grkv compare / grkv eval under stream_nll and stream_answer."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,3 +106,59 @@ def test_compare_stream_nll_scores_every_streamed_token_of_eval_texts(tmp_path, 
         # 600-token texts (min = max), the first 128 prefilled: 472 streamed tokens scored each
         assert [row["tokens"] for row in rows] == [472, 472]
         assert all(row["item_id"].startswith("code/") for row in rows)
+
+
+def test_a_bounded_press_config_is_one_configuration_and_builds_the_decoding_press():
+    from grkv_core.presses.decoding import MergingDecodingPress
+    from grkv_core.presses.from_config import BuiltPress, build
+    from grkv_core.presses.grkv import GRKVPress
+
+    sizes = {"target_size": 256, "compression_interval": 64}
+    bounded = PressConfig("streamingllm", 0.0, "grkv", {"lambda_k": 1}, decoding=dict(reversed(sizes.items())))
+    # One canonical form however the sizes are ordered or the floats typed; a prefill press's form has no sizes.
+    assert (
+        bounded.canonical() == PressConfig("streamingllm", 0.0, "grkv", {"lambda_k": 1.0}, decoding=sizes).canonical()
+    )
+    assert bounded.canonical()["decoding"] == sizes and "decoding" not in PressConfig("snapkv", 0.5).canonical()
+    assert bounded.label == "streamingllm 256 + grkv" and PressConfig("snapkv", 0.9).label == "snapkv 10%"
+    press = build(bounded)
+    assert isinstance(press, MergingDecodingPress) and isinstance(press.base_press, GRKVPress)
+    assert (press.target_size, press.compression_interval, press.base_press.lambda_k) == (256, 64, 1.0)
+    settings = BuiltPress.of(bounded).settings
+    assert (
+        settings["target_size"] == 256
+        and settings["lambda_k"] == 1.0
+        and settings["press.class"] == "StreamingLLMPress"
+    )
+    # The evaluation a sweep's trial runs takes the sizes from the press; the full cache stays as it is.
+    config = StreamConfig(target_size=512, compression_interval=128).with_press(bounded)
+    assert (config.target_size, config.compression_interval, config.press.decoding) == (256, 64, {})
+    assert config.bounded_press == replace(bounded, merge_options={"lambda_k": 1})
+    full = StreamConfig().with_press(PressConfig(FULL_CACHE, 0.0))
+    assert full.bounded_press == PressConfig(FULL_CACHE, 0.0) and bounded_press(full) is None
+    assert StreamConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: PressConfig("snapkv", 0.0, decoding={"target_size": 0}),
+            "decoding.target_size must be an integer >= 1",
+        ),
+        (lambda: PressConfig("snapkv", 0.0, decoding={"window": 3}), "decoding must be a mapping of some of"),
+        (lambda: PressConfig(FULL_CACHE, 0.0, decoding={"target_size": 8}), "press 'full' keeps the whole cache"),
+        (
+            lambda: StreamConfig(press=PressConfig("snapkv", 0.0, decoding={"target_size": 8})),
+            "a StreamConfig's press takes no decoding",
+        ),
+        (
+            lambda: StreamConfig().with_press(PressConfig("snapkv", 0.0, decoding={"target_compression_ratio": 0.5})),
+            "sets target_size and compression_interval only",
+        ),
+    ],
+)
+def test_a_bounded_configuration_that_cannot_be_built_is_refused_in_one_line(make, message):
+    with pytest.raises(ValueError, match=message) as error:
+        make()
+    assert "\n" not in str(error.value)
