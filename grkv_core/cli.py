@@ -166,10 +166,16 @@ def cmd_eval(args) -> int:
     from grkv_core.evaluation.run import run_evaluation
 
     press, protocol = _eval_press(args)
+    args.protocol = args.protocol or protocol
     if args.protocol in STREAM_PROTOCOLS:
         from grkv_core.stream_cli import cmd_stream_eval
 
         return cmd_stream_eval(args, press)
+    if press.bounded:
+        raise ValueError(
+            f"{args.press_config} is a bounded cache (decoding: {press.decoding}): evaluate it with --protocol "
+            f"{' or '.join(STREAM_PROTOCOLS)}"
+        )
     config = _config(args, press.press, press.compression_ratio, press.merge, press.merge_options, protocol=protocol)
     summary = run_evaluation(config, args.output, progress=not args.no_progress, kvpress_dir=args.kvpress_dir)
     print(format_table([summary]))

@@ -108,6 +108,25 @@ def test_compare_stream_nll_scores_every_streamed_token_of_eval_texts(tmp_path, 
         assert all(row["item_id"].startswith("code/") for row in rows)
 
 
+def test_eval_of_an_exported_bounded_press_streams_at_its_own_sizes_under_its_protocol(tmp_path, capsys):
+    press_file = tmp_path / "press.yaml"
+    press_file.write_text(
+        "press: snapkv\ncompression_ratio: 0.0\nmerge: grkv\nmerge_options: {}\n"
+        "decoding: {target_size: 96, compression_interval: 48}\nprotocol: stream_nll\n"
+    )
+    output = tmp_path / "one.jsonl"
+    arguments = ["eval", "--model", "tiny-llama", "--press-config", str(press_file), "--texts", "code"]
+    arguments += ["--samples", "1", "--max-tokens", "300", "--output", str(output), "--no-progress"]
+    assert main(arguments) == 0
+    assert "snapkv 96 + grkv" in capsys.readouterr().out
+    header = json.loads(output.read_text().splitlines()[0])["config"]
+    assert (header["protocol"], header["target_size"], header["compression_interval"]) == ("stream_nll", 96, 48)
+    # The file's sizes mean nothing to a prefill protocol: refused in one line, nothing evaluated.
+    assert main([*arguments[:-3], "--protocol", "question_agnostic"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "is a bounded cache" in error and "--protocol stream_nll or stream_answer" in error and "\n" not in error
+
+
 def test_a_bounded_press_config_is_one_configuration_and_builds_the_decoding_press():
     from grkv_core.presses.decoding import MergingDecodingPress
     from grkv_core.presses.from_config import BuiltPress, build
