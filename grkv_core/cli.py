@@ -399,16 +399,18 @@ def build_parser(
 
 
 def run(
-    parser: argparse.ArgumentParser, argv: list[str] | None, user_errors: tuple[type[BaseException], ...] = ()
+    parser: argparse.ArgumentParser, argv: list[str] | None, other_errors: dict[type[BaseException], int] | None = None
 ) -> int:
-    """Parse ``argv`` and run its command; a user error (bad names, missing data or packages, or any of
-    ``user_errors``) ends in one line, not a traceback."""
+    """Parse ``argv`` and run its command; a user error (bad names, missing data or packages) ends in one line, not a
+    traceback, with ``EXIT_USER_ERROR``; so does each of ``other_errors``, with its own exit status."""
     args = parser.parse_args(argv)
+    user_errors = (ValueError, FileNotFoundError, ImportError)
+    statuses = {**(other_errors or {}), **dict.fromkeys(user_errors, EXIT_USER_ERROR)}
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, ImportError, *user_errors) as error:
+    except tuple(statuses) as error:
         print(f"grkv {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return next(status for kind, status in statuses.items() if isinstance(error, kind))
     except KeyboardInterrupt:
         print(
             f"grkv {args.command}: interrupted; what finished is saved, re-run the same command to resume",

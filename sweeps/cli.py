@@ -379,7 +379,8 @@ def build_service_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_service_parser(), argv, user_errors=(ServiceError,))
+    # NOTE: a stack that cannot start or a job that failed is a service's problem (3), never a bad config's (2).
+    return run(build_service_parser(), argv, other_errors={ServiceError: SERVICE_LOST})
 
 
 def report_main(argv: list[str] | None = None) -> int:

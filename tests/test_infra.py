@@ -469,7 +469,7 @@ def test_start_script_settings():
         "--backend-store-uri",
         "--artifacts-destination",
         "/health",
-        "status --address",
+        "/api/v0/nodes",
         "ray job submit --address $RAY_DASHBOARD_URL --working-dir . -- python sweep.py --config "
         "sweeps/configs/smoke.yaml",
     ):

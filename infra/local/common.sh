@@ -110,11 +110,17 @@ close_inherited_fds() {
 
 # lock: serialise start/stop on the same state dir. The lock fd (9) is closed in the services
 # we launch (close_inherited_fds), so they never hold it.
+# A start waits for another's (which waits for its services to answer, up to GRKV_START_TIMEOUT) rather than failing.
 take_lock() {
   mkdir -p "$STATE_DIR"
   exec 9>"$LOCK_FILE"
-  if command -v flock >/dev/null 2>&1; then
-    flock -w 30 9 || die "another start/stop holds $LOCK_FILE"
+  if command -v flock >/dev/null 2>&1 && ! flock -n 9; then
+    local wait_s=${GRKV_LOCK_WAIT:-600}
+    info "another start/stop of $STATE_DIR runs (it holds $LOCK_FILE); waiting for it, up to ${wait_s}s"
+    if ! flock -w "$wait_s" 9; then
+      echo "grkv-local: error: another start/stop has held $LOCK_FILE for ${wait_s}s; is one stuck? (GRKV_LOCK_WAIT)" >&2
+      exit 3
+    fi
   fi
 }
 

@@ -2,11 +2,12 @@
 # Start the local GRKV sweep stack, bound to 127.0.0.1 only:
 #   * a Ray head node (dashboard + Jobs API, GCS, raylet), and
 #   * an MLflow tracking server (SQLite backend, artifacts served from the state dir).
-# Waits until both answer (Ray: `ray status` lists the node and the Jobs API answers;
+# Waits until both answer (Ray: the Jobs API answers and the dashboard lists an alive node;
 # MLflow: GET /health), writes pid/log files in the state dir and prints the URLs and the
 # `ray job submit` command. Idempotent: a second run while both answer is a no-op. A service whose
-# process runs but does not answer (e.g. the `ray start --block` leader outliving its cluster after
-# `ray stop`), or whose leader died leaving processes behind, is stopped and started again.
+# process runs but does not answer within GRKV_HEALTH_WAIT seconds (e.g. the `ray start --block` leader outliving its
+# cluster after `ray stop`), or whose leader died leaving processes behind, is stopped and started again; never a Ray
+# head that runs a job (exit 3 instead).
 # Stop with infra/local/stop.sh. Settings: see infra/local/common.sh (GRKV_* variables).
 set -euo pipefail
 
@@ -163,18 +164,20 @@ finally:
 PY
 }
 
-# http_ok URL [HEADER]: true if GET URL answers 2xx. The header goes through stdin, not argv,
-# so a token never shows in `ps`.
-http_ok() {
-  local url=$1 header=${2:-X-Grkv: 1}
+# http_get URL [HEADER] [SECONDS]: print the body of GET URL if it answers 2xx within SECONDS (default 3), else fail.
+# The header goes through stdin, not argv, so a token never shows in `ps`.
+http_get() {
+  local url=$1 header=${2:-X-Grkv: 1} seconds=${3:-3}
   if command -v curl >/dev/null 2>&1; then
-    printf '%s\n' "$header" | curl -fsS --max-time 3 -o /dev/null -H @- "$url" 2>/dev/null
+    printf '%s\n' "$header" | curl -fsS --max-time "$seconds" -H @- "$url" 2>/dev/null
   else
     printf '%s\n' "$header" | "$PYTHON_BIN" -c 'import sys, urllib.request as u
 k, v = sys.stdin.readline().strip().split(": ", 1)
-u.urlopen(u.Request(sys.argv[1], headers={k: v}), timeout=3)' "$url" 2>/dev/null
+sys.stdout.write(u.urlopen(u.Request(sys.argv[1], headers={k: v}), timeout=float(sys.argv[2])).read().decode())' \
+      "$url" "$seconds" 2>/dev/null
   fi
 }
+http_ok() { http_get "$@" >/dev/null; }
 
 # In token mode the dashboard / Jobs API wants the token too (only /api/*healthz are public).
 ray_http_header="X-Grkv: 1"
@@ -182,14 +185,27 @@ if [[ "$RAY_AUTH" == token ]]; then
   ray_http_header="Authorization: Bearer $(tr -d '[:space:]' <"$RAY_AUTH_TOKEN_PATH")"
 fi
 
-# ray_answers: the dashboard / Jobs API answers and `ray status` lists a node. The dashboard answers
-# only once the GCS is up; it is polled (cheap) before `ray status`, which blocks while the GCS is
-# unreachable and exits 0 with "No cluster status" while the cluster is still coming up.
+# ray_answers: the Jobs API answers and the dashboard lists an alive node. Both are HTTP calls the dashboard serves
+# from the GCS in well under a second, also on a loaded machine (where `ray status` took 31 s at load 6 on 2 cores).
 ray_answers() {
-  http_ok "$RAY_DASHBOARD_URL/api/jobs/" "$ray_http_header" || return 1
-  local status_out
-  status_out=$(timeout 20 "$RAY_BIN" status --address "$RAY_ADDRESS_GCS" 2>/dev/null || true)
-  [[ "$status_out" == *node_* ]]
+  http_ok "$RAY_DASHBOARD_URL/api/jobs/" "$ray_http_header" 10 || return 1
+  [[ "$(http_get "$RAY_DASHBOARD_URL/api/v0/nodes" "$ray_http_header" 10)" == *'"ALIVE"'* ]]
+}
+# ray_runs_jobs: a Ray head whose raylet has a job's supervisor actor among its workers runs a job (asked of the
+# processes, so it holds for a head that does not answer; the workers have process groups of their own).
+ray_runs_jobs() {
+  local raylets
+  raylets=$(ps -ww -o pid=,args= -g "$ray_pid" 2>/dev/null | awk '$2 ~ /raylet\/raylet$/ {print $1}' | paste -sd, -)
+  [[ -n "$raylets" ]] && ps -ww -o args= --ppid "$raylets" 2>/dev/null | grep -q '^ray::JobSupervisor'
+}
+# A head that runs is given this long to answer before it counts as not answering (a loaded machine is slow, not dead).
+health_wait_s=${GRKV_HEALTH_WAIT:-60}
+ray_answers_within() {
+  local t0=$SECONDS
+  until ray_answers; do
+    (( SECONDS - t0 >= health_wait_s )) && return 1
+    sleep 2
+  done
 }
 mlflow_answers() { http_ok "$MLFLOW_URL/health"; }
 
@@ -197,8 +213,13 @@ mlflow_answers() { http_ok "$MLFLOW_URL/health"; }
 # process group, is stopped here and started again below.
 failed=0
 stopped=0
-if (( ray_running )) && ! ray_answers; then
-  info "Ray head (pid $ray_pid) runs but does not answer $RAY_DASHBOARD_URL / \`ray status\`; restarting it"
+if (( ray_running )) && ! ray_answers_within; then
+  # NOTE: never restart a head that runs a job: that would kill the job (and its sweep's running trials).
+  if ray_runs_jobs; then
+    echo "grkv-local: error: Ray head (pid $ray_pid) runs a job but has not answered $RAY_DASHBOARD_URL for ${health_wait_s}s; left running (stop it: $stop_cmd)" >&2
+    exit 3
+  fi
+  info "Ray head (pid $ray_pid) runs no job and has not answered $RAY_DASHBOARD_URL for ${health_wait_s}s; restarting it"
   ray_running=0
 fi
 if (( mlflow_running )) && ! mlflow_answers; then
@@ -337,7 +358,7 @@ while :; do
     still_running "$RAY_PID_FILE" || abort "Ray head exited during startup" "$RAY_LOG"
     if ray_answers; then
       ray_ready=1
-      info "Ray answers \`ray status --address $RAY_ADDRESS_GCS\` and $RAY_DASHBOARD_URL (after $((SECONDS - t0)) s)"
+      info "Ray answers $RAY_DASHBOARD_URL with an alive node (after $((SECONDS - t0)) s)"
     fi
   fi
   (( ray_ready && mlflow_ready )) && break
