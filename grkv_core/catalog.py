@@ -25,6 +25,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grkv_core.option_specs import option_specs
+
 # The merger name of "no merger": the eviction press alone. NOTE: not an entry (nothing to build), but a valid choice
 # wherever a merger is chosen.
 NO_MERGER = "none"
@@ -168,8 +170,6 @@ def merger_names() -> tuple[str, ...]:
 
 def merger_option_specs(merge: str) -> dict[str, Any]:
     """``{option: OptionSpec}`` of a merger (none for ``NO_MERGER`` and a merger without options)."""
-    from grkv_core.options import option_specs
-
     options = _options_type(merge)
     return option_specs(options) if options is not None else {}
 

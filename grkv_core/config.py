@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_defaults, merger_option_specs
-from grkv_core.options import PAPER_WINDOW, OptionSpec
+from grkv_core.option_specs import OptionSpec
+from grkv_core.options import PAPER_WINDOW
 from grkv_core.stream_options import STREAM_NLL, STREAM_PROTOCOL_SPEC, DecodingOptions, check_decoding
 
 FULL_CACHE = "full"

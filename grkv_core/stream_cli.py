@@ -11,7 +11,7 @@ from pathlib import Path
 
 from grkv_core.config import FULL_CACHE, PressConfig, StreamConfig, stream_min_tokens
 from grkv_core.datasets.long_texts import LONG_TEXT_DOMAINS
-from grkv_core.options import option_specs
+from grkv_core.option_specs import option_specs
 from grkv_core.stream_options import STREAM_NLL, DecodingOptions
 
 _DECODING_SPECS = option_specs(DecodingOptions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grkv_core.options import OptionSpec, option, option_specs
+from grkv_core.option_specs import OptionSpec, option, option_specs
 
 
 @dataclass

@@ -59,6 +59,25 @@ def test_package_imports_nothing_above_it(package):
     assert {path: names for path, names in offending.items() if names} == {}
 
 
+def imported_modules(path: Path) -> set[str]:
+    """The full names of the modules ``path`` imports from (``from a.b import c`` gives ``a.b``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module)
+    return names
+
+
+def test_the_option_machinery_is_a_leaf_and_the_catalog_and_options_do_not_need_each_other():
+    library = REPO / "grkv_core"
+    assert not {name for name in imported_modules(library / "option_specs.py") if name.startswith("grkv_core")}
+    # The options read the catalog's query policies; the catalog names the options dataclasses by string only.
+    assert "grkv_core.catalog" in imported_modules(library / "options.py")
+    assert "grkv_core.options" not in imported_modules(library / "catalog.py")
+
+
 def test_every_package_is_checked():
     found = {path.parent.name for path in REPO.glob("*/__init__.py")}
     assert found == {*PACKAGES, BENCHMARKS}, "a new top-level package needs its place in FORBIDDEN"

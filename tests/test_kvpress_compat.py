@@ -51,7 +51,7 @@ from grkv_core.evaluation.generation import (
 from grkv_core.evaluation.shared_prefill import attention_modules
 from grkv_core.models.gemma3 import GEMMA3
 from grkv_core.presses import BaseMergerPress
-from grkv_core.presses.from_config import build_press, refuses_eager
+from grkv_core.presses.from_config import build_press, refuses_eager, required_attention
 from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.presses.sliding_layers import sliding_layer_indices
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
@@ -61,7 +61,9 @@ NOT_EAGER = {name for name in EVICTION_PRESSES if refuses_eager(name)}
 MERGER_NAMES = list(MERGERS)
 # Ours: the mergers built on grkv_core's BaseMergerPress template (all but kvpress's own, "kvpress_merging").
 OUR_MERGERS = [name for name in MERGER_NAMES if issubclass(MERGERS[name], BaseMergerPress)]
-BASE_PRESSES = ["snapkv", "pyramidkv", "adakv", "criticalkv", "streamingllm", "knorm", "expected_attention"]
+# Every registered eviction press, so a press added to the catalog joins the matrix; but those that need eager
+# attention (H2O's observed attention), which these sdpa models cannot serve: tests/test_evaluate.py runs H2O.
+BASE_PRESSES = [name for name in EVICTION_PRESSES if required_attention(name) is None]
 
 
 def bases_of(name, bases=BASE_PRESSES):
@@ -584,9 +586,26 @@ def test_half_precision_merges_stay_finite(model_name, name, dtype):
                 module.masked_key_indices = None
 
 
+# kvpress 0.5.5's CriticalAdaKVPress masks other positions of a sequence in a batch of two than alone (its
+# ``masked_key_indices`` differ; AdaKVPress's do not), and a merger behind it merges what it keeps.
+BATCH_DEPENDENT_BASES = {
+    "criticaladakv": "kvpress 0.5.5's CriticalAdaKVPress selects per sequence differently in a batch than alone"
+}
+
+
+def batch_independence_cases(models, bases):
+    cases = model_merger_base(models, bases)
+    return [
+        pytest.param(*case.values, marks=[*case.marks, pytest.mark.xfail(strict=True, reason=reason)])
+        if (reason := BATCH_DEPENDENT_BASES.get(case.values[2]))
+        else case
+        for case in cases
+    ]
+
+
 # SnapKV: test_press, test_baselines
 @pytest.mark.parametrize(
-    "model_name,name,base", model_merger_base(PROPERTY_MODELS, sorted(set(BASE_PRESSES) - {"snapkv"}))
+    "model_name,name,base", batch_independence_cases(PROPERTY_MODELS, sorted(set(BASE_PRESSES) - {"snapkv"}))
 )
 def test_batch_elements_are_merged_independently_over_every_base(model_name, name, base):
     model = tiny_model(model_name).model

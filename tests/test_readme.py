@@ -44,10 +44,14 @@ def named_paths(text: str, folder: Path = REPO) -> set[Path]:
     for span in code_spans(text):
         if span.startswith("git "):  # names git's history, not the tree
             continue
-        for token in re.split(r"[\s\"'(),=:]+", span):
-            token = token.rstrip(".;")
-            if token.split("/")[0] in TOP_LEVEL:
-                paths.add(REPO / token)
+        for line in span.splitlines():
+            tokens = re.split(r"[\s\"'(),=:]+", line.split("#")[0].strip())
+            if tokens[0] == "cp":  # its destination is what the command creates
+                tokens = tokens[:-1]
+            for token in tokens:
+                token = token.rstrip(".;")
+                if token.split("/")[0] in TOP_LEVEL:
+                    paths.add(REPO / token)
     return paths
 
 
@@ -57,7 +61,7 @@ def exists(path: Path) -> bool:
     return any(REPO.glob(fixed)) if "*" in fixed else (REPO / fixed).exists()
 
 
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+DOCUMENTS = [REPO / "README.md", REPO / "infra" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(REPO)))

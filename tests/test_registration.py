@@ -16,7 +16,7 @@ from grkv_core.catalog import MERGERS
 from grkv_core.cli import build_parser
 from grkv_core.config import PressConfig
 from grkv_core.evaluation.generation import prefill
-from grkv_core.options import OptionSpec, option
+from grkv_core.option_specs import OptionSpec, option
 from grkv_core.presses import BaseMergerPress
 from grkv_core.presses.from_config import build
 from sweeps.config import SweepConfig

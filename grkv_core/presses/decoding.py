@@ -10,7 +10,7 @@ from kvpress import BasePress, DecodingPress, ScorerPress, StreamingLLMPress
 from torch import nn
 
 from grkv_core import options
-from grkv_core.options import options_docstring
+from grkv_core.option_specs import options_docstring
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.padding import padding_refused
 from grkv_core.presses.selection import (

@@ -13,7 +13,7 @@ from kvpress import MergingPress as KVPressMergingPress
 
 from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NEEDS_EAGER, NO_MERGER, REFUSES_EAGER
 from grkv_core.config import FULL_CACHE, PROTOCOL_SPEC, PressConfig
-from grkv_core.options import option_specs
+from grkv_core.option_specs import option_specs
 from grkv_core.stream_options import STREAM_PROTOCOLS, DecodingOptions
 
 

@@ -11,7 +11,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from grkv_core.options import PAPER_GRKV_OPTIONS, SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions, options_docstring
+from grkv_core.option_specs import options_docstring
+from grkv_core.options import PAPER_GRKV_OPTIONS, SOLVER_OPTION_NAMES, GRKVOptions, SolverOptions
 from grkv_core.presses.layer_groups import LayerGroups, LayerMerge, keeps_returned_rows
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.query_policies import (

@@ -35,7 +35,7 @@ from kvpress import (
 from kvpress.utils import compute_n_kept
 from torch import nn
 
-from grkv_core.options import is_number
+from grkv_core.option_specs import is_number
 
 MASKING_PRESSES = (AdaKVPress, CriticalAdaKVPress)
 # NOTE: wrappers whose token selection is reproduced here around their inner ScorerPress (kvpress asserts it is one).
