@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -406,17 +408,34 @@ def run(
     args = parser.parse_args(argv)
     user_errors = (ValueError, FileNotFoundError, ImportError)
     statuses = {**(other_errors or {}), **dict.fromkeys(user_errors, EXIT_USER_ERROR)}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         return args.handler(args)
     except tuple(statuses) as error:
         print(f"grkv {args.command}: error: {error}", file=sys.stderr)
         return next(status for kind, status in statuses.items() if isinstance(error, kind))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
         print(
-            f"grkv {args.command}: interrupted; what finished is saved, re-run the same command to resume",
+            f"grkv {args.command}: {how}; what finished is saved, re-run the same command to resume",
             file=sys.stderr,
         )
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (what ``timeout``, systemd, Kubernetes and CI runners send), handled as a Ctrl-C: what a command
+    started is stopped and what finished kept on the way out; it exits 143."""
+
+
+def _terminate(signum, frame) -> None:
+    # NOTE: once: a second SIGTERM during the clean-up ends the process as it would have without this handler.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:

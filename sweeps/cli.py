@@ -109,10 +109,16 @@ def _sweep_words(config) -> str:
         f"{config.trials} full trials",
         f"a test stage on {data.test.samples} held-out sample(s) per task" if config.test_stage else None,
     ]
+    if config.bounded:
+        what = config.stream_config()
+        budget = f"kept at {what.target_size} tokens every {what.compression_interval}"
+        data_words = f"{what.source} ({data.samples} text(s), {what.max_tokens} tokens each, streamed)"
+    else:
+        budget = f"at {1 - config.press.compression_ratio:.0%}"
+        length = f", {data.context_length} tokens" if data.context_length else ""
+        data_words = f"{data.dataset} ({tasks}, {data.samples} sample(s) each{length})"
     return (
-        f"{config.model.name} on {data.dataset} ({tasks}, {data.samples} sample(s) each"
-        f"{f', {data.context_length} tokens' if data.context_length else ''}), {config.press.name} at "
-        f"{1 - config.press.compression_ratio:.0%} + {'/'.join(config.merge)}: "
+        f"{config.model.name} on {data_words}, {config.press.name} {budget} + {'/'.join(config.merge)}: "
         + ", ".join(stage for stage in stages if stage)
     )
 

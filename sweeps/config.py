@@ -31,7 +31,8 @@ from grkv_core.config import (
 )
 from grkv_core.datasets.long_texts import LONG_TEXT_DOMAINS
 from grkv_core.metrics import ANSWER_METRICS, STREAM_METRICS
-from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS, OptionSpec, option_specs
+from grkv_core.option_specs import OptionSpec, option_specs
+from grkv_core.options import GRKV_PRESETS, PAPER_GRKV_OPTIONS
 from grkv_core.stream_options import STREAM_ANSWER, STREAM_NLL, STREAM_PROTOCOLS, DecodingOptions
 from sweeps.params import CategoricalParam, Param, Strict, can_fix, range_problem
 from sweeps.search_sections import Objective, SamplerSection, ScreeningSection, TestSection

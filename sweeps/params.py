@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from grkv_core.options import OptionSpec, is_number
+from grkv_core.option_specs import OptionSpec, is_number
 
 
 class Strict(BaseModel):

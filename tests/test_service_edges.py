@@ -1,0 +1,126 @@
+"""The sweep service at its edges. ``infra/local/start.sh`` on a stack that already runs a job: slow is not dead (a
+start that waits on another's lock waits for it; a Ray head that runs a job is never restarted, even when its
+dashboard stops answering: exit 3, one line; the job keeps running). ``grkv sweep`` sent SIGTERM stops as on Ctrl-C
+(exit 143) and the same command resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from conftest import local_stack_ports
+from mlflow.tracking import MlflowClient
+from test_sweep_service import REPO, SMOKE, local_stack, wait_for
+
+from workers.names import ROLE_TAG, STAGE_TAG, SWEEP_TAG
+
+START = REPO / "infra" / "local" / "start.sh"
+
+
+def _job_status(stack, job_id: str) -> str:
+    result = subprocess.run(
+        ["ray", "job", "status", "--address", stack["dashboard"], job_id],
+        env=stack["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.stdout + result.stderr
+
+
+def _dashboard_pid(ray_pid: int) -> int:
+    listed = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "-g", str(ray_pid)], capture_output=True, text=True
+    ).stdout
+    return next(int(line.split()[0]) for line in listed.splitlines() if "dashboard/dashboard.py" in line)
+
+
+def test_a_start_waits_for_a_held_lock_and_never_restarts_a_head_that_runs_a_job():
+    state = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))
+    with local_stack(state) as stack:
+        env = stack["env"]
+        ray_pid = int((state / "ray.pid").read_text())
+        submitted = subprocess.run(
+            ["ray", "job", "submit", "--address", stack["dashboard"], "--no-wait", "--submission-id", "sleeper", "--"]
+            + ["python", "-c", "import time; time.sleep(600)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        wait_for(lambda: "RUNNING" in _job_status(stack, "sleeper"), 120, "the job to run")
+
+        # Another start holds the lock for a while: this one says it waits, then finds the stack as it is.
+        holder = subprocess.Popen(["flock", str(state / ".lock"), "sleep", "6"])
+        time.sleep(1)
+        again = subprocess.run(["bash", str(START)], env=env, capture_output=True, text=True, timeout=300)
+        holder.wait(timeout=30)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "waiting for it" in again.stdout and "already running" in again.stdout
+
+        # The dashboard stops answering while the job runs: the start leaves the head alone, in one line, exit 3.
+        dashboard = _dashboard_pid(ray_pid)
+        os.kill(dashboard, signal.SIGSTOP)
+        try:
+            frozen = subprocess.run(
+                ["bash", str(START)], env={**env, "GRKV_HEALTH_WAIT": "4"}, capture_output=True, text=True, timeout=300
+            )
+        finally:
+            os.kill(dashboard, signal.SIGCONT)
+        errors = [line for line in frozen.stderr.splitlines() if "error:" in line]
+        assert frozen.returncode == 3 and len(errors) == 1 and "runs a job" in errors[0], frozen.stdout + frozen.stderr
+        assert int((state / "ray.pid").read_text()) == ray_pid
+        assert "RUNNING" in _job_status(stack, "sleeper")
+        subprocess.run(["ray", "job", "stop", "--address", stack["dashboard"], "sleeper"], env=env, timeout=120)
+
+
+def test_a_sweep_sent_sigterm_stops_its_job_and_stack_and_the_same_command_resumes():
+    state = Path(tempfile.mkdtemp(prefix="grkv-", dir="/tmp"))
+    config = yaml.safe_load(SMOKE.read_text())
+    for section in ("screening", "test"):
+        config.pop(section)
+    config["data"].pop("test")
+    config.update(trials=6, name="sigterm")
+    config["tracking"]["experiment"] = "grkv-sigterm"
+    (state / "sweep.yaml").write_text(yaml.safe_dump(config))
+    ports = local_stack_ports()
+    env = {**os.environ, **ports, "GRKV_RAY_CPUS": "2", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "sweeps.cli", "sweep", "--config", str(state / "sweep.yaml")]
+    command += ["--sweep-id", "term", "--state-dir", str(state), "--stop"]
+    try:
+        sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in sweep.stdout:  # the first trial's line: mid-stage
+            if "full" in line and "trial" in line and "/6" in line:
+                break
+        ray_pid = int((state / "ray.pid").read_text())
+        sweep.send_signal(signal.SIGTERM)
+        _, errors = sweep.communicate(timeout=300)
+        assert sweep.returncode == 143, errors[-3000:]
+        assert errors.strip().splitlines()[-1] == (
+            "grkv sweep: terminated (SIGTERM); what finished is saved, re-run the same command to resume"
+        )
+        # --stop: the job was stopped with the stack, and nothing of the stack is left.
+        assert not (state / "ray.pid").exists() and not (state / "mlflow.pid").exists()
+        assert subprocess.run(["ps", "-o", "pid=", "-g", str(ray_pid)], capture_output=True, text=True).stdout == ""
+        client = MlflowClient(f"sqlite:///{state}/mlflow.db")
+        experiment = client.get_experiment_by_name("grkv-sigterm")
+        runs = client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'term'", max_results=100)
+        assert runs and all(run.info.status != "RUNNING" for run in runs), "every run closed"
+
+        resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        runs = client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'term'", max_results=100)
+        finished = [run for run in runs if run.data.tags.get(ROLE_TAG) == "trial" and run.info.status == "FINISHED"]
+        numbers = [run.data.tags["grkv.trial_number"] for run in finished if run.data.tags[STAGE_TAG] == "full"]
+        assert sorted(numbers) == sorted(set(numbers)) and len(numbers) == 6
+    finally:
+        subprocess.run(
+            ["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)}, timeout=120
+        )
