@@ -32,34 +32,53 @@ class SweepLostError(RuntimeError):
 
 class ProgressPrinter:
     """What a sweep did since the last look, read from its MLflow runs: one line per batch of runs that started
-    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time)."""
+    and one per trial or test run that ended (its objective, or the screening metric, and its evaluation time).
+
+    Each look asks MLflow only for the runs that ended since the last one and those running now, so it costs the
+    same at trial 10 and at trial 10,000, and every page of an answer is read (no cap drops a line).
+    NOTE: "since" is the latest end time seen: one driver closes a sweep's runs, from one thread, so their end
+    times only grow; runs ending on that same millisecond come again and are skipped by id.
+    """
+
+    PAGE = 1000
 
     def __init__(self, client, config, sweep_id: str):
         self.client, self.config, self.sweep_id = client, config, sweep_id
         self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
         self.running: set[str] = set()  # run ids already announced as running
+        self.ended_since = 0  # ms: the latest end time among the runs counted
         self.started = time.monotonic()
         self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
 
-    def runs(self, role: str = "trial") -> list:
+    def runs(self, role: str = "trial", condition: str = "") -> list:
+        """The sweep's runs of ``role`` (matching ``condition``, an MLflow filter clause), every page of them."""
         experiment = self.client.get_experiment_by_name(self.config.tracking.experiment)
         if experiment is None:
             return []
-        return self.client.search_runs(
-            [experiment.experiment_id],
-            f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = '{role}'",
-            max_results=5000,
-        )
+        query = f"tags.`{SWEEP_TAG}` = '{self.sweep_id}' and tags.`{ROLE_TAG}` = '{role}'"
+        found, token = [], None
+        while True:
+            page = self.client.search_runs(
+                [experiment.experiment_id],
+                f"{query} and {condition}" if condition else query,
+                max_results=self.PAGE,
+                page_token=token,
+            )
+            found += page
+            token = page.token
+            if not token:
+                return found
 
     def update(self, quiet: bool = False) -> None:
         """Print the runs that started or ended since the last call (with ``quiet``, only count those that ended:
         a resumed sweep's)."""
-        runs = self.runs()
+        recent = self.runs(condition=f"attributes.end_time >= {self.ended_since}")
         ended = [
             child
-            for child in runs
+            for child in recent
             if child.info.status in ("FINISHED", "FAILED") and child.info.run_id not in self.stage_of
         ]
+        self.ended_since = max([self.ended_since, *(child.info.end_time or 0 for child in recent)])
         for child in sorted(ended, key=lambda child: child.info.end_time or 0):
             stage = child.data.tags.get(STAGE_TAG, FULL_STAGE)
             self.stage_of[child.info.run_id] = stage
@@ -75,7 +94,8 @@ class ProgressPrinter:
                 f"{metrics.get('trial_eval_s', 0.0):6.1f} s",
                 flush=True,
             )
-        started = [child for child in runs if child.info.status == "RUNNING" and child.info.run_id not in self.running]
+        running = self.runs(condition="attributes.status = 'RUNNING'")
+        started = [child for child in running if child.info.run_id not in self.running]
         if started and not quiet:
             stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
             print(

@@ -124,3 +124,52 @@ def test_a_sweep_sent_sigterm_stops_its_job_and_stack_and_the_same_command_resum
         subprocess.run(
             ["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)}, timeout=120
         )
+
+
+class CountingClient:
+    """An MLflow client that counts the runs each ``search_runs`` returns."""
+
+    def __init__(self, client):
+        self.client, self.returned = client, 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def search_runs(self, *args, **kwargs):
+        page = self.client.search_runs(*args, **kwargs)
+        self.returned += len(page)
+        return page
+
+
+def test_following_a_sweep_reads_only_what_changed_since_the_last_look(tmp_path, capsys):
+    from sweeps.config import load_config
+    from sweeps.follow import ProgressPrinter
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("grkv-smoke", artifact_location=(tmp_path / "artifacts").as_uri())
+    config = load_config(SMOKE)
+    clock = iter(range(10**6, 10**9, 1000))  # end times a second apart, as one driver's writer closes runs
+
+    def add_runs(count: int, first: int) -> None:
+        for number in range(first, first + count):
+            tags = {SWEEP_TAG: "big", ROLE_TAG: "trial", STAGE_TAG: "full", "grkv.trial_number": str(number)}
+            run = client.create_run(experiment, tags=tags)
+            client.log_metric(run.info.run_id, "mean_score", float(number))
+            client.set_terminated(run.info.run_id, "FINISHED", end_time=next(clock))
+
+    add_runs(300, 0)
+    counting = CountingClient(client)
+    progress = ProgressPrinter(counting, config, "big")
+    progress.PAGE = 64  # several pages for the first look: none is dropped
+    progress.update(quiet=True)
+    assert len(progress.stage_of) == 300 and counting.returned == 300
+    counted = 300
+    for new in (5, 1, 12):
+        counting.returned = 0
+        add_runs(new, counted)
+        progress.update()
+        counted += new
+        # The runs that ended since the last look, and the last one seen (its end time is where the look starts).
+        assert counting.returned == new + 1 and len(progress.stage_of) == counted
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 18 and printed[-1].split()[4] == "318/8" and "trial 317" in printed[-1]
