@@ -78,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from sweeps.config import ConfigError, load_config
     from sweeps.lease import SweepBusyError
+    from sweeps.state.optuna_storage import optuna_outside_tested_range
     from sweeps.state.rdb_storage import StorageUnavailableError
     from sweeps.state.state_dir import StateDirError
     from sweeps.worker_pool import ClusterLostError
     from tracking.mlflow_tracker import TrackingUnavailableError
 
+    if untested := optuna_outside_tested_range():
+        print(f"sweep: {untested}", file=sys.stderr)
+        return USER_ERROR
     try:
         config = load_config(args.config)
     except ConfigError as error:

@@ -126,10 +126,19 @@ def _sweep_words(config) -> str:
 # ---- commands ------------------------------------------------------------------------------------------------
 
 
-def cmd_sweep(args) -> int:
+def _check_before_starting(config_path):
+    """The sweep config, and the Optuna the driver will run with: checked before any service starts (a ValueError
+    in one line)."""
     from sweeps.config import load_config
+    from sweeps.state.optuna_storage import optuna_outside_tested_range
 
-    config = load_config(args.config)  # NOTE: checked before any service starts
+    if untested := optuna_outside_tested_range():
+        raise ValueError(untested)
+    return load_config(config_path)
+
+
+def cmd_sweep(args) -> int:
+    config = _check_before_starting(args.config)
     sweep_id = args.sweep_id or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     stack = LocalStack(args.state_dir.expanduser(), postgres=args.postgres)
     print(f"sweep {sweep_id}: {_sweep_words(config)}")
@@ -252,10 +261,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from sweeps.config import load_config
-
     began = time.monotonic()
-    config = load_config(args.config)
+    config = _check_before_starting(args.config)
     sweep_id = args.sweep_id or config.name
     stack = LocalStack(args.state_dir.expanduser())
     output_dir = args.output_dir or stack.state_dir / "outputs" / sweep_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -17,6 +18,24 @@ from sweeps.state.state_dir import StateDirError
 from tracking.retry import one_line
 
 log = logging.getLogger("grkv.sweep")
+
+# The Optuna releases (from, up to but excluding) the sweep's storage is tested with: it overrides and calls Optuna's
+# private storage internals (``rdb_storage.py``), which change between releases (4.6 added ``_get_best_trial_id``;
+# its cache wrote parameters through the public method, past the retried override). tests/test_optuna_internals.py
+# pins their signatures and holds pyproject.toml's range to this one.
+TESTED_OPTUNA = ((5, 0), (5, 1))
+
+
+def optuna_outside_tested_range(version: str = optuna.__version__) -> str | None:
+    """Why a sweep must not run on Optuna ``version``, in one line; None within ``TESTED_OPTUNA``."""
+    (low, high), release = TESTED_OPTUNA, tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if low <= release < high:
+        return None
+    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    return (
+        f"Optuna {version} is outside the tested range {tested} (the sweep's storage relies on Optuna's private "
+        f"internals, which change between releases); install 'optuna{tested}'"
+    )
 
 
 def repair_journal(journal: Path) -> None:
