@@ -11,6 +11,7 @@ command that resumes the sweep.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -41,13 +42,17 @@ class ProgressPrinter:
     """
 
     PAGE = 1000
+    # The longest silence while runs are running (a look every POLL_S: under 30 s in all): then a line says which still
+    # run and how far they are.
+    HEARTBEAT_S = 25.0
 
-    def __init__(self, client, config, sweep_id: str):
+    def __init__(self, client, config, sweep_id: str, checkpoints: Path | None = None):
         self.client, self.config, self.sweep_id = client, config, sweep_id
+        self.checkpoints = checkpoints  # the state directory's checkpoints/: the running trials' samples done
         self.stage_of: dict[str, str] = {}  # run id -> stage, of every run already shown or counted
         self.running: set[str] = set()  # run ids already announced as running
         self.ended_since = 0  # ms: the latest end time among the runs counted
-        self.started = time.monotonic()
+        self.started = self.last_line = time.monotonic()
         self.totals = {SCREEN_STAGE: config.screening.trials, FULL_STAGE: config.trials}
 
     def runs(self, role: str = "trial", condition: str = "") -> list:
@@ -89,21 +94,37 @@ class ProgressPrinter:
             metric = self.config.screening.metric if stage == SCREEN_STAGE else self.config.objectives[0].metric
             metrics = child.data.metrics
             value = f"{metric} {metrics[metric]:.4g}" if metric in metrics else child.info.status.lower()
-            print(
-                f"  [{self._minutes():4.1f} min] {stage:6} {count:>5}  {self._name(child):<24} {value:<26} "
-                f"{metrics.get('trial_eval_s', 0.0):6.1f} s",
-                flush=True,
+            self._print(
+                f"{stage:6} {count:>5}  {self._name(child):<24} {value:<26} {metrics.get('trial_eval_s', 0.0):6.1f} s"
             )
         running = self.runs(condition="attributes.status = 'RUNNING'")
         started = [child for child in running if child.info.run_id not in self.running]
-        if started and not quiet:
-            stage = started[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            print(
-                f"  [{self._minutes():4.1f} min] {stage:6} running: "
-                + ", ".join(self._name(child) for child in sorted(started, key=lambda child: child.info.start_time)),
-                flush=True,
-            )
         self.running.update(child.info.run_id for child in started)
+        if quiet or not running:
+            return
+        if started or time.monotonic() - self.last_line >= self.HEARTBEAT_S:
+            stage = running[0].data.tags.get(STAGE_TAG, FULL_STAGE)
+            names = ", ".join(self._name(child) for child in sorted(running, key=lambda child: child.info.start_time))
+            self._print(f"{stage:6} {'running' if started else 'still running'}: {names}{self._samples_done(stage)}")
+
+    def _print(self, line: str) -> None:
+        print(f"  [{self._minutes():4.1f} min] {line}", flush=True)
+        self.last_line = time.monotonic()
+
+    def _samples_done(self, stage: str) -> str:
+        """How many samples the running trials of ``stage`` have finished, from their checkpoints (one JSON file
+        per trial: a prefill evaluation's ``samples``, or a bounded-cache evaluation's lines after its header)."""
+        folder = self.checkpoints / stage if self.checkpoints is not None else None
+        if folder is None or not folder.is_dir():
+            return ""
+        done = 0
+        for path in folder.glob("*.json"):
+            try:
+                text = path.read_text()
+                done += len(json.loads(text)["samples"]) if text.startswith("{\n") else text.count("\n") - 1
+            except (OSError, ValueError, KeyError):
+                continue  # NOTE: a checkpoint removed or replaced under the look: counted at the next one
+        return f"; {done} sample(s) done in their checkpoints"
 
     def _minutes(self) -> float:
         return (time.monotonic() - self.started) / 60

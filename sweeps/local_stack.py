@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sweeps.follow import ACTIVE_JOB, ProgressPrinter, cluster_loss, job_end
+from workers.names import CHECKPOINT_FOLDER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_INFRA = REPO_ROOT / "infra" / "local"
@@ -161,7 +162,9 @@ def run_sweep(stack: LocalStack, config_path: Path, sweep_id: str) -> str:
 
     config = load_config(config_path)
     jobs, job_id = _submit(stack, config_path, sweep_id)
-    progress = ProgressPrinter(MlflowClient(stack.mlflow_url), config, sweep_id)
+    progress = ProgressPrinter(
+        MlflowClient(stack.mlflow_url), config, sweep_id, stack.sweeps_dir / sweep_id / CHECKPOINT_FOLDER
+    )
     progress.update(quiet=True)
     if progress.stage_of:
         print(f"sweep {sweep_id}: resuming, {len(progress.stage_of)} run(s) already finished")

@@ -219,6 +219,9 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         out = first.stdout
         assert re.search(r"screen +2/2 +trial \d", out) and re.search(r"full +4/4 +trial \d", out)
+        # Never silent for half a minute while a stage runs (the test stage's long evaluations included).
+        minutes = [float(stamp) for stamp in re.findall(r"^  \[ *(\d+\.\d) min\]", out, re.M)]
+        assert max(later - earlier for earlier, later in zip(minutes, minutes[1:])) <= 0.5
         assert re.search(rf"MLflow UI \(the sweep's parent run\): {tracking_uri}/#/experiments/\d+/runs/\w+", out)
         press_file = Path(re.search(r"recommended press configuration: (\S+)", out).group(1))
         assert press_file == state / "outputs" / "tiny-demo" / "press.yaml"

@@ -173,3 +173,29 @@ def test_following_a_sweep_reads_only_what_changed_since_the_last_look(tmp_path,
         assert counting.returned == new + 1 and len(progress.stage_of) == counted
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 18 and printed[-1].split()[4] == "318/8" and "trial 317" in printed[-1]
+
+
+def test_a_long_running_stage_is_never_silent_and_says_how_far_its_trials_are(tmp_path, capsys):
+    import json
+
+    from sweeps.config import load_config
+    from sweeps.follow import ProgressPrinter
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("grkv-smoke", artifact_location=(tmp_path / "artifacts").as_uri())
+    tags = {SWEEP_TAG: "slow", ROLE_TAG: "trial", STAGE_TAG: "test", "grkv.test_of": "eviction_only"}
+    client.create_run(experiment, tags=tags)
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "test").mkdir(parents=True)
+    (checkpoints / "test" / "a.json").write_text(json.dumps({"samples": [{}, {}, {}]}, indent=1))
+    (checkpoints / "test" / "b.json").write_text('{"config": {}}\n{"item_id": "x"}\n')  # a bounded-cache one
+    progress = ProgressPrinter(client, load_config(SMOKE), "slow", checkpoints)
+    progress.update()
+    progress.update()  # nothing new within the heartbeat: silent
+    progress.last_line -= progress.HEARTBEAT_S
+    progress.update()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and printed[0].endswith(
+        "test   running: eviction_only; 4 sample(s) done in their checkpoints"
+    )
+    assert "still running: eviction_only; 4 sample(s)" in printed[1]

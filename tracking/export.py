@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from grkv_core.catalog import merger_option_specs
 from grkv_core.config import QUESTION_AGNOSTIC, PressConfig
-from grkv_core.options import option_specs
+from grkv_core.option_specs import option_specs
 from grkv_core.presses.from_config import PRESS_FILE_FIELDS, PROTOCOL_FIELD
 from grkv_core.stream_options import DecodingOptions
 from tracking.reports.data import BUDGET_SEPARATOR, SweepRuns, load_sweep, parse_param

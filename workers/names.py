@@ -51,3 +51,5 @@ ZERO_SUFFIX = "_is_zero"
 # (``grkv_core.stream_options.DecodingOptions``); never a merger option.
 BOUNDED_SIZES = ("target_size", "compression_interval")
 BUDGET_PARAMS = ("compression_ratio", *BOUNDED_SIZES)
+# The folder of a sweep's state directory where the workers keep their running trials' per-sample checkpoints.
+CHECKPOINT_FOLDER = "checkpoints"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER, KvpressRun, write_run
 from grkv_core.files import write_atomically
-from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
+from workers.names import CHECKPOINT_FOLDER, FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome
 
 
@@ -95,4 +95,4 @@ class StateDir:
     @property
     def checkpoints(self) -> str:
         """Where workers keep the per-sample results of the trials they are evaluating (``TrialRequest``)."""
-        return str(self.root / "checkpoints")
+        return str(self.root / CHECKPOINT_FOLDER)

@@ -34,7 +34,10 @@ def headline(runs: SweepRuns, score: str = "mean_score") -> str:
     anchors.append(f"best trial {int(best['trial_number'])} {metric_text(objective, best[objective])} ({settings})")
     lines.append(f"{objective}: " + "; ".join(anchors))
     for metric in dict.fromkeys([objective, score]):
-        if runs.has_test_stage and metric in runs.test_trials:
+        # NOTE: a metric equal for every configuration (a score every cache ties on) says nothing: left out, as the
+        # figures leave it out.
+        tested = runs.test_trials
+        if runs.has_test_stage and metric in tested and (len(tested) < 2 or tested[metric].nunique(dropna=True) > 1):
             lines.append(
                 f"{metric} on {runs.test_sample_count} held-out test samples: "
                 + "; ".join(
