@@ -201,12 +201,12 @@ class SweepConfig(Strict):
             raise ValueError(
                 f"preset: {self.preset} is a set of GRKV's options, and grkv is not among merge {self.merge}"
             )
-        ratio = self.search_space.get("compression_ratio")
-        if ratio is not None and self.baselines and not can_fix(ratio, self.press.compression_ratio):
-            raise ValueError(
-                f"press.compression_ratio: the baselines run at {self.press.compression_ratio}, not "
-                "among the choices of search_space.compression_ratio"
-            )
+        for name in BUDGET_PARAMS:
+            param, value = self.search_space.get(name), getattr(self.press, name)
+            if param is not None and self.baselines and not can_fix(param, value):
+                raise ValueError(
+                    f"press.{name}: the baselines run at {value}, not among the choices of search_space.{name}"
+                )
         screening = self.screening
         if screening.trials and screening.promote > screening.trials:
             raise ValueError(f"screening.promote: {screening.promote} exceeds screening.trials ({screening.trials})")
@@ -255,12 +255,6 @@ class SweepConfig(Strict):
                 raise ValueError(
                     f"objectives: data.protocol {protocol} measures {list(allowed)}, not {objective.metric}"
                 )
-        size = self.search_space.get("target_size")
-        if size is not None and self.baselines and not can_fix(size, self.press.target_size):
-            raise ValueError(
-                f"press.target_size: the baselines run at {self.press.target_size}, not among the choices of "
-                "search_space.target_size"
-            )
         small = [size for size in self.test.eviction_sizes if size <= self.press.target_size]
         if small or len(set(self.test.eviction_sizes)) != len(self.test.eviction_sizes):
             raise ValueError(

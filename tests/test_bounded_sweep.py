@@ -82,6 +82,10 @@ def test_a_bounded_cache_sweep_runs_end_to_end_and_reports_across_target_sizes(s
         ("objectives: [{metric: mean_score}]", "measures ['stream_nll', 'kv_bytes'], not mean_score"),
         ("test: {eviction_sizes: [64]}", "test.eviction_sizes: [64] must differ and exceed press.target_size (128)"),
         ("press: {name: streamingllm, target_size: 0}", "press.target_size: target_size must be an integer >= 1"),
+        (
+            "search_space: {target_size: {type: categorical, choices: [192, 256]}}",
+            "press.target_size: the baselines run at 128, not among the choices of search_space.target_size",
+        ),
     ],
 )
 def test_a_bounded_cache_sweep_config_that_cannot_run_fails_in_one_line(tmp_path, change, message):

@@ -16,7 +16,7 @@ from grkv_core.models import load_model
 from grkv_core.presses.from_config import BuiltPress
 from grkv_core.stream_options import STREAM_NLL
 from workers.names import TEST_STAGE
-from workers.protocol import OK, TrialOutcome, TrialRequest
+from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, check_device, split_samples
 
 # A text's result (``evaluate_stream_item``) under the names the service's metrics have (``grkv_core.metrics``).
@@ -89,11 +89,8 @@ class StreamTrialWorker(TrialWorker):
                 found[item.item_id], reference = evaluate_stream_item(self.loaded, item, config, press.press, reference)
                 if store is not None:
                     store.add(found[item.item_id])
-        finished = time.time()
-        self.trials_evaluated += len(requests)
-        identity = self.identity()
-        outcomes = []
-        for request, press, found, count in zip(requests, presses, done, resumed):
+        evaluated = []
+        for found in done:
             results = [found[item.item_id] for item in items]
             samples = [
                 {
@@ -105,21 +102,8 @@ class StreamTrialWorker(TrialWorker):
                 }
                 for item, result in zip(items, results)
             ]
-            outcomes.append(
-                TrialOutcome.of(
-                    request,
-                    OK,
-                    started_at=started,
-                    finished_at=finished,
-                    batch_trials=len(requests),
-                    worker=identity,
-                    resolved_press=press.settings,
-                    summary=stream_summary(results),
-                    samples=samples,
-                    resumed_samples=count,
-                )
-            )
-        return outcomes
+            evaluated.append(dict(summary=stream_summary(results), samples=samples))
+        return self._finished(requests, started, presses, evaluated, resumed)
 
     def _store(self, request: TrialRequest, config: StreamConfig) -> StreamStore | None:
         """The store of a request's per-text results (JSON lines at ``TrialRequest.checkpoint``), or None."""

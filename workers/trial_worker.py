@@ -207,6 +207,21 @@ class TrialWorker:
             checkpoints,
             decode=self._stage_config(requests[0]).decode,
         )
+        evaluated = [
+            dict(
+                summary=summarize(results),
+                samples=[asdict(result) for result in results],
+                kvpress_runs=self._kvpress_runs(request, press, results),
+            )
+            for request, press, results in zip(requests, presses, per_trial)
+        ]
+        return self._finished(requests, started, presses, evaluated, resumed)
+
+    def _finished(
+        self, requests: list[TrialRequest], started: float, presses: list[BuiltPress], evaluated: list, resumed: list
+    ) -> list[TrialOutcome]:
+        """The outcomes of a batch evaluated since ``started``: per request its built press, what it evaluated
+        (``TrialOutcome`` fields: ``summary``, ``samples``...) and how many samples it resumed."""
         finished = time.time()
         self.trials_evaluated += len(requests)
         identity = self.identity()
@@ -219,12 +234,10 @@ class TrialWorker:
                 batch_trials=len(requests),
                 worker=identity,
                 resolved_press=press.settings,
-                summary=summarize(results),
-                samples=[asdict(result) for result in results],
-                kvpress_runs=self._kvpress_runs(request, press, results),
                 resumed_samples=count,
+                **fields,
             )
-            for request, press, results, count in zip(requests, presses, per_trial, resumed)
+            for request, press, fields, count in zip(requests, presses, evaluated, resumed)
         ]
 
     def _kvpress_runs(self, request: TrialRequest, press: BuiltPress, results: list) -> list[dict]:
