@@ -594,6 +594,7 @@ BATCH_DEPENDENT_BASES = {
 
 
 def batch_independence_cases(models, bases):
+    """``model_merger_base``'s cases, those over a batch-dependent base press a strict xfail."""
     cases = model_merger_base(models, bases)
     return [
         pytest.param(*case.values, marks=[*case.marks, pytest.mark.xfail(strict=True, reason=reason)])
@@ -630,7 +631,7 @@ def real_prompt_ids(model_name, length=256):
 
 @pytest.mark.slow
 @needs_package(GEMMA3)
-@pytest.mark.parametrize("model_name,name,base", model_merger_base([GEMMA3.name]))
+@pytest.mark.parametrize("model_name,name,base", batch_independence_cases([GEMMA3.name], BASE_PRESSES))
 def test_on_gemma3_270m_merging_keeps_the_budget_changes_the_cache_and_merges_batch_elements_alone(
     model_name, name, base
 ):

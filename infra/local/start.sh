@@ -203,10 +203,13 @@ health_wait_s=${GRKV_HEALTH_WAIT:-60}
 ray_answers_within() {
   local t0=$SECONDS
   until ray_answers; do
+    # NOTE: nothing listening on the dashboard's port is a head gone (`ray stop`), not a slow one: no wait.
+    listening "$RAY_DASHBOARD_PORT" || return 1
     (( SECONDS - t0 >= health_wait_s )) && return 1
     sleep 2
   done
 }
+listening() { (exec 3<>"/dev/tcp/$GRKV_HOST/$1") 2>/dev/null; }
 mlflow_answers() { http_ok "$MLFLOW_URL/health"; }
 
 # A process is not a service: what runs but does not answer, or what a dead leader left behind in its
@@ -216,10 +219,10 @@ stopped=0
 if (( ray_running )) && ! ray_answers_within; then
   # NOTE: never restart a head that runs a job: that would kill the job (and its sweep's running trials).
   if ray_runs_jobs; then
-    echo "grkv-local: error: Ray head (pid $ray_pid) runs a job but has not answered $RAY_DASHBOARD_URL for ${health_wait_s}s; left running (stop it: $stop_cmd)" >&2
+    echo "grkv-local: error: Ray head (pid $ray_pid) runs a job but does not answer $RAY_DASHBOARD_URL (waited ${health_wait_s}s); left running (stop it: $stop_cmd)" >&2
     exit 3
   fi
-  info "Ray head (pid $ray_pid) runs no job and has not answered $RAY_DASHBOARD_URL for ${health_wait_s}s; restarting it"
+  info "Ray head (pid $ray_pid) runs no job and does not answer $RAY_DASHBOARD_URL; restarting it"
   ray_running=0
 fi
 if (( mlflow_running )) && ! mlflow_answers; then
