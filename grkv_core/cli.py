@@ -423,7 +423,7 @@ def run(
         )
         return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
     finally:
-        if in_main_thread:
+        if previous is not None:  # NOTE: None also when the previous handler was not Python's: it cannot be put back
             signal.signal(signal.SIGTERM, previous)
 
 
