@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_defaults, merger_option_specs
-from grkv_core.option_specs import OptionSpec
+from grkv_core.option_specs import OptionSpec, option_specs
 from grkv_core.options import PAPER_WINDOW
 from grkv_core.stream_options import STREAM_NLL, STREAM_PROTOCOL_SPEC, DecodingOptions, check_decoding
 
@@ -223,7 +223,8 @@ class StreamConfig:
 
     def __post_init__(self) -> None:
         STREAM_PROTOCOL_SPEC.check("protocol", self.protocol)
-        check_decoding({"target_size": self.target_size, "compression_interval": self.compression_interval}, "sizes")
+        for name in ("target_size", "compression_interval"):
+            option_specs(DecodingOptions)[name].check(name, getattr(self, name))
         if self.press.bounded:
             raise ValueError(
                 "a StreamConfig's press takes no decoding: its cache is bounded by the config's target_size and "

@@ -48,6 +48,7 @@ def stream_config(args, press: PressConfig, target_size: int) -> StreamConfig:
     """The ``StreamConfig`` the command line describes for one press and size (a bounded press, from a press file,
     brings its own sizes)."""
     nll = args.protocol == STREAM_NLL
+    max_tokens = args.max_tokens if nll else args.context_length
     return StreamConfig(
         protocol=args.protocol,
         target_size=target_size,
@@ -56,8 +57,8 @@ def stream_config(args, press: PressConfig, target_size: int) -> StreamConfig:
         source=args.texts if nll else args.dataset,
         split=args.split,
         samples=args.samples,
-        min_tokens=stream_min_tokens(args.protocol, args.max_tokens if nll else args.context_length),
-        max_tokens=args.max_tokens if nll else args.context_length,
+        min_tokens=stream_min_tokens(args.protocol, max_tokens),
+        max_tokens=max_tokens,
         tasks=None if nll or not args.tasks else tuple(args.tasks),
         seed=args.seed,
         dtype=args.dtype,

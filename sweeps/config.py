@@ -231,7 +231,7 @@ class SweepConfig(Strict):
         protocol measures; a prefill sweep's budget is a ratio and its objectives are the prefill's metrics."""
         searched = set(self.search_space)
         if not self.bounded:
-            wrong = sorted(searched & set(BOUNDED_SIZES)) or (
+            wrong = [f"search_space.{name}" for name in sorted(searched & set(BOUNDED_SIZES))] or (
                 ["test.eviction_sizes"] if self.test.eviction_sizes else []
             )
             stream = [o.metric for o in self.objectives if o.metric in STREAM_METRICS]

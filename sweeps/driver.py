@@ -32,7 +32,8 @@ from sweeps.state.state_dir import StateDirError
 from sweeps.worker_pool import ClusterLostError, NoWorkerLeftError, WorkerPool
 from tracking.retry import TrackingUnavailableError, one_line
 from workers.names import BASELINE_TAG, DESIGN_ROW_ATTR, FULL_STAGE, SCREEN_STAGE
-from workers.trial_worker import WorkerStartError, WorkerStorageError
+from workers.stream_worker import StreamTrialWorker
+from workers.trial_worker import TrialWorker, WorkerStartError, WorkerStorageError
 
 log = logging.getLogger("grkv.sweep")
 
@@ -137,6 +138,7 @@ class SweepDriver:
             workers.num_gpus,
             workers.max_retries,
             workers.node_wait_s,
+            StreamTrialWorker if self.config.bounded else TrialWorker,
         )
         if screen is not None:
             self._run_stage(pool, screen)

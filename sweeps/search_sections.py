@@ -85,7 +85,6 @@ class TestSection(Strict):
             "kvpress's own MergingPress)"
         ),
     )
-
     eviction_sizes: list[int] = Field(
         default_factory=list,
         description=(

@@ -32,7 +32,6 @@ from ray.exceptions import (
 )
 
 from workers.protocol import TrialOutcome, TrialRequest
-from workers.stream_worker import StreamTrialWorker
 from workers.trial_worker import TrialWorker, WorkerStartError, WorkerStorageError
 
 log = logging.getLogger("grkv.sweep")
@@ -106,7 +105,7 @@ class WorkerPool:
     ----------
     eval_config : dict
         ``SweepConfig.worker_config()``: ``EvalConfig.to_dict()`` of the sweep, or of a bounded-cache sweep its
-        ``StreamConfig.to_dict()`` (then the workers are ``StreamTrialWorker``); each trial replaces its press.
+        ``StreamConfig.to_dict()``; each trial replaces its press.
     test_samples : int
         Samples per task each worker holds out for the test stage.
     count, num_cpus, num_gpus : int, float, float
@@ -115,6 +114,8 @@ class WorkerPool:
         Ray's restarts of each worker; a worker that dies once more is retired.
     node_wait_s : float
         How long a batch waits for the cluster to have a node that can hold its worker again.
+    worker_class : type
+        The actor: ``TrialWorker``, or ``StreamTrialWorker`` for a bounded-cache sweep.
     """
 
     def __init__(
@@ -126,10 +127,10 @@ class WorkerPool:
         num_gpus: float,
         max_retries: int,
         node_wait_s: float,
+        worker_class: type[TrialWorker] = TrialWorker,
     ):
         self.eval_config, self.test_samples = eval_config, test_samples
-        # NOTE: only a StreamConfig has sizes of its own.
-        self.remote_worker = ray.remote(StreamTrialWorker if "target_size" in eval_config else TrialWorker)
+        self.remote_worker = ray.remote(worker_class)
         self.resources = dict(num_cpus=num_cpus, num_gpus=num_gpus)
         self.max_retries = max_retries
         self.node_wait_s = node_wait_s

@@ -15,7 +15,7 @@ from grkv_core.evaluation.stream_eval import StreamItem, StreamStore, evaluate_s
 from grkv_core.models import load_model
 from grkv_core.presses.from_config import BuiltPress
 from grkv_core.stream_options import STREAM_NLL
-from workers.names import TEST_STAGE
+from workers.names import FULL_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest
 from workers.trial_worker import TrialWorker, check_device, split_samples
 
@@ -63,15 +63,11 @@ class StreamTrialWorker(TrialWorker):
         self.config = StreamConfig.from_dict(stream_config)
         check_device(self.config.device)
         self.loaded = load_model(self.config.model, dtype=self.config.dtype, device=self.config.device)
-        self.model_dtype = str(self.loaded.dtype).removeprefix("torch.")
+        self.model_dtype = self.loaded.dtype_name
         self.samples = stage_items(self.config, test_samples, self.loaded.tokenizer)
-        self.sample_total = len(self.samples[TEST_STAGE]) + len(self.samples[self._tuning_stage])
+        self.sample_total = len(self.samples[FULL_STAGE]) + len(self.samples[TEST_STAGE])
         self.model_loads = 1
         self.trials_evaluated = 0
-
-    @property
-    def _tuning_stage(self) -> str:
-        return next(stage for stage in self.samples if stage != TEST_STAGE)
 
     def _evaluate(self, requests: list[TrialRequest]) -> list[TrialOutcome]:
         started = time.time()

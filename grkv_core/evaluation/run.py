@@ -53,7 +53,7 @@ class EvaluationSetup:
     @property
     def model_dtype(self) -> str:
         """The dtype the model loaded in (``"float32"``), as result files record it."""
-        return str(self.loaded.dtype).removeprefix("torch.")
+        return self.loaded.dtype_name
 
 
 def run_evaluation(

@@ -93,6 +93,11 @@ class LoadedModel:
     dtype: torch.dtype
     attn_implementation: str
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype the model loaded in (``"float32"``), as result files record it."""
+        return str(self.dtype).removeprefix("torch.")
+
     @classmethod
     def of(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedModel:
         """``model`` (put in eval mode, gradients off) with its tokenizer and architecture facts."""

@@ -373,7 +373,7 @@ def budget_figure(lines: dict[str, pd.DataFrame], stage: str, colors: dict[str, 
     for ax, points, metric in prefill_panels:
         # The lines' points first: where labels would collide, theirs are kept.
         ordered = points.sort_values("selected", ascending=False, kind="stable")
-        budgets = [f"{budget_text(budget)}" for budget in ordered["budget"]]
+        budgets = [budget_text(budget) for budget in ordered["budget"]]
         label_points(ax, zip(budgets, ordered["prefill_s"], ordered[metric]), renderer, fontsize=7, color="dimgray")
     return _save(figure, path)
 

@@ -13,7 +13,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from grkv_core.metrics import ANSWER_METRICS, STREAM_METRICS
-from grkv_core.stream_options import STREAM_ANSWER, STREAM_NLL, STREAM_PROTOCOLS
+from grkv_core.stream_options import STREAM_NLL, STREAM_PROTOCOLS
 from tracking.reports import figures
 from tracking.reports.analyses.ablation import ablation_table
 from tracking.reports.analyses.depth_window import depth_window
@@ -123,19 +123,19 @@ def _overview(runs: SweepRuns) -> Section:
 
 def _what_is_measured(runs: SweepRuns) -> str:
     params = runs.parent_params
-    if runs.protocol == STREAM_NLL:
+    if runs.protocol not in STREAM_PROTOCOLS:
         return (
-            f"{params.get('data.texts', '?')} texts streamed through {runs.press_name} kept at "
-            f"{params.get('press.target_size', '?')} tokens every {params.get('press.compression_interval', '?')}"
+            f"dataset {params.get('data.dataset', '?')}, press {runs.press_name} at compression ratio "
+            f"{params.get('press.compression_ratio', '?')}"
         )
-    if runs.protocol == STREAM_ANSWER:
-        return (
-            f"dataset {params.get('data.dataset', '?')}, contexts streamed through {runs.press_name} kept at "
-            f"{params.get('press.target_size', '?')} tokens every {params.get('press.compression_interval', '?')}"
-        )
+    streamed = (
+        f"{params.get('data.texts', '?')} texts"
+        if runs.protocol == STREAM_NLL
+        else f"dataset {params.get('data.dataset', '?')}, contexts"
+    )
     return (
-        f"dataset {params.get('data.dataset', '?')}, press {runs.press_name} at compression ratio "
-        f"{params.get('press.compression_ratio', '?')}"
+        f"{streamed} streamed through {runs.press_name} kept at {params.get('press.target_size', '?')} tokens every "
+        f"{params.get('press.compression_interval', '?')}"
     )
 
 
