@@ -5,6 +5,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,9 @@ def mergers_over(press: str) -> list[str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
+# The environment under test is the one running pytest (.venv, or scripts/floors.sh's .venv-floors): its ray, mlflow
+# and grkv, never another's.
+VENV_BIN = Path(sys.executable).parent
 
 
 @dataclass(frozen=True)

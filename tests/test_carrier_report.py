@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from conftest import VENV_BIN, tiny_model
 
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.diagnostics.carrier_report import carrier_report
@@ -40,7 +40,7 @@ def test_carrier_report_covers_every_unit_and_plots(tiny, tmp_path):
 def test_analyze_cli_compares_presses_and_writes_outputs(tmp_path):
     result = subprocess.run(
         [
-            str(REPO / ".venv/bin/grkv"),
+            str(VENV_BIN / "grkv"),
             "analyze",
             "--model",
             "tiny-llama",

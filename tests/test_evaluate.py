@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from conftest import VENV_BIN, tiny_model
 from kvpress.utils import compute_n_kept
 
 from grkv_core.config import EvalConfig, PressConfig
@@ -24,7 +24,7 @@ from grkv_core.models.embedded import COMPLETION_TEMPLATE
 from grkv_core.options import GRKV_DEFAULTS, WINDOW32_GRKV_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
-GRKV = str(REPO / ".venv" / "bin" / "grkv")
+GRKV = str(VENV_BIN / "grkv")
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,22 @@ def test_default_is_the_best_test_stage_configuration_at_the_sweeps_budget(store
     assert open(logged).read() == text
 
 
+def test_export_reads_the_test_stages_predictions_only(store, tmp_path, monkeypatch):
+    """The end of a sweep of thousands of trials exports in seconds: one download per test-stage run, none per trial
+    (the report reads those)."""
+    import mlflow.artifacts
+
+    held_out = {"2": 50.0, "3": 40.0, "eviction_only": 10.0}
+    log_sweep(store, "downloads", {0: 20.0, 1: 10.0, 2: 25.0, 3: 30.0}, held_out)
+    downloaded, download = [], mlflow.artifacts.download_artifacts
+    monkeypatch.setattr(
+        mlflow.artifacts, "download_artifacts", lambda **kwargs: downloaded.append(kwargs) or download(**kwargs)
+    )
+    loaded, text = export(store, "downloads", tmp_path, "--no-log-artifacts")
+    assert resolved(loaded) == resolved(TRIALS[2]) and "on 2 held-out sample(s)" in text
+    assert len(downloaded) == len(held_out)
+
+
 def test_a_recommendation_that_only_ties_eviction_only_on_the_test_stage_says_so(store, tmp_path):
     log_sweep(
         store,

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_ports
+from conftest import VENV_BIN, free_ports
 
 yaml = pytest.importorskip("yaml")
 
@@ -499,7 +499,7 @@ def test_postgres_init_script_syntax():
 
 
 def _bin(name):
-    venv = ROOT / ".venv" / "bin" / name
+    venv = VENV_BIN / name
     return str(venv) if venv.exists() else shutil.which(name)
 
 

@@ -12,7 +12,7 @@ import tomllib
 import pytest
 import sqlalchemy
 import yaml
-from conftest import free_ports
+from conftest import VENV_BIN, free_ports
 from mlflow.tracking import MlflowClient
 from test_sweep_faults import one_line
 from test_sweep_service import (
@@ -163,7 +163,7 @@ def test_infra_mlflow_server_starts_on_postgresql_as_the_manifests_give_it(postg
     ).stdout
     assert {"mlflow", "psycopg2-binary"} <= {line.split("==")[0].lower() for line in installed.splitlines()}
     port = free_ports(1)[0]
-    command = [str(REPO / ".venv/bin/mlflow"), "server", *as_run_here(args, postgres, port, tmp_path / "artifacts")]
+    command = [str(VENV_BIN / "mlflow"), "server", *as_run_here(args, postgres, port, tmp_path / "artifacts")]
     log = open(tmp_path / "mlflow.log", "w")
     server = subprocess.Popen(
         command,

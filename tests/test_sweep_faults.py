@@ -16,7 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import free_ports, local_stack_ports
+from conftest import VENV_BIN, free_ports, local_stack_ports
 from mlflow.tracking import MlflowClient
 from test_sweep_service import (
     REPO,
@@ -370,7 +370,7 @@ def test_second_driver_refused_then_a_torn_journal_and_stale_lock_resume_promptl
 def mlflow_server(state: Path, port: int) -> subprocess.Popen:
     server = subprocess.Popen(
         [
-            str(REPO / ".venv" / "bin" / "mlflow"),
+            str(VENV_BIN / "mlflow"),
             "server",
             "--host",
             "127.0.0.1",

@@ -22,7 +22,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import free_ports, local_stack_ports
+from conftest import VENV_BIN, free_ports, local_stack_ports
 from mlflow.tracking import MlflowClient
 
 from grkv_core.config import QUERY_AWARE
@@ -54,7 +54,6 @@ from workers.names import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = REPO / ".venv" / "bin"
 SMOKE = REPO / "sweeps" / "configs" / "smoke.yaml"
 REQUIRED_METRICS = {
     "mean_score",

@@ -147,7 +147,7 @@ def export_press(
     ValueError
         No such trial, or nothing finished yet.
     """
-    runs = load_sweep(client, sweep_id, experiment)
+    runs = load_sweep(client, sweep_id, experiment, trial_predictions=False)
     choice = choose(runs, trial)
     press = press_of_run(client, choice.run_id)
     stage = TEST_STAGE if choice.run_id in set(runs.test_trials["run_id"]) else FULL_STAGE

@@ -45,9 +45,10 @@ ENDPOINTS_FILE="$STATE_DIR/endpoints.env"
 ENV_FILE="$STATE_DIR/env.sh"
 LOCK_FILE="$STATE_DIR/.lock"
 
-# Binaries: the repo's virtual environment when it exists, otherwise whatever is on PATH.
-if [[ -d "$REPO_ROOT/.venv/bin" ]]; then
-  VENV_BIN="$REPO_ROOT/.venv/bin"
+# Binaries: GRKV_VENV's (scripts/floors.sh sets its .venv-floors), else the repo's virtual environment when it exists,
+# otherwise whatever is on PATH.
+if [[ -d "${GRKV_VENV:-$REPO_ROOT/.venv}/bin" ]]; then
+  VENV_BIN="${GRKV_VENV:-$REPO_ROOT/.venv}/bin"
   # Ray job entrypoints (`python sweep.py ...`) inherit the PATH of the Ray head, so `python`
   # must resolve to the venv's interpreter, not to a system one without ray/mlflow/optuna.
   export PATH="$VENV_BIN:$PATH"

@@ -257,7 +257,9 @@ def find_parent_run(client: MlflowClient, sweep_id: str, experiment: str | None 
     return parents[0]
 
 
-def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = None) -> SweepRuns:
+def load_sweep(
+    client: MlflowClient, sweep_id: str, experiment: str | None = None, *, trial_predictions: bool = True
+) -> SweepRuns:
     """Read a sweep, finished or running, from MLflow into a :class:`SweepRuns`.
 
     Parameters
@@ -268,6 +270,10 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
         The sweep's id (the ``grkv.sweep_id`` tag).
     experiment : str, optional
         Look only in this experiment (default: every active experiment).
+    trial_predictions : bool
+        Download every full-stage trial's ``predictions.json`` (one request a trial: minutes for thousands of
+        trials); False leaves ``SweepRuns.trial_predictions`` empty, for readers that need only the runs' metrics and
+        the test stage (``grkv export``).
     """
     parent = find_parent_run(client, sweep_id, experiment)
     parent_id = parent.info.run_id
@@ -323,7 +329,9 @@ def load_sweep(client: MlflowClient, sweep_id: str, experiment: str | None = Non
         screen_trials=screen_trials,
         test_trials=test_trials,
         test_predictions=load_predictions(client, _artifact_uris(children, test_trials), notes, "test-stage"),
-        trial_predictions=load_predictions(client, _artifact_uris(children, trials), notes, "full-stage"),
+        trial_predictions=load_predictions(client, _artifact_uris(children, trials), notes, "full-stage")
+        if trial_predictions
+        else pd.DataFrame(columns=PREDICTION_COLUMNS),
         notes=notes,
     )
 
