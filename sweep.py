@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocol", default=None, choices=PROTOCOLS, help="override data.protocol")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # NOTE: the driver's own lines at INFO, other libraries' from WARNING (datasets 3.0 announces torch at INFO).
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("grkv").setLevel(logging.INFO)
 
     from sweeps.config import ConfigError, load_config
     from sweeps.lease import SweepBusyError

@@ -49,6 +49,8 @@ class ProgressPrinter:
     # The longest silence while runs are running (a look every POLL_S: under 30 s in all): then a line says which still
     # run and how far they are.
     HEARTBEAT_S = 25.0
+    # The most runs a "running" line names.
+    NAMES_SHOWN = 6
 
     def __init__(self, client, config, sweep_id: str, checkpoints: Path | None = None):
         self.client, self.config, self.sweep_id = client, config, sweep_id
@@ -114,8 +116,14 @@ class ProgressPrinter:
             return
         if started or time.monotonic() - self.last_line >= self.HEARTBEAT_S:
             stage = running[0].data.tags.get(STAGE_TAG, FULL_STAGE)
-            names = ", ".join(self._name(child) for child in sorted(running, key=lambda child: child.info.start_time))
-            self._print(f"{stage:6} {'running' if started else 'still running'}: {names}{self._samples_done(stage)}")
+            names = [self._name(child) for child in sorted(running, key=lambda child: child.info.start_time)]
+            # NOTE: a line, not a screenful, for many workers' batches.
+            shown = (
+                ", ".join(names)
+                if len(names) <= self.NAMES_SHOWN
+                else f"{len(names)} runs ({', '.join(names[: self.NAMES_SHOWN - 1])} … {names[-1]})"
+            )
+            self._print(f"{stage:6} {'running' if started else 'still running'}: {shown}{self._samples_done(stage)}")
 
     def _print(self, line: str) -> None:
         print(f"  [{self._minutes():4.1f} min] {line}", flush=True)

@@ -197,3 +197,20 @@ def test_a_long_running_stage_is_never_silent_and_says_how_far_its_trials_are(tm
         "test   running: eviction_only; 4 sample(s) done in their checkpoints"
     )
     assert "still running: eviction_only; 4 sample(s)" in printed[1]
+
+
+def test_a_running_line_names_a_few_runs_and_counts_the_rest(tmp_path, capsys):
+    from sweeps.config import load_config
+    from sweeps.follow import ProgressPrinter
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("grkv-smoke", artifact_location=(tmp_path / "artifacts").as_uri())
+    for number in range(9):
+        tags = {SWEEP_TAG: "wide", ROLE_TAG: "trial", STAGE_TAG: "full", "grkv.trial_number": str(number)}
+        client.create_run(experiment, start_time=1000 + number, tags=tags)
+    ProgressPrinter(client, load_config(SMOKE), "wide").update()
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith("full   running: 9 runs (trial 0, trial 1, trial 2, trial 3, trial 4 … trial 8)")
+    )

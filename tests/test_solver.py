@@ -307,8 +307,10 @@ def test_stacked_regressions_are_solved_as_if_alone():
             row_weights=weights[layer],
             **options,
         )
-        torch.testing.assert_close(stacked_k[layer : layer + 1], alone_k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(stacked_v[layer : layer + 1], alone_v, rtol=1e-5, atol=1e-5)
+        # NOTE: bitwise equal at the lock's torch; torch 2.4's batched kernels round differently from its unbatched
+        # ones, which two solves of this ill-conditioned problem (λ_k = 1e-3) carry to 4e-5 on values up to 5.
+        torch.testing.assert_close(stacked_k[layer : layer + 1], alone_k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stacked_v[layer : layer + 1], alone_v, rtol=1e-4, atol=1e-4)
     evicted = gather(problems[2]["keys"], problems[2]["kept"])[0]
     torch.testing.assert_close(stacked_k[2, 1], evicted[1], rtol=0, atol=0, equal_nan=True)
     assert not torch.equal(stacked_k[2, 0], evicted[0])
