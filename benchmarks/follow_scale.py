@@ -22,14 +22,13 @@ import contextlib
 import json
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.sweep_scale import REPO, env_file, run_sweep, stack_env, sweep_config
+from benchmarks.sweep_scale import REPO, run_sweep, start_stack, sweep_config
 from grkv_core.files import write_atomically
 from sweeps.follow import POLL_S
 
@@ -173,12 +172,10 @@ def main() -> int:
     args = parser.parse_args()
     work = args.work_dir.expanduser().resolve()
     sweep_id = f"follow-scale-{args.trials}"
-    env = stack_env(work)
-    started = subprocess.run(["bash", "infra/local/start.sh"], cwd=REPO, env=env, capture_output=True, text=True)
-    if started.returncode:
-        print(started.stdout + started.stderr, file=sys.stderr)
+    started = start_stack(work)
+    if started is None:
         return 1
-    stack = env_file(work / "stack" / "env.sh")
+    env, stack = started
     config = sweep_config(args.trials, args.workers, args.batch_size, stack["MLFLOW_TRACKING_URI"])
     config.update(name="follow-scale", sampler={"type": "random", "seed": 0})
     config["tracking"]["experiment"] = EXPERIMENT

@@ -112,6 +112,17 @@ def stack_env(work: Path) -> dict[str, str]:
     }
 
 
+def start_stack(work: Path) -> tuple[dict[str, str], dict[str, str]] | None:
+    """``infra/local/start.sh`` for ``work``: the environment it ran in (``stack_env``) and the values of the stack's
+    ``env.sh``; None, its output printed to stderr, when it failed."""
+    env = stack_env(work)
+    started = subprocess.run(["bash", "infra/local/start.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    if started.returncode:
+        print(started.stdout + started.stderr, file=sys.stderr)
+        return None
+    return env, env_file(work / "stack" / "env.sh")
+
+
 def env_file(path: Path) -> dict[str, str]:
     """``KEY=value`` lines (``export`` allowed) of a shell file."""
     pairs = (line.removeprefix("export ").split("=", 1) for line in path.read_text().splitlines())
@@ -364,12 +375,10 @@ def main() -> int:
     args = parser.parse_args()
     work = args.work_dir.expanduser().resolve()
     sweep_id = args.sweep_id or f"sweep-scale-{args.trials}"
-    env = stack_env(work)
-    started = subprocess.run(["bash", "infra/local/start.sh"], cwd=REPO, env=env, capture_output=True, text=True)
-    if started.returncode:
-        print(started.stdout + started.stderr, file=sys.stderr)
+    started = start_stack(work)
+    if started is None:
         return 1
-    stack = env_file(work / "stack" / "env.sh")
+    env, stack = started
     config_path = work / "sweep.yaml"
     config_path.write_text(
         yaml.safe_dump(sweep_config(args.trials, args.workers, args.batch_size, stack["MLFLOW_TRACKING_URI"]))

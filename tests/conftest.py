@@ -126,6 +126,43 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+def stop_local_stack(env: dict, state: Path) -> None:
+    """``infra/local/stop.sh`` on the stack kept in ``state``: a test's cleanup, whatever the test left running."""
+    subprocess.run(
+        ["bash", str(REPO / "infra/local/stop.sh")],
+        env={**env, "GRKV_STATE_DIR": str(state)},
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def sigterm_stops_everything(process: subprocess.Popen, command: str, state: Path, experiment: str, sweep_id: str):
+    """Send SIGTERM to ``process``, a ``grkv COMMAND ... --state-dir STATE --stop`` mid-stage, and check what it must
+    leave: exit 143 with its one line, nothing of the stack running, every run of the sweep closed. Returns the
+    MLflow client of the stack's store and the experiment's id, for the resume's checks."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    from workers.names import SWEEP_TAG
+
+    ray_pid = int((state / "ray.pid").read_text())
+    process.send_signal(signal.SIGTERM)
+    _, errors = process.communicate(timeout=300)
+    assert process.returncode == 143, errors[-3000:]
+    assert errors.strip().splitlines()[-1] == (
+        f"grkv {command}: terminated (SIGTERM); what finished is saved, re-run the same command to resume"
+    )
+    # --stop: the job was stopped with the stack, and nothing of the stack is left.
+    assert not (state / "ray.pid").exists() and not (state / "mlflow.pid").exists()
+    assert subprocess.run(["ps", "-o", "pid=", "-g", str(ray_pid)], capture_output=True, text=True).stdout == ""
+    client = MlflowClient(f"sqlite:///{state}/mlflow.db")
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    runs = client.search_runs([experiment_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}'", max_results=100)
+    assert runs and all(run.info.status != "RUNNING" for run in runs), "every run closed"
+    return client, experiment_id
+
+
 @dataclass(frozen=True)
 class PostgresServer:
     """A PostgreSQL server of the tests' own, started by ``infra/local/postgres.sh`` (the script the local stack

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import local_stack_ports
+from conftest import local_stack_ports, sigterm_stops_everything, stop_local_stack
 
 from sweeps.cli import DEMO_CONFIG, build_service_parser, main
 from sweeps.entry_points import (
@@ -256,22 +256,13 @@ def test_grkv_demo_runs_reports_exports_and_resumes(tmp_path):
         ) == len(runs), "a resumed finished sweep redoes nothing"
         assert all(run.info.status == "FINISHED" for run in client_runs)
     finally:
-        subprocess.run(
-            ["bash", str(REPO / "infra/local/stop.sh")],
-            env={**env, "GRKV_STATE_DIR": str(state)},
-            capture_output=True,
-            timeout=120,
-        )
+        stop_local_stack(env, state)
 
 
 @pytest.mark.slow
 def test_grkv_demo_sent_sigterm_mid_stage_stops_its_stack_and_the_same_command_resumes(tmp_path):
     """What ``timeout``, systemd and CI runners send: exit 143 in one line, nothing of the stack left with ``--stop``,
     every run closed; the same command finishes each trial once."""
-    import signal
-
-    from mlflow.tracking import MlflowClient
-
     state = tmp_path / "state"
     env = {**os.environ, **local_stack_ports(), "GRKV_RAY_CPUS": "2", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "sweeps.cli", "demo", "--config", str(tiny_demo_config(tmp_path))]
@@ -283,24 +274,11 @@ def test_grkv_demo_sent_sigterm_mid_stage_stops_its_stack_and_the_same_command_r
         for line in demo.stdout:  # the first ended trial: mid-stage
             if re.search(r"(screen|full) +1/\d+ +trial", line):
                 break
-        ray_pid = int((state / "ray.pid").read_text())
-        demo.send_signal(signal.SIGTERM)
-        _, errors = demo.communicate(timeout=300)
-        assert demo.returncode == 143, errors[-3000:]
-        assert errors.strip().splitlines()[-1] == (
-            "grkv demo: terminated (SIGTERM); what finished is saved, re-run the same command to resume"
-        )
-        assert not (state / "ray.pid").exists() and not (state / "mlflow.pid").exists()
-        assert subprocess.run(["ps", "-o", "pid=", "-g", str(ray_pid)], capture_output=True, text=True).stdout == ""
-        client = MlflowClient(f"sqlite:///{state}/mlflow.db")
-        experiment = client.get_experiment_by_name("grkv-tiny-demo")
-        query = f"tags.`{SWEEP_TAG}` = 'tiny-demo'"
-        runs = client.search_runs([experiment.experiment_id], query, max_results=100)
-        assert runs and all(run.info.status != "RUNNING" for run in runs), "every run closed"
+        client, experiment_id = sigterm_stops_everything(demo, "demo", state, "grkv-tiny-demo", "tiny-demo")
 
         resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        runs = client.search_runs([experiment.experiment_id], query, max_results=100)
+        runs = client.search_runs([experiment_id], f"tags.`{SWEEP_TAG}` = 'tiny-demo'", max_results=100)
         trials = [
             (run.data.tags[STAGE_TAG], run.data.tags[TRIAL_TAG])
             for run in runs
@@ -309,12 +287,7 @@ def test_grkv_demo_sent_sigterm_mid_stage_stops_its_stack_and_the_same_command_r
         stages = [stage for stage, _ in trials]
         assert len(trials) == len(set(trials)) and stages.count("screen") == 2 and stages.count("full") == 4
     finally:
-        subprocess.run(
-            ["bash", str(REPO / "infra/local/stop.sh")],
-            env={**env, "GRKV_STATE_DIR": str(state)},
-            capture_output=True,
-            timeout=120,
-        )
+        stop_local_stack(env, state)
 
 
 @pytest.mark.parametrize("command", ["eval", "compare"])

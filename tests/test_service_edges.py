@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import yaml
-from conftest import local_stack_ports
+from conftest import local_stack_ports, sigterm_stops_everything, stop_local_stack
 from mlflow.tracking import MlflowClient
 from test_sweep_service import REPO, SMOKE, local_stack, wait_for
 
@@ -100,31 +100,16 @@ def test_a_sweep_sent_sigterm_stops_its_job_and_stack_and_the_same_command_resum
         for line in sweep.stdout:  # the first trial's line: mid-stage
             if "full" in line and "trial" in line and "/6" in line:
                 break
-        ray_pid = int((state / "ray.pid").read_text())
-        sweep.send_signal(signal.SIGTERM)
-        _, errors = sweep.communicate(timeout=300)
-        assert sweep.returncode == 143, errors[-3000:]
-        assert errors.strip().splitlines()[-1] == (
-            "grkv sweep: terminated (SIGTERM); what finished is saved, re-run the same command to resume"
-        )
-        # --stop: the job was stopped with the stack, and nothing of the stack is left.
-        assert not (state / "ray.pid").exists() and not (state / "mlflow.pid").exists()
-        assert subprocess.run(["ps", "-o", "pid=", "-g", str(ray_pid)], capture_output=True, text=True).stdout == ""
-        client = MlflowClient(f"sqlite:///{state}/mlflow.db")
-        experiment = client.get_experiment_by_name("grkv-sigterm")
-        runs = client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'term'", max_results=100)
-        assert runs and all(run.info.status != "RUNNING" for run in runs), "every run closed"
+        client, experiment_id = sigterm_stops_everything(sweep, "sweep", state, "grkv-sigterm", "term")
 
         resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        runs = client.search_runs([experiment.experiment_id], f"tags.`{SWEEP_TAG}` = 'term'", max_results=100)
+        runs = client.search_runs([experiment_id], f"tags.`{SWEEP_TAG}` = 'term'", max_results=100)
         finished = [run for run in runs if run.data.tags.get(ROLE_TAG) == "trial" and run.info.status == "FINISHED"]
         numbers = [run.data.tags["grkv.trial_number"] for run in finished if run.data.tags[STAGE_TAG] == "full"]
         assert sorted(numbers) == sorted(set(numbers)) and len(numbers) == 6
     finally:
-        subprocess.run(
-            ["bash", str(REPO / "infra/local/stop.sh")], env={**env, "GRKV_STATE_DIR": str(state)}, timeout=120
-        )
+        stop_local_stack(env, state)
 
 
 def test_following_a_sweep_reads_only_what_changed_since_the_last_look(tmp_path, capsys):
