@@ -524,6 +524,7 @@ def test_local_start_and_stop():
     ray_port, dash_port, mlflow_port, client_port, agent_port = free_ports(5)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GRKV_", "MLFLOW_"))}
     env.update(
+        GRKV_VENV=str(VENV_BIN.parent),
         GRKV_STATE_DIR=str(state),
         GRKV_RAY_PORT=str(ray_port),
         GRKV_RAY_DASHBOARD_PORT=str(dash_port),

@@ -567,6 +567,15 @@ def test_layers_wait_only_in_caches_that_store_the_rows_they_are_given():
     plain = DynamicCache()
     plain.update(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), 0)
     assert keeps_returned_rows(plain, 0)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and torch.__version__ < "2.7",
+    reason="below torch 2.7, transformers builds an offloading cache on a CUDA stream",
+)
+def test_an_offloading_cache_never_waits_for_a_later_merge():
+    from grkv_core.presses.layer_groups import keeps_returned_rows
+
     assert not keeps_returned_rows(DynamicCache(offloading=True), 0)
 
 

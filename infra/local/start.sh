@@ -99,6 +99,10 @@ fi
 # gRPC servers (GCS, raylet, agents, client server) there. This switch (Ray's single-machine
 # mode, meant for macOS/Windows) keeps the node IP and every Ray listener on 127.0.0.1.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# Ray gives its dashboard 60 s to start and each dashboard module 30 s, then the head exits; on two busy cores (MLflow
+# starting beside it) Ray 2.53's dashboard took longer. A user's own values win.
+export RAY_DASHBOARD_STARTUP_TIMEOUT_S=${RAY_DASHBOARD_STARTUP_TIMEOUT_S:-180}
+export RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=${RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT:-120}
 # Trials logged from Ray jobs go to this server unless a sweep config says otherwise.
 export MLFLOW_TRACKING_URI="$MLFLOW_URL"
 # MLflow 3's server also starts a job runner (GenAI judge jobs, huey consumers) by default;
