@@ -4,7 +4,9 @@ sample, identical predictions and every numeric field (timings and memory peaks 
     python -m benchmarks.same_results /tmp/before /tmp/after    # exit 1 if they differ
 
 For a change that must leave results unchanged: run the same command before and after it, then this. Either folder
-may hold its result files compressed (``x.json.gz``, as committed).
+may hold its result files compressed (``x.json.gz``, as committed). For two layouts of one cache (``grkv compare
+--per-head-cache`` against the masked layout), ``--after-suffix -per-head`` pairs ``x.json`` with ``x-per-head.json``
+and ``--ignore kv_bytes`` leaves out what the layout changes by design.
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ def main() -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--rtol", type=float, default=1e-6)
+    parser.add_argument("--after-suffix", default="", help="the after file of x.json is x<SUFFIX>.json, if it exists")
+    parser.add_argument("--ignore", action="append", default=[], metavar="FIELD", help="a numeric field not compared")
     args = parser.parse_args()
     same = True
+    ignored = (*TIMINGS, *args.ignore)
     for path in json_files(args.before):
         before = read_json(path)["samples"]
-        after = read_json(args.after / path.name)["samples"]
+        stem, _, extension = path.name.partition(".")
+        renamed = args.after / f"{stem}{args.after_suffix}.{extension}"
+        after = read_json(renamed if renamed.exists() else args.after / path.name)["samples"]
         predictions = len(before) == len(after) and all(
             x["predictions"] == y["predictions"] for x, y in zip(before, after)
         )
         worst, fields = 0.0, 0
         for x, y in zip(before, after):
             for key, value in x.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in TIMINGS:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ignored:
                     fields += 1
                     worst = max(worst, abs(value - y[key]) / max(abs(value), 1e-30))
         ok = predictions and worst <= args.rtol

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
 from grkv_core.catalog import EVICTION_PRESSES, merger_names
+from grkv_core.command_runtime import OneLineErrorParser, run
 from grkv_core.config import (
     ATTN_IMPLEMENTATIONS,
     DATASETS,
     DEVICES,
     DTYPES,
     FULL_CACHE,
+    PER_HEAD_CACHE_SPEC,
     PROTOCOLS,
     QUESTION_AGNOSTIC,
     PressConfig,
@@ -34,14 +34,6 @@ DEFAULT_COMPARE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "n
 
 
 PRESS_DEFAULTS = PressConfig()
-EXIT_USER_ERROR = 2
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Argument errors end in one line naming the command, like every other ``grkv`` error."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
 
 
 def add_command(commands, name: str, help: str, example: str) -> argparse.ArgumentParser:
@@ -127,7 +119,14 @@ def _config(
         context_length=args.context_length if args.dataset == "ruler" else None,
         samples=args.samples,
         seed=args.seed,
-        press=PressConfig(press, ratio if press != FULL_CACHE else 0.0, merge, merge_options, variant),
+        press=PressConfig(
+            press,
+            ratio if press != FULL_CACHE else 0.0,
+            merge,
+            merge_options,
+            variant,
+            per_head_cache=args.per_head_cache and press != FULL_CACHE,
+        ),
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
         device=args.device,
@@ -144,6 +143,7 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
         "--compression-ratio": args.compression_ratio,
         "--merge": args.merge,
         "--preset": args.preset,
+        "--per-head-cache": args.per_head_cache or None,
         **{"--" + name.replace("_", "-"): value for name, value in given_merge_options(args).items()},
     }
     if args.press_config:
@@ -162,6 +162,15 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
     ), None
 
 
+def _refuse_per_head_streams(args) -> None:
+    if args.per_head_cache and args.protocol in STREAM_PROTOCOLS:
+        raise ValueError(f"--per-head-cache compresses the prefill only: not with --protocol {args.protocol}")
+
+
+def _add_per_head_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--per-head-cache", action="store_true", help=PER_HEAD_CACHE_SPEC.help)
+
+
 def cmd_eval(args) -> int:
     _quiet_model_loading()
     from grkv_core.evaluation.results import format_table
@@ -169,6 +178,8 @@ def cmd_eval(args) -> int:
 
     press, protocol = _eval_press(args)
     args.protocol = args.protocol or protocol
+    args.per_head_cache = args.per_head_cache or press.per_head_cache
+    _refuse_per_head_streams(args)
     if args.protocol in STREAM_PROTOCOLS:
         from grkv_core.stream_cli import cmd_stream_eval
 
@@ -196,6 +207,7 @@ def cmd_compare(args) -> int:
     output_dir = Path(args.output_dir)
     variants = [parse_merge_variant(text) for text in args.merge_variant]
     preset = GRKV_PRESETS[args.preset] if args.preset else {}
+    _refuse_per_head_streams(args)
     if args.protocol in STREAM_PROTOCOLS:
         from grkv_core.stream_cli import cmd_stream_compare
 
@@ -210,7 +222,10 @@ def cmd_compare(args) -> int:
         configs.extend([] if args.only_variants else [_config(args, args.press, ratio, "grkv", preset)])
         configs.extend(_config(args, args.press, ratio, merge, options, name) for name, merge, options in variants)
     setup = EvaluationSetup.load(configs[1])  # NOTE: the press's, since it may need eager attention
-    names = [config.press.label.replace(" + ", "+").replace(" ", "-").replace("%", "pct") for config in configs]
+    names = [
+        config.press.label.replace(" + ", "+").replace(" (", "-").replace(")", "").replace(" ", "-").replace("%", "pct")
+        for config in configs
+    ]
     summaries = run_evaluations(
         configs,
         [output_dir / f"{name}.json" for name in names],
@@ -314,6 +329,7 @@ def _add_library_commands(commands) -> None:
         help="a press file (grkv export) instead of --press, --compression-ratio, --merge and the merger options",
     )
     add_merger_options(evaluate)
+    _add_per_head_flag(evaluate)
     add_stream_flags(evaluate, several_sizes=False)
     evaluate.add_argument("--output", default=None, help="results JSON; re-running with it resumes")
     _add_evaluation_outputs(evaluate)
@@ -339,6 +355,7 @@ def _add_library_commands(commands) -> None:
     compare.add_argument("--only-variants", action="store_true", help="no row of the press + GRKV's defaults")
     compare.add_argument("--preset", choices=sorted(GRKV_PRESETS), help="that row with a preset's options instead")
     compare.add_argument("--output-dir", default="outputs/compare")
+    _add_per_head_flag(compare)
     add_stream_flags(compare, several_sizes=True)
     _add_evaluation_outputs(compare)
     compare.set_defaults(handler=cmd_compare)
@@ -387,7 +404,7 @@ def build_parser(
     start_with: str = "grkv compare --samples 3",
 ) -> argparse.ArgumentParser:
     """The ``grkv`` parser with the library's commands; each of ``extensions`` adds more (``add_command``)."""
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog="grkv",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -398,44 +415,6 @@ def build_parser(
     for extend in extensions:
         extend(commands)
     return parser
-
-
-def run(
-    parser: argparse.ArgumentParser, argv: list[str] | None, other_errors: dict[type[BaseException], int] | None = None
-) -> int:
-    """Parse ``argv`` and run its command; a user error (bad names, missing data or packages) ends in one line, not a
-    traceback, with ``EXIT_USER_ERROR``; so does each of ``other_errors``, with its own exit status."""
-    args = parser.parse_args(argv)
-    user_errors = (ValueError, FileNotFoundError, ImportError)
-    statuses = {**(other_errors or {}), **dict.fromkeys(user_errors, EXIT_USER_ERROR)}
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
-    try:
-        return args.handler(args)
-    except tuple(statuses) as error:
-        print(f"grkv {args.command}: error: {error}", file=sys.stderr)
-        return next(status for kind, status in statuses.items() if isinstance(error, kind))
-    except KeyboardInterrupt as stop:
-        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
-        print(
-            f"grkv {args.command}: {how}; what finished is saved, re-run the same command to resume",
-            file=sys.stderr,
-        )
-        return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
-    finally:
-        if previous is not None:  # NOTE: None also when the previous handler was not Python's: it cannot be put back
-            signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(KeyboardInterrupt):
-    """A SIGTERM (what ``timeout``, systemd, Kubernetes and CI runners send), handled as a Ctrl-C: what a command
-    started is stopped and what finished kept on the way out; it exits 143."""
-
-
-def _terminate(signum, frame) -> None:
-    # NOTE: once: a second SIGTERM during the clean-up ends the process as it would have without this handler.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from grkv_core.catalog import EVICTION_PRESSES, MERGERS, NO_MERGER, merger_option_defaults, merger_option_specs
+from grkv_core.catalog import (
+    EVICTION_PRESSES,
+    MERGERS,
+    NEEDS_EAGER,
+    NO_MERGER,
+    merger_option_defaults,
+    merger_option_specs,
+)
 from grkv_core.option_specs import OptionSpec, option_specs
 from grkv_core.options import PAPER_WINDOW
 from grkv_core.stream_options import STREAM_NLL, STREAM_PROTOCOL_SPEC, DecodingOptions, check_decoding
@@ -45,6 +52,12 @@ PROTOCOL_SPEC = OptionSpec(
     choices=PROTOCOLS,
 )
 
+PER_HEAD_CACHE_SPEC = OptionSpec(
+    "keep each head's kept rows only (real memory for head-adaptive presses such as AdaKV) instead of kvpress's "
+    "masked layout, which keeps every row",
+    bool,
+)
+
 COMPRESSION_RATIO_SPEC = OptionSpec(
     "fraction of the context's KV pairs removed", float, low=0.0, high=1.0, high_open=True
 )
@@ -57,6 +70,9 @@ class PressConfig:
     ``decoding`` (``DecodingOptions``: ``target_size``, ``compression_interval``...) makes it a bounded cache: the press
     is built into a ``MergingDecodingPress`` that brings the cache back to its target every interval, and
     ``compression_ratio`` is unused (the decoding press sets it at each compression). Empty: a prefill press.
+
+    ``per_head_cache`` leaves each compressed layer with each head's kept rows only (``PerHeadCachePress``): what a
+    head-adaptive press (AdaKV) really saves, where kvpress masks the evicted rows and keeps them in memory.
     """
 
     press: str = "snapkv"
@@ -65,16 +81,28 @@ class PressConfig:
     merge_options: dict[str, Any] = field(default_factory=dict)
     variant: str | None = None
     decoding: dict[str, Any] = field(default_factory=dict)
+    per_head_cache: bool = False
 
     def __post_init__(self) -> None:
         """Check every name and option against its spec (nothing is built, nothing heavy imported)."""
+        PER_HEAD_CACHE_SPEC.check("per_head_cache", self.per_head_cache)
         if self.press == FULL_CACHE:
-            if self.merge != NO_MERGER or self.merge_options or self.decoding:
-                raise ValueError("press 'full' keeps the whole cache: it takes no merger, merger or decoding options")
+            if self.merge != NO_MERGER or self.merge_options or self.decoding or self.per_head_cache:
+                raise ValueError(
+                    "press 'full' keeps the whole cache: it takes no merger, merger, decoding or per_head_cache options"
+                )
             return
         check_decoding(self.decoding)
+        if self.decoding and self.per_head_cache:
+            raise ValueError(
+                "per_head_cache compresses the prefill only: a bounded cache (decoding options) cannot use it"
+            )
         if self.press not in EVICTION_PRESSES:
             raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESSES]}")
+        if self.per_head_cache and NEEDS_EAGER in EVICTION_PRESSES[self.press].traits:
+            raise ValueError(
+                f"per_head_cache needs sdpa or flash attention; press {self.press!r} needs eager attention"
+            )
         COMPRESSION_RATIO_SPEC.check("compression_ratio", self.compression_ratio)
         if self.merge != NO_MERGER:
             MERGERS.check(self.merge)
@@ -106,6 +134,7 @@ class PressConfig:
             "merge": self.merge,
             **{name: value for name, value in options.items() if value != defaults[name]},
             **({"decoding": dict(sorted(self.decoding.items()))} if self.decoding else {}),
+            **({"per_head_cache": True} if self.per_head_cache else {}),
         }
 
     @property
@@ -125,7 +154,8 @@ class PressConfig:
             size = self.decoding.get("target_size", DecodingOptions.target_size)
             budget = f"{1 - ratio:.0%}/stream" if ratio is not None else f"{size}"
         merger = "" if self.merge == NO_MERGER else f" + {self.variant or self.merge}"
-        return f"{self.press} {budget}{merger}"
+        layout = " (per-head)" if self.per_head_cache else ""
+        return f"{self.press} {budget}{merger}{layout}"
 
 
 @dataclass(frozen=True)

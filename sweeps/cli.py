@@ -29,7 +29,8 @@ from sweeps.entry_points import (
 
 set_service_environment(COMMAND_MLFLOW_RETRIES)
 
-from grkv_core.cli import add_command, build_parser, run  # noqa: E402
+from grkv_core.cli import add_command, build_parser  # noqa: E402
+from grkv_core.command_runtime import run  # noqa: E402
 from grkv_core.evaluation.kvpress_layout import KVPRESS_FOLDER  # noqa: E402
 from sweeps.follow import SweepLostError  # noqa: E402
 from sweeps.local_stack import REPO_ROOT, LocalStack, ServiceError, run_sweep  # noqa: E402

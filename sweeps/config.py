@@ -23,6 +23,7 @@ from grkv_core.config import (
     DATASETS,
     DEVICES,
     DTYPES,
+    PER_HEAD_CACHE_SPEC,
     PROTOCOLS,
     EvalConfig,
     PressConfig,
@@ -120,6 +121,7 @@ class PressSection(Strict):
         default=STREAM_DEFAULTS["compression_interval"],
         description="bounded-cache protocols: " + option_specs(DecodingOptions)["compression_interval"].help,
     )
+    per_head_cache: bool = Field(default=PRESS_DEFAULTS["per_head_cache"], description=PER_HEAD_CACHE_SPEC.help)
 
     @field_validator("target_size", "compression_interval")
     @classmethod
@@ -191,6 +193,11 @@ class SweepConfig(Strict):
                     f"search_space.{name}: an option of {mergers_taking(name)}, none of them among merge {self.merge}"
                 )
         self._check_protocol_fit()
+        if self.press.per_head_cache:
+            try:
+                self.sweep_press()
+            except ValueError as error:
+                raise ValueError(f"press.per_head_cache: {error}") from None
         if self.sampler.type in ("grid", "one_at_a_time") and any(
             not isinstance(p, CategoricalParam) for p in self.search_space.values()
         ):
@@ -312,9 +319,10 @@ class SweepConfig(Strict):
         """The base press at the sweep's budget (``budget`` overrides it: ``compression_ratio``, or a bounded cache's
         ``target_size`` and ``compression_interval``) behind ``merge`` with its defaults."""
         if not self.bounded:
-            return PressConfig(self.press.name, budget.get("compression_ratio", self.press.compression_ratio), merge)
+            ratio = budget.get("compression_ratio", self.press.compression_ratio)
+            return PressConfig(self.press.name, ratio, merge, per_head_cache=self.press.per_head_cache)
         sizes = {name: budget.get(name, getattr(self.press, name)) for name in BOUNDED_SIZES}
-        return PressConfig(self.press.name, 0.0, merge, decoding=sizes)
+        return PressConfig(self.press.name, 0.0, merge, decoding=sizes, per_head_cache=self.press.per_head_cache)
 
     def worker_config(self) -> dict:
         """What each worker loads and evaluates every trial with (each trial replaces its press):
@@ -369,7 +377,9 @@ class SweepConfig(Strict):
                 # NOTE: only the offline generator builds contexts of a given length; the hub datasets come as they are.
                 "context_length": self.data.context_length if self.data.dataset == "ruler" else None,
                 "device": self.model.device or ("cuda" if self.workers.num_gpus > 0 else "cpu"),
-                "press": PressConfig(self.press.name, self.press.compression_ratio),
+                "press": PressConfig(
+                    self.press.name, self.press.compression_ratio, per_head_cache=self.press.per_head_cache
+                ),
             }
         )
 

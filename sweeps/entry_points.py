@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from grkv_core.cli import EXIT_USER_ERROR
+from grkv_core.command_runtime import EXIT_USER_ERROR
 
 # Where a sweep keeps its state on this machine unless told otherwise: the local stack (``<home>/local``, also
 # infra/local/common.sh's default), ``grkv demo``'s (``<home>/demo``) and each sweep's journal, results and

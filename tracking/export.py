@@ -54,6 +54,7 @@ def press_of_run(client: MlflowClient, run_id: str) -> PressConfig:
         merge,
         {name: params[name] for name in merger_option_specs(merge)},
         decoding={name: params[name] for name in option_specs(DecodingOptions) if name in params},
+        per_head_cache=params.get("per_head_cache", False),
     )
 
 

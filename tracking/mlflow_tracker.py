@@ -178,7 +178,12 @@ def item_name(trial_number: int | None, stage: str, test_of: str | None, baselin
 def press_label(resolved_press: dict, searched: tuple[str, ...]) -> str:
     """The press as it ran, for a run's name: ``snapkv 25% + grkv λk=0.01 λv=0.1 β=0.1`` (the merger's searched
     options only, in the search space's order)."""
-    label = PressConfig(resolved_press["press"], resolved_press["compression_ratio"], resolved_press["merge"]).label
+    label = PressConfig(
+        resolved_press["press"],
+        resolved_press["compression_ratio"],
+        resolved_press["merge"],
+        per_head_cache=resolved_press.get("per_head_cache", False),
+    ).label
     values = [
         f"{OPTION_SYMBOLS.get(name, name)}={_short(resolved_press[name])}"
         for name in searched

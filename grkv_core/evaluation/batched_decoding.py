@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from grkv_core.cache.per_head import PerHeadLayer, stacked_rows
 from grkv_core.evaluation.generation import Answer, append_question
 from grkv_core.evaluation.shared_prefill import PER_CACHE_MODULE_STATE, PressedCache, attention_modules
 
@@ -77,7 +78,7 @@ def cache_batches(caches: list[PressedCache], max_rows: int | None = None) -> li
     # the queries of every row of a batch once any row is masked, and may find none for a row that needs none.
     groups: dict[tuple, list[int]] = {}
     for index, cache in enumerate(caches):
-        groups.setdefault((cache.lengths(), cache.masked), []).append(index)
+        groups.setdefault((cache.lengths(), cache.masked, cache.per_head), []).append(index)
     batches = []
     for members in groups.values():
         step = max_rows or len(members)
@@ -86,16 +87,17 @@ def cache_batches(caches: list[PressedCache], max_rows: int | None = None) -> li
 
 
 def stacked_cache(caches: list[PressedCache]) -> DynamicCache:
-    """One cache whose batch rows are ``caches`` (of equal per-layer lengths), in order."""
-    return DynamicCache(
-        ddp_cache_data=[
-            (
-                torch.cat([cache.cache.layers[layer].keys for cache in caches]),
-                torch.cat([cache.cache.layers[layer].values for cache in caches]),
+    """One cache whose batch rows are ``caches`` (of equal per-layer lengths, per-head or not alike), in order."""
+    stacked = DynamicCache()
+    for layer in range(len(caches[0].cache.layers)):
+        rows = [cache.cache.layers[layer] for cache in caches]
+        if isinstance(rows[0], PerHeadLayer):
+            stacked.layers.append(
+                PerHeadLayer(stacked_rows([row.keys for row in rows]), stacked_rows([row.values for row in rows]))
             )
-            for layer in range(len(caches[0].cache.layers))
-        ]
-    )
+        else:
+            stacked.update(torch.cat([row.keys for row in rows]), torch.cat([row.values for row in rows]), layer)
+    return stacked
 
 
 @contextmanager

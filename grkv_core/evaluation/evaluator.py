@@ -37,6 +37,7 @@ from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
 from grkv_core.options import PAPER_WINDOW
 from grkv_core.presses.from_config import BuiltPress, protected_window, refuses_eager, required_attention
+from grkv_core.presses.per_head_cache import EAGER_REFUSAL
 
 
 class Evaluator:
@@ -252,6 +253,8 @@ class Evaluator:
             )
         if refuses_eager(press_config.press) and actual == "eager":
             raise ValueError(f"press {press_config.press!r} does not work with eager attention; load with sdpa")
+        if press_config.per_head_cache and actual == "eager":
+            raise ValueError(EAGER_REFUSAL)
 
 
 def _process_peak_rss() -> int:

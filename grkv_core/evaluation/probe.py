@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from grkv_core.evaluation.shared_prefill import PressedCache, attention_modules
+from grkv_core.cache.per_head import PerHeadRows, kept_rows
+from grkv_core.evaluation.shared_prefill import PER_HEAD_MASKED, PressedCache, attention_modules
 from grkv_core.presses.query_policies import surrogate_queries
 from grkv_core.solver.attention import full_cache_outputs
 from grkv_core.solver.losses import discrepancy_per_head, recover_kept_positions
@@ -168,6 +169,11 @@ class ReconstructionProbe:
         keys, values = cache_layer.keys, cache_layer.values
         state = pressed.module_state[layer]
         mask = None
+        if isinstance(keys, PerHeadRows):
+            # The same rows as the masked layout it came from (the probe reads dense tensors).
+            state = {**state, "masked_key_indices": state.get(PER_HEAD_MASKED)}
+            kept = kept_rows(keys, state["masked_key_indices"])
+            keys, values = keys.dense(kept), values.dense(kept)
         if state.get("kept_positions") is not None:
             positions = state["kept_positions"]
         elif keys.shape[2] == full_keys.shape[2]:

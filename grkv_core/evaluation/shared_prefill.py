@@ -8,6 +8,9 @@ cache before the next press sees the full cache again. Base presses configured a
 (``grkv_core.presses.selection.sharing_scores``). Each press runs through its own context manager
 (``press(model)``), exactly as when it is used alone, so the caches are identical to one prefill per press.
 
+A ``PerHeadCachePress`` shares its press's prefill: its conversion of each layer to each head's kept rows is done on
+that press's result (``PerHeadLayer.from_masked``, what its own hook does), after the forward.
+
 A press that does more than that standard hook (it overrides ``forward_hook`` or, unless it is a
 ``BaseMergerPress``, ``__call__``, so it might change what the next layer sees) never shares a prefill: it is run
 alone, by rule (``shares_prefill``).
@@ -24,15 +27,25 @@ import torch
 from kvpress import BasePress
 from transformers import DynamicCache, PreTrainedModel
 
+from grkv_core.cache.per_head import PerHeadLayer
 from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.per_head_cache import PerHeadCachePress
 from grkv_core.presses.selection import sharing_scores
-from grkv_core.presses.sliding_layers import compressing, language_model
+from grkv_core.presses.sliding_layers import compressing, language_model, sliding_layer_indices
 
 # NOTE: state a press leaves on an attention module for the decoding that follows its prefill: kvpress's
 # masking presses (AdaKV) mark evicted entries in ``masked_key_indices``, which kvpress's attention patch reads
 # at every decoding step; merging presses record ``kept_positions`` for diagnostics. With several presses on
 # one model, each press's state is kept with its cache and put back on the modules when that cache is used.
 PER_CACHE_MODULE_STATE = ("masked_key_indices", "kept_positions")
+# NOTE: a per-head cache keeps its masking press's indices under this name, for diagnostics only (the probe): its
+# attention reads none, and kvpress's patch must find none.
+PER_HEAD_MASKED = "per_head_masked_key_indices"
+
+
+def compressing_press(press: BasePress | None) -> BasePress | None:
+    """The press that compresses the prefill: ``press``, or the one a ``PerHeadCachePress`` holds."""
+    return press.press if isinstance(press, PerHeadCachePress) else press
 
 
 def shares_prefill(press: BasePress | None) -> bool:
@@ -41,6 +54,7 @@ def shares_prefill(press: BasePress | None) -> bool:
     That is a kvpress press using ``BasePress``'s own hook and context manager, or a ``BaseMergerPress`` using its
     hook (its context manager may add hooks that observe, by the contract of ``BaseMergerPress``).
     """
+    press = compressing_press(press)
     if press is None:
         return True
     kind = type(press)
@@ -72,6 +86,11 @@ class PressedCache:
 
     def lengths(self) -> tuple[int, ...]:
         return tuple(layer.keys.shape[2] for layer in self.cache.layers)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the cache holds each head's kept rows only (``PerHeadCachePress``)."""
+        return any(isinstance(layer, PerHeadLayer) for layer in self.cache.layers)
 
     @property
     def masked(self) -> bool:
@@ -183,7 +202,7 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
         attentions = attention_modules(model)
         handles += [attention.register_forward_hook(fan_out.set_aside, with_kwargs=True) for attention in attentions]
         for index, press in enumerate(presses):
-            stack.enter_context(compressing(press, model))
+            stack.enter_context(compressing(compressing_press(press), model))
             handles += [
                 attention.register_forward_hook(fan_out.taker(index), with_kwargs=True) for attention in attentions
             ]
@@ -191,12 +210,29 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
         started = time.perf_counter()
         model.model(input_ids=context_ids.to(model.device), past_key_values=DynamicCache())
         _synchronize(model.device)
-        elapsed = time.perf_counter() - started
+        forward_s = time.perf_counter() - started - sum(fan_out.seconds)
         caches = [DynamicCache(ddp_cache_data=results) for results in fan_out.results]
+        for index, (press, cache) in enumerate(zip(presses, caches)):
+            if isinstance(press, PerHeadCachePress):
+                converting = time.perf_counter()
+                _to_per_head(model, cache, fan_out.states[index])
+                _synchronize(model.device)
+                fan_out.seconds[index] += time.perf_counter() - converting
     seconds = [spent if press is not None else 0.0 for press, spent in zip(presses, fan_out.seconds)]
-    forward_s = elapsed - sum(fan_out.seconds)
     pressed = [
         PressedCache(cache, states, spent, forward_s + spent)
         for cache, states, spent in zip(caches, fan_out.states, seconds)
     ]
     return list(fan_out.full), pressed
+
+
+def _to_per_head(model: PreTrainedModel, cache: DynamicCache, states: list[dict]) -> None:
+    """Each compressed layer of ``cache`` as ``PerHeadCachePress``'s hook leaves it (sliding-window layers whole)."""
+    sliding = sliding_layer_indices(model)
+    for index, state in enumerate(states):
+        if index in sliding:
+            continue
+        layer = cache.layers[index]
+        masked = state.pop("masked_key_indices", None)
+        state[PER_HEAD_MASKED] = masked
+        cache.layers[index] = PerHeadLayer.from_masked(layer.keys, layer.values, masked)

@@ -77,6 +77,10 @@ def build(config: PressConfig) -> BasePress | None:
     configuration was made. A bounded one (``decoding``) is the ``MergingDecodingPress`` around the press."""
     if config.press == FULL_CACHE:
         return None
+    if config.per_head_cache:
+        from grkv_core.presses.per_head_cache import PerHeadCachePress
+
+        return PerHeadCachePress(build(replace(config, per_head_cache=False)))
     if config.bounded:
         from grkv_core.presses.decoding import MergingDecodingPress
 
@@ -109,8 +113,9 @@ class BuiltPress:
             "press": config.press,
             "compression_ratio": config.compression_ratio,
             "merge": config.merge,
+            "per_head_cache": config.per_head_cache,
         }
-        compressing = press
+        compressing = press.press if config.per_head_cache else press
         if config.bounded:
             settings.update({name: getattr(press, name) for name in option_specs(DecodingOptions)})
             compressing = press.base_press

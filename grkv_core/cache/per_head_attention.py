@@ -1,0 +1,90 @@
+"""Attention over a per-head cache layer, behind transformers' attention interface.
+
+``serve_per_head_rows`` wraps every function registered in transformers' ``ALL_ATTENTION_FUNCTIONS`` (sdpa, flash
+attention, ...): a call whose keys are ``PerHeadRows`` is answered here, any other goes to the function as before. So
+a model loaded with sdpa or flash attention attends over a per-head cache with no change to the model, to
+``model.generate`` or to kvpress's pipeline. Eager attention is not registered there (transformers calls it
+directly): a per-head cache refuses it when the press enters the model (``PerHeadCachePress``).
+
+The reference path, exact on any device: for each KV head, its query heads (GQA groups) attend over the head's
+prefix rows and the tail, one softmax over both, in float32. The new tokens are the last rows of every head's tail,
+so a chunk of several tokens is causal within itself and sees every earlier row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from grkv_core.cache.per_head import PerHeadRows
+
+
+def per_head_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: PerHeadRows,
+    value: PerHeadRows,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` (B, H_q, q, D) over a per-head layer's rows; (B, q, H_q, D) as transformers' functions.
+
+    ``attention_mask`` is not read: a per-head cache serves unpadded batches (padding is refused before any layer
+    runs), where the mask is causal, which this builds itself over each head's rows.
+    """
+    if dropout:
+        raise ValueError("a per-head cache serves inference only (attention dropout must be 0: call model.eval())")
+    if sliding_window is not None:
+        raise ValueError("a per-head cache cannot serve a sliding-window layer (those layers stay whole)")
+    batch, query_heads, steps, dim = query.shape
+    kv_heads = key.tail.shape[1]
+    groups = query_heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    # (B, H, G * q, D): a KV head's query heads one after the other, each with its q tokens.
+    queries = query.float().reshape(batch, kv_heads, groups * steps, dim)
+    tail_keys, tail_values = key.tail.float(), value.tail.float()
+    tail_scores = queries @ tail_keys.transpose(-1, -2) * scale  # (B, H, G * q, t)
+    tail_rows = tail_scores.shape[-1]
+    # Token i of the q new ones (the tail's last q rows) sees the tail up to its own row.
+    visible = torch.arange(tail_rows, device=query.device) <= (
+        torch.arange(steps, device=query.device)[:, None] + tail_rows - steps
+    )
+    tail_scores = tail_scores.masked_fill(~visible.repeat(groups, 1), float("-inf"))
+    outputs = []
+    for head, (head_keys, head_values) in enumerate(zip(key.heads(), value.heads())):
+        row, kv_head = divmod(head, kv_heads)
+        scores = torch.cat([queries[row, kv_head] @ head_keys.float().T * scale, tail_scores[row, kv_head]], dim=-1)
+        weights = scores.softmax(dim=-1)
+        prefix_rows = head_keys.shape[0]
+        outputs.append(
+            weights[:, :prefix_rows] @ head_values.float() + weights[:, prefix_rows:] @ tail_values[row, kv_head]
+        )
+    output = torch.stack(outputs).view(batch, query_heads, steps, dim).to(query.dtype)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def serving_per_head_rows(attention):
+    """``attention`` (a transformers attention function) that hands a per-head layer's rows to
+    ``per_head_attention``."""
+
+    @functools.wraps(attention)
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        if isinstance(key, PerHeadRows):
+            return per_head_attention(module, query, key, value, attention_mask, *args, **kwargs)
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attend.serves_per_head_rows = True
+    return attend
+
+
+def serve_per_head_rows() -> None:
+    """Wrap every registered attention function once (idempotent; kvpress's own patch, applied when kvpress is
+    imported, stays inside)."""
+    for name, attention in list(ALL_ATTENTION_FUNCTIONS.items()):
+        if not getattr(attention, "serves_per_head_rows", False):
+            ALL_ATTENTION_FUNCTIONS[name] = serving_per_head_rows(attention)

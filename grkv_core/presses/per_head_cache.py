@@ -1,0 +1,111 @@
+"""``PerHeadCachePress``: any press's cache left with each head's kept rows only (``grkv_core.cache.per_head``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from kvpress import BasePress, DecodingPress, PrefillDecodingPress
+from torch import nn
+from transformers.cache_utils import DynamicLayer
+
+from grkv_core.cache.per_head import PerHeadLayer
+from grkv_core.presses.decoding import MergingDecodingPress
+from grkv_core.presses.padding import padding_refused
+from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices, unhook_sliding_layers
+
+PER_HEAD_PADDING = (
+    "a per-head cache does not support padded batches: its attention builds a causal mask over each head's rows, "
+    "which knows no padding"
+)
+EAGER_REFUSAL = (
+    "per_head_cache needs sdpa or flash attention (a model's attention interface), not eager: load the model with "
+    "attn_implementation='sdpa'"
+)
+DECODING_PRESSES = (DecodingPress, PrefillDecodingPress, MergingDecodingPress)
+
+
+@dataclass
+class PerHeadCachePress(BasePress):
+    """Run ``press`` and leave each compressed layer holding, per (batch row, KV head), the rows that head keeps.
+
+    A head-adaptive press (kvpress's ``AdaKVPress``, ``CriticalAdaKVPress``, or a merger behind one) keeps a different
+    number of tokens in each head; kvpress keeps every row and masks the evicted ones, so the cache's memory is the
+    full cache's. Behind this press, at the end of each layer's prefill, the layer becomes a ``PerHeadLayer`` of the
+    kept rows only (the merged ones, behind a merger) and its mask is dropped; attention then runs over each head's
+    rows (``grkv_core.cache.per_head_attention``), giving the masked layout's answers. A press that keeps the same
+    count in every head gives the uniform case. Sliding-window layers stay whole, as under every press here.
+
+    Parameters
+    ----------
+    press : BasePress
+        The press that compresses the prefill (any prefill press of kvpress or of this package).
+
+    Raises
+    ------
+    ValueError
+        When built: ``press`` is a decoding press (a per-head cache is compressed at the prefill only). When it enters
+        a model: eager attention (transformers calls it directly, not through the attention interface this serves).
+        In a forward: a padded batch, a cache whose layers are not ``DynamicLayer`` (quantized caches).
+    """
+
+    press: BasePress
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.press, BasePress):
+            raise ValueError(f"press must be a kvpress press, got {type(self.press).__name__}")
+        if isinstance(self.press, DECODING_PRESSES):
+            raise ValueError(
+                f"per_head_cache compresses the prefill: {type(self.press).__name__} compresses while decoding, "
+                "which a per-head cache does not support; use a prefill press"
+            )
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        self.press.compression_ratio = value
+
+    def post_init_from_model(self, model) -> None:
+        self.press.post_init_from_model(model)
+
+    @contextmanager
+    def __call__(self, model):
+        if model.config.get_text_config()._attn_implementation == "eager":
+            raise ValueError(EAGER_REFUSAL)
+        decoder = language_model(model)
+        with padding_refused(model, PER_HEAD_PADDING), self.press(model):
+            unhook_sliding_layers(self.press, model)
+            handle = decoder.register_forward_hook(self.forward_hook, with_kwargs=True)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output):
+        """After the decoder's forward: each layer still in kvpress's layout (its prefill) becomes a
+        ``PerHeadLayer``.
+
+        NOTE: after the whole forward, not after each layer's attention: a merger may finish a layer's merge later in
+        the forward, in place (``grkv_core.presses.layer_groups``), and the per-head layer is a copy.
+        """
+        cache = output.past_key_values
+        if cache is None:
+            return output
+        sliding = sliding_layer_indices(module)
+        for index, attention in enumerate(layer.self_attn for layer in module.layers):
+            layer = cache.layers[index]
+            if index in sliding or isinstance(layer, PerHeadLayer):
+                continue
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"per_head_cache replaces a DynamicCache's layers; this cache's layer {index} is a "
+                    f"{type(layer).__name__} (use a DynamicCache)"
+                )
+            masked = getattr(attention, "masked_key_indices", None)
+            attention.masked_key_indices = None
+            cache.layers[index] = PerHeadLayer.from_masked(layer.keys, layer.values, masked)
+        return output
