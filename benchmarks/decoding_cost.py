@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.prefill_cost import essay_prompt
+from benchmarks.worker_processes import add_round_arguments, worker_results, write_summary
 from grkv_core.merger_flags import parse_merge_variant
 from grkv_core.models import load_model
 from grkv_core.presses import MergingDecodingPress
@@ -96,23 +95,16 @@ def main() -> int:
     parser.add_argument("--target-size", type=int, default=512)
     parser.add_argument("--interval", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=None, help="also write the figures as JSON")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_round_arguments(parser)
     args = parser.parse_args()
     args.merge = args.merge or ["grkv=grkv"]
     if args.worker:
         print(json.dumps(run_rounds(args)))
         return 0
     steps: dict[str, list[list[float]]] = {}
-    for process in range(args.processes):
-        command = [sys.executable, "-m", "benchmarks.decoding_cost", "--worker", *sys.argv[1:]]
-        found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    for found in worker_results("benchmarks.decoding_cost", sys.argv[1:], args.processes):
         for name, rounds in found.items():
             steps.setdefault(name, []).extend(rounds)
-        print(f"process {process + 1}/{args.processes} done", file=sys.stderr)
     summary = summarize(steps, args.interval)
     print(
         f"{args.model}, {args.press}, target {args.target_size}, interval {args.interval}, {args.new_tokens} new "
@@ -122,9 +114,7 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for name, row in summary.items():
         print(f"| {name} | {row['ms_per_token']:.2f} | {row['ratio_to_evict']:.3f} | {row['ms_per_compression']:.1f} |")
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"arguments": sys.argv[1:], "summary": summary}, indent=1) + "\n")
+    write_summary(args.output, summary)
     return 0
 
 

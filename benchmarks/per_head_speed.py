@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from benchmarks.prefill_cost import essay_prompt
+from benchmarks.worker_processes import add_round_arguments, worker_results, write_summary
 from grkv_core.models import load_model
 from grkv_core.presses.from_config import build_press
 from grkv_core.presses.per_head_cache import PerHeadCachePress
@@ -86,22 +85,15 @@ def main() -> int:
     parser.add_argument("--compression-ratio", type=float, default=0.9)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=None, help="also write the figures as JSON")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_round_arguments(parser)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(run_rounds(args)))
         return 0
     rounds: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
-    for process in range(args.processes):
-        command = [sys.executable, "-m", "benchmarks.per_head_speed", "--worker", *sys.argv[1:]]
-        found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    for found in worker_results("benchmarks.per_head_speed", sys.argv[1:], args.processes):
         for layout in LAYOUTS:
             rounds[layout] += found[layout]
-        print(f"process {process + 1}/{args.processes} done", file=sys.stderr)
     summary = summarize(rounds)
     merged = "" if args.merge == "none" else f" + {args.merge}"
     print(
@@ -115,9 +107,7 @@ def main() -> int:
             f"| {layout} | {row['kv_bytes'] / 2**20:.2f} | {row['prefill_s']:.3f} | {row['prefill_s_ratio']:.3f} | "
             f"{row['decode_ms_per_token']:.2f} | {row['decode_ms_per_token_ratio']:.3f} |"
         )
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"arguments": sys.argv[1:], "summary": summary}, indent=1) + "\n")
+    write_summary(args.output, summary)
     return 0
 
 

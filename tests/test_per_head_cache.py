@@ -10,7 +10,7 @@ from kvpress import AdaKVPress, CriticalAdaKVPress, DecodingPress, KnormPress, S
 from transformers import DynamicCache, StaticCache
 
 from grkv_core.cache.per_head import PerHeadLayer, PerHeadRows, kept_rows, stacked_rows
-from grkv_core.cache.per_head_attention import per_head_attention
+from grkv_core.cache.per_head_attention import per_head_attention, varlen_attention
 from grkv_core.config import PressConfig
 from grkv_core.evaluation.batched_decoding import answer_batch
 from grkv_core.evaluation.generation import answer_question, crop_cache, prefill
@@ -58,6 +58,40 @@ def test_attention_over_each_heads_rows_matches_a_float64_reference(steps, group
     output, _ = per_head_attention(torch.nn.Module(), query, key_rows, value_rows, None, scaling=dim**-0.5)
     expected = reference_attention(query, keys, values, kept, steps, dim**-0.5)
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
+    """flash-attn's ``flash_attn_varlen_func`` as documented (GQA heads, causal mask aligned to each sequence's end),
+    in float64 on the CPU."""
+    assert causal and q.shape[1] % k.shape[1] == 0
+    output = torch.empty(q.shape, dtype=torch.float64)
+    for start_q, stop_q, start_k, stop_k in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        queries, keys, values = q[start_q:stop_q].double(), k[start_k:stop_k].double(), v[start_k:stop_k].double()
+        assert stop_q - start_q <= max_q and stop_k - start_k <= max_k
+        repeat = q.shape[1] // k.shape[1]
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * softmax_scale
+        steps, length = scores.shape[1:]
+        visible = torch.arange(length) <= torch.arange(steps)[:, None] + length - steps
+        weights = scores.masked_fill(~visible, -math.inf).softmax(-1)
+        output[start_q:stop_q] = torch.einsum("hqk,khd->qhd", weights, values)
+    return output
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_variable_length_kernels_packing_gives_the_reference_paths_attention(steps):
+    """What flash-attn receives (sequences per batch row and KV head, GQA heads, offsets), checked through a float64
+    implementation of its documented semantics (flash-attn itself runs on CUDA only)."""
+    generator = torch.Generator().manual_seed(steps)
+    batch, heads, groups, length, dim = 2, 3, 2, 30, 8
+    keys, values = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(2))
+    masked = torch.nonzero(torch.rand(batch, heads, length, generator=generator) < 0.6, as_tuple=True)
+    layer = PerHeadLayer.from_masked(keys, values, masked)
+    layer.update(*(torch.randn(batch, heads, steps, dim, generator=generator) for _ in range(2)))
+    query = torch.randn(batch, heads * groups, steps, dim, generator=generator)
+    packed = varlen_attention(query, layer.keys, layer.values, dim**-0.5, flash_varlen_reference)
+    reference, _ = per_head_attention(torch.nn.Module(), query, layer.keys, layer.values, None, scaling=dim**-0.5)
+    torch.testing.assert_close(packed, reference.double(), rtol=1e-5, atol=1e-6)
 
 
 def test_rows_report_the_length_they_came_from_and_crop_only_what_was_appended():

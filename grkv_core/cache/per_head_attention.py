@@ -6,7 +6,9 @@ a model loaded with sdpa or flash attention attends over a per-head cache with n
 ``model.generate`` or to kvpress's pipeline. Eager attention is not registered there (transformers calls it
 directly): a per-head cache refuses it when the press enters the model (``PerHeadCachePress``).
 
-The reference path, exact on any device: for each KV head, its query heads (GQA groups) attend over the head's
+On CUDA in half precision with flash-attn importable, flash-attn's variable-length kernel serves it
+(``varlen_attention``): each (batch row, KV head) is one sequence, its query heads (GQA groups) the heads of that
+sequence. Elsewhere the reference path, exact on any device: for each KV head, its query heads attend over the head's
 prefix rows and the tail, one softmax over both, in float32. The new tokens are the last rows of every head's tail,
 so a chunk of several tokens is causal within itself and sees every earlier row.
 """
@@ -41,10 +43,13 @@ def per_head_attention(
         raise ValueError("a per-head cache serves inference only (attention dropout must be 0: call model.eval())")
     if sliding_window is not None:
         raise ValueError("a per-head cache cannot serve a sliding-window layer (those layers stay whole)")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None:
+        return varlen_attention(query, key, value, scale, flash), None
     batch, query_heads, steps, dim = query.shape
     kv_heads = key.tail.shape[1]
     groups = query_heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
     # (B, H, G * q, D): a KV head's query heads one after the other, each with its q tokens.
     queries = query.float().reshape(batch, kv_heads, groups * steps, dim)
     tail_keys, tail_values = key.tail.float(), value.tail.float()
@@ -66,6 +71,53 @@ def per_head_attention(
         )
     output = torch.stack(outputs).view(batch, query_heads, steps, dim).to(query.dtype)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _flash_varlen():
+    """flash-attn's ``flash_attn_varlen_func``, or None where flash-attn is not importable."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_attention(query: torch.Tensor, key: PerHeadRows, value: PerHeadRows, scale: float, attend) -> torch.Tensor:
+    """``per_head_attention`` through a variable-length kernel ``attend`` with flash-attn's ``flash_attn_varlen_func``
+    signature; (B, q, H_q, D).
+
+    Each (batch row, KV head) ``s`` is one sequence: its q tokens with the G query heads of that KV head, against its
+    prefix rows followed by its tail (one KV head); flash-attn's causal mask is aligned to the end of each sequence, so
+    the new tokens see every earlier row and are causal among themselves.
+    """
+    batch, query_heads, steps, dim = query.shape
+    kv_heads, tail_rows = key.tail.shape[1], key.tail.shape[2]
+    groups = query_heads // kv_heads
+    sequences = batch * kv_heads
+    queries = query.view(batch, kv_heads, groups, steps, dim).transpose(2, 3).reshape(sequences * steps, groups, dim)
+
+    def packed(rows: PerHeadRows) -> torch.Tensor:
+        tails = rows.tail.reshape(sequences, tail_rows, dim)
+        return torch.cat([part for head, tail in zip(rows.heads(), tails) for part in (head, tail)])[:, None]
+
+    lengths = [length + tail_rows for length in key.lengths]
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    cu_keys = torch.tensor(offsets, dtype=torch.int32, device=query.device)
+    cu_queries = torch.arange(0, (sequences + 1) * steps, steps, dtype=torch.int32, device=query.device)
+    output = attend(
+        queries,
+        packed(key),
+        packed(value),
+        cu_queries,
+        cu_keys,
+        steps,
+        max(lengths),
+        softmax_scale=scale,
+        causal=True,
+    )
+    return output.view(batch, kv_heads, steps, groups, dim).transpose(1, 2).reshape(batch, steps, query_heads, dim)
 
 
 def serving_per_head_rows(attention):

@@ -3,6 +3,7 @@
 - ``selection``: the base press's decision (kept positions, scores) as data, without evicting anything.
 - ``merging``: ``BaseMergerPress``, the base of every merging press, which owns the ``compress`` template.
 - ``decoding``: ``MergingDecodingPress``, a cache kept bounded while the model decodes, any merger behind it.
+- ``per_head_cache``: ``PerHeadCachePress``, any press's cache with each head's kept rows only (``grkv_core.cache``).
 - ``per_layer``: ``PerLayerCompressionPress``, kvpress's compression ratio per layer, around a merger too.
 - ``grkv``: ``GRKVPress``, global ridge regression of the kept keys and values (the paper's method).
 - ``local_merging``: ``LocalMergePress`` and ``MergeInputs``, what the local baselines share; one baseline per
@@ -23,6 +24,7 @@ from grkv_core.presses.grkv import GRKVPress
 from grkv_core.presses.kvmerger import KVMergerPress
 from grkv_core.presses.local_merging import LocalMergePress, MergeInputs
 from grkv_core.presses.merging import BaseMergerPress
+from grkv_core.presses.per_head_cache import PerHeadCachePress
 from grkv_core.presses.per_layer import PerLayerCompressionPress
 from grkv_core.presses.sliding_layers import compressing
 
@@ -55,6 +57,7 @@ __all__ = [
     "LocalMergePress",
     "MergeInputs",
     "BaseMergerPress",
+    "PerHeadCachePress",
     "PerLayerCompressionPress",
     "compressing",
 ]
