@@ -63,12 +63,6 @@ class PerHeadRows:
     def nbytes(self) -> int:
         return self.prefix.nbytes + self.tail.nbytes
 
-    def dim(self) -> int:
-        return 4
-
-    def numel(self) -> int:
-        return self.prefix.numel() + self.tail.numel()
-
     def dense(self, kept: torch.Tensor) -> torch.Tensor:
         """(B, H, L, D) with the prefix rows where ``kept`` (B, H, L, the mask they were taken by) is set, zeros
         elsewhere: the masked layout's rows again (for diagnostics; the tail must be empty)."""
