@@ -125,7 +125,7 @@ def _config(
             merge,
             merge_options,
             variant,
-            per_head_cache=args.per_head_cache and press != FULL_CACHE,
+            per_head_cache=getattr(args, "per_head_cache", False) and press != FULL_CACHE,
         ),
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
