@@ -178,7 +178,11 @@ class PerHeadLayer(DynamicLayer):
         NOTE: reads the per-head counts to the host once (a device synchronisation per layer and compression).
         """
         kept = kept_rows(keys, masked)
-        lengths = tuple(kept.sum(dim=-1).flatten().tolist())
+        return cls.from_kept(keys, values, kept, tuple(kept.sum(dim=-1).flatten().tolist()))
+
+    @classmethod
+    def from_kept(cls, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, lengths: tuple[int, ...]):
+        """The layer holding the rows ``kept`` (B, H, L) marks, ``lengths`` of them per head (host integers)."""
         return cls(per_head_rows(keys, kept, lengths), per_head_rows(values, kept, lengths))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None):

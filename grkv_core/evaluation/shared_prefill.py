@@ -9,7 +9,7 @@ cache before the next press sees the full cache again. Base presses configured a
 (``press(model)``), exactly as when it is used alone, so the caches are identical to one prefill per press.
 
 A ``PerHeadCachePress`` shares its press's prefill: its conversion of each layer to each head's kept rows is done on
-that press's result (``PerHeadLayer.from_masked``, what its own hook does), after the forward.
+that press's result (``convert_layers``, what its own hook does), after the forward.
 
 A press that does more than that standard hook (it overrides ``forward_hook`` or, unless it is a
 ``BaseMergerPress``, ``__call__``, so it might change what the next layer sees) never shares a prefill: it is run
@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grkv_core.cache.per_head import PerHeadLayer
 from grkv_core.presses.merging import BaseMergerPress
-from grkv_core.presses.per_head_cache import PerHeadCachePress
+from grkv_core.presses.per_head_cache import PerHeadCachePress, convert_layers
 from grkv_core.presses.selection import sharing_scores
 from grkv_core.presses.sliding_layers import compressing, language_model, sliding_layer_indices
 
@@ -227,12 +227,12 @@ def _prefill_group(model: PreTrainedModel, context_ids: torch.Tensor, presses: l
 
 
 def _to_per_head(model: PreTrainedModel, cache: DynamicCache, states: list[dict]) -> None:
-    """Each compressed layer of ``cache`` as ``PerHeadCachePress``'s hook leaves it (sliding-window layers whole)."""
-    sliding = sliding_layer_indices(model)
-    for index, state in enumerate(states):
-        if index in sliding:
-            continue
-        layer = cache.layers[index]
-        masked = state.pop("masked_key_indices", None)
-        state[PER_HEAD_MASKED] = masked
-        cache.layers[index] = PerHeadLayer.from_masked(layer.keys, layer.values, masked)
+    """Each compressed layer of ``cache`` as ``PerHeadCachePress``'s hook leaves it (sliding-window layers whole); the
+    masking press's indices stay in ``states`` under ``PER_HEAD_MASKED``, for the probe."""
+
+    def take_masked(index: int) -> tuple | None:
+        state = states[index]
+        state[PER_HEAD_MASKED] = state.pop("masked_key_indices", None)
+        return state[PER_HEAD_MASKED]
+
+    convert_layers(cache, sliding_layer_indices(model), take_masked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from grkv_core.cache.per_head import PerHeadLayer
+from grkv_core.cache.per_head import PerHeadLayer, kept_rows
 from grkv_core.presses.decoding import MergingDecodingPress
 from grkv_core.presses.padding import padding_refused
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices, unhook_sliding_layers
@@ -93,19 +94,39 @@ class PerHeadCachePress(BasePress):
         the forward, in place (``grkv_core.presses.layer_groups``), and the per-head layer is a copy.
         """
         cache = output.past_key_values
-        if cache is None:
-            return output
-        sliding = sliding_layer_indices(module)
-        for index, attention in enumerate(layer.self_attn for layer in module.layers):
-            layer = cache.layers[index]
-            if index in sliding or isinstance(layer, PerHeadLayer):
-                continue
-            if type(layer) is not DynamicLayer:
-                raise ValueError(
-                    f"per_head_cache replaces a DynamicCache's layers; this cache's layer {index} is a "
-                    f"{type(layer).__name__} (use a DynamicCache)"
-                )
-            masked = getattr(attention, "masked_key_indices", None)
-            attention.masked_key_indices = None
-            cache.layers[index] = PerHeadLayer.from_masked(layer.keys, layer.values, masked)
+        if cache is not None:
+            attentions = [layer.self_attn for layer in module.layers]
+            convert_layers(cache, sliding_layer_indices(module), lambda index: _taken(attentions[index]))
         return output
+
+
+def _taken(attention: nn.Module) -> tuple | None:
+    """The attention module's ``masked_key_indices``, cleared there (a per-head layer's attention reads none)."""
+    masked = getattr(attention, "masked_key_indices", None)
+    attention.masked_key_indices = None
+    return masked
+
+
+def convert_layers(cache, sliding: frozenset[int], take_masked: Callable[[int], tuple | None]) -> None:
+    """Each layer of ``cache`` still in kvpress's layout, sliding-window ones aside, as a ``PerHeadLayer``;
+    ``take_masked(index)`` gives that layer's ``masked_key_indices`` (None: nothing masked).
+
+    NOTE: every layer's per-head counts reach the host in one read (one device synchronisation per prefill).
+    """
+    converted = {}
+    for index, layer in enumerate(cache.layers):
+        if index in sliding or isinstance(layer, PerHeadLayer):
+            continue
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"per_head_cache replaces a DynamicCache's layers; this cache's layer {index} is a "
+                f"{type(layer).__name__} (use a DynamicCache)"
+            )
+        converted[index] = kept_rows(layer.keys, take_masked(index))
+    if not converted:
+        return
+    counts = torch.cat([kept.sum(dim=-1).flatten() for kept in converted.values()]).tolist()
+    for index, kept in converted.items():
+        lengths, counts = tuple(counts[: kept.shape[0] * kept.shape[1]]), counts[kept.shape[0] * kept.shape[1] :]
+        layer = cache.layers[index]
+        cache.layers[index] = PerHeadLayer.from_kept(layer.keys, layer.values, kept, lengths)
