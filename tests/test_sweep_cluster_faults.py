@@ -44,6 +44,24 @@ from workers.names import FULL_STAGE, REQUEUE_OF_ATTR, REUSES_ATTR
 WORKER_NODE = dict(num_cpus=2, node_ip_address="127.0.0.1")
 
 
+def start_on_the_head(services, cluster, config, sweep_id, state, **node_args):
+    """A driver on ``cluster`` attached to its head, then a worker node (``node_args`` on top of ``WORKER_NODE``).
+
+    NOTE: a driver attaches to the first alive node of its IP address that Ray's GCS lists, in no set order. Here every
+    node is 127.0.0.1, so a driver started beside a worker node may attach to that node and hang when a test removes
+    it (on a real cluster the driver runs on the head, which these tests never lose). Started while the head is the
+    only node, the driver attaches to the head; its lease, taken once it has joined the cluster, says when.
+    """
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node)
+    driver = start(dict(services, ray_address=cluster.address), config, sweep_id, state)
+    wait_for(
+        lambda: (state / sweep_id / "driver.lease").is_file() or driver.poll() is not None, 300, "the driver's lease"
+    )
+    cluster.add_node(**WORKER_NODE, **node_args)
+    return driver
+
+
 def failed_trials(study) -> set[int]:
     """Trials failed other than to be re-queued (a trial the sweep runs again) or as a reused proposal."""
     requeued = {t.user_attrs[REQUEUE_OF_ATTR] for t in study.trials if REQUEUE_OF_ATTR in t.user_attrs}
@@ -78,9 +96,8 @@ def cluster():
 
 def test_the_node_holding_the_workers_lost_mid_batch_three_times_fails_nothing(services, cluster, tmp_path):
     sweep_id, state, trials = "node-lost", tmp_path / "state", 4
-    own = dict(services, ray_address=cluster.address)
     config = slow_config(tmp_path, trials=trials, **{"data.samples": 6})
-    driver = start(own, config, sweep_id, state)
+    driver = start_on_the_head(services, cluster, config, sweep_id, state)
     try:
         wait_for(a_trial_running(services["tracking_uri"], sweep_id), 300, "a running trial")
         node_added = time.time()

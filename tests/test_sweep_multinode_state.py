@@ -9,8 +9,12 @@ import json
 import time
 from pathlib import Path
 
-from test_sweep_cluster_faults import WORKER_NODE, cluster  # noqa: F401 - the fixture: a 0-CPU head, one worker node
-from test_sweep_faults import a_trial_running, assert_sweep_complete, start
+from test_sweep_cluster_faults import (  # noqa: F401 - cluster: the fixture, a 0-CPU head and one worker node
+    WORKER_NODE,
+    cluster,
+    start_on_the_head,
+)
+from test_sweep_faults import a_trial_running, assert_sweep_complete
 from test_sweep_service import (
     complete_trials,
     of_stage,
@@ -50,20 +54,14 @@ def sweep_with_a_node_lost_mid_batch(services, cluster, tmp_path, per_node: bool
     sweep_id = "per-node" if per_node else "shared"
     state = tmp_path / sweep_id / "state"
     (tmp_path / sweep_id).mkdir()
-    nodes = iter(range(2))
 
-    def new_node():
-        node_dir = {CHECKPOINT_DIR_ENV: str(tmp_path / sweep_id / f"node-{next(nodes)}")} if per_node else {}
-        return cluster.add_node(**WORKER_NODE, env_vars=node_dir)
+    def node_dir(index: int) -> dict:
+        return {CHECKPOINT_DIR_ENV: str(tmp_path / sweep_id / f"node-{index}")} if per_node else {}
 
     # The first node's checkpoints: its own folder, or the state directory every node sees.
     lost_node_checkpoints = tmp_path / sweep_id / "node-0" if per_node else state / sweep_id / "checkpoints"
-    if per_node:  # NOTE: the fixture's node has no folder of its own
-        (first,) = cluster.worker_nodes
-        cluster.remove_node(first)
-        new_node()
     config = slow_config(tmp_path / sweep_id, trials=TRIALS, **{"data.samples": SAMPLES})
-    driver = start(dict(services, ray_address=cluster.address), config, sweep_id, state)
+    driver = start_on_the_head(services, cluster, config, sweep_id, state, env_vars=node_dir(0))
     try:
         wait_for(a_trial_running(services["tracking_uri"], sweep_id), 300, "a running trial")
         # Mid-trial: a checkpoint holds some of a trial's samples (2, so that resuming shows), not all.
@@ -73,7 +71,7 @@ def sweep_with_a_node_lost_mid_batch(services, cluster, tmp_path, per_node: bool
         (lost,) = cluster.worker_nodes
         at_loss = checkpointed(lost_node_checkpoints)
         cluster.remove_node(lost)
-        new_node()
+        cluster.add_node(**WORKER_NODE, env_vars=node_dir(1))
         stdout, stderr = driver.communicate(timeout=900)
     finally:
         if driver.poll() is None:
