@@ -1,12 +1,14 @@
 """Whether two result folders of ``grkv eval``/``grkv compare`` (``--output-dir``) hold the same results: per method and
-sample, identical predictions and every numeric field (timings and memory peaks aside) within a relative tolerance.
+sample, identical predictions and every numeric field (timings and memory peaks aside) within a tolerance: ``a`` and
+``b`` agree when ``|a - b| <= atol + rtol * |a|`` (NumPy's ``allclose``; ``--atol`` is 0 unless given).
 
     python -m benchmarks.same_results /tmp/before /tmp/after    # exit 1 if they differ
 
 For a change that must leave results unchanged: run the same command before and after it, then this. Either folder
 may hold its result files compressed (``x.json.gz``, as committed). For two layouts of one cache (``grkv compare
---per-head-cache`` against the masked layout), ``--after-suffix -per-head`` pairs ``x.json`` with ``x-per-head.json``
-and ``--ignore kv_bytes`` leaves out what the layout changes by design.
+--per-head-cache`` against the masked layout), ``--after-suffix=-per-head`` pairs ``x.json`` with ``x-per-head.json``
+and ``--ignore kv_bytes`` leaves out what the layout changes by design. The largest relative difference is printed
+with its field.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--rtol", type=float, default=1e-6)
+    parser.add_argument("--atol", type=float, default=0.0, help="an absolute tolerance beside --rtol (default 0)")
     parser.add_argument("--after-suffix", default="", help="the after file of x.json is x<SUFFIX>.json, if it exists")
     parser.add_argument("--ignore", action="append", default=[], metavar="FIELD", help="a numeric field not compared")
     args = parser.parse_args()
@@ -38,17 +41,21 @@ def main() -> int:
         predictions = len(before) == len(after) and all(
             x["predictions"] == y["predictions"] for x, y in zip(before, after)
         )
-        worst, fields = 0.0, 0
+        worst, worst_field, fields, close = 0.0, "", 0, True
         for x, y in zip(before, after):
             for key, value in x.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ignored:
                     fields += 1
-                    worst = max(worst, abs(value - y[key]) / max(abs(value), 1e-30))
-        ok = predictions and worst <= args.rtol
+                    difference = abs(value - y[key])
+                    close &= difference <= args.atol + args.rtol * abs(value)
+                    if difference / max(abs(value), 1e-30) > worst:
+                        worst, worst_field = difference / max(abs(value), 1e-30), key
+        ok = predictions and close
         same &= ok
+        largest = f"{worst:.3g}" + (f" ({worst_field})" if worst_field else "")
         print(
             f"{path.stem}: {len(before)} samples, predictions {'identical' if predictions else 'DIFFER'}, "
-            f"{fields} numeric fields, largest relative difference {worst:.3g} ({'ok' if ok else 'DIFFERS'})"
+            f"{fields} numeric fields, largest relative difference {largest}, {'ok' if ok else 'DIFFERS'}"
         )
     return 0 if same else 1
 
