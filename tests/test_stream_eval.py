@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import REPO, tiny_model
 
 from grkv_core.cli import main
 from grkv_core.config import FULL_CACHE, PressConfig, StreamConfig
@@ -76,6 +76,17 @@ def test_a_results_file_of_another_configuration_is_refused_in_one_line(tmp_path
         StreamStore(path, StreamConfig(target_size=512))
     assert "\n" not in str(raised.value)
     StreamStore(path, StreamConfig(target_size=256, samples=9))  # more texts of the same configuration resume it
+
+
+def test_the_committed_bounded_cache_results_resume_under_todays_configuration(tmp_path):
+    """A configuration field added since the committed tables were begun must not stop them resuming."""
+    committed = sorted((REPO / "benchmarks/results/bounded-cache").rglob("*.jsonl"))
+    assert committed
+    for index, path in enumerate(committed):
+        header = json.loads(path.read_text().splitlines()[0])["config"]
+        copy = tmp_path / f"{index}.jsonl"
+        copy.write_text(path.read_text())
+        assert StreamStore(copy, StreamConfig.from_dict(header)).results, path
 
 
 @pytest.mark.parametrize(

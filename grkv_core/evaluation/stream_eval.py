@@ -117,8 +117,10 @@ class StreamStore:
 def _resume_key(config: StreamConfig) -> dict:
     key = config.to_dict()
     key.pop("samples")
-    # NOTE: always empty (the sizes are the config's own), and absent from the files written before it existed.
+    # NOTE: absent from the files written before they existed, and the same in every stream configuration: decoding
+    # (always empty: the sizes are the config's own) and per_head_cache (a bounded cache refuses it).
     key["press"].pop("decoding")
+    key["press"].pop("per_head_cache")
     return key
 
 
