@@ -150,16 +150,8 @@ def decode(model, press, ids, steps=STEPS):
     return torch.stack(logits), tokens, cache
 
 
-def decode_matrix():
-    """Every press on Llama's shape and on Gemma 3's (sliding-window layers left whole), AdaKV on every architecture;
-    the rest of the matrix is slow (the default run stays short)."""
-    for architecture in TINY_ARCHITECTURES:
-        for press_name in HEAD_ADAPTIVE:
-            everyday = architecture in ("tiny-llama", "tiny-gemma3") or press_name == "adakv"
-            yield pytest.param(architecture, press_name, marks=() if everyday else pytest.mark.slow)
-
-
-@pytest.mark.parametrize("architecture,press_name", decode_matrix())
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("press_name", HEAD_ADAPTIVE)
 def test_the_per_head_layout_decodes_as_the_masked_one(architecture, press_name):
     """32 decoded tokens: logits within 1e-5 at every step, the same ids, with each head's kept rows only."""
     model = tiny_model(architecture).model
