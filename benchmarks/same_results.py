@@ -48,8 +48,9 @@ def main() -> int:
                     fields += 1
                     difference = abs(value - y[key])
                     close &= difference <= args.atol + args.rtol * abs(value)
-                    if difference / max(abs(value), 1e-30) > worst:
-                        worst, worst_field = difference / max(abs(value), 1e-30), key
+                    relative = difference / max(abs(value), 1e-30)
+                    if relative > worst:
+                        worst, worst_field = relative, key
         ok = predictions and close
         same &= ok
         largest = f"{worst:.3g}" + (f" ({worst_field})" if worst_field else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from kvpress import BasePress, DecodingPress, PrefillDecodingPress
@@ -125,8 +126,8 @@ def convert_layers(cache, sliding: frozenset[int], take_masked: Callable[[int], 
         converted[index] = kept_rows(layer.keys, take_masked(index))
     if not converted:
         return
-    counts = torch.cat([kept.sum(dim=-1).flatten() for kept in converted.values()]).tolist()
+    counts = iter(torch.cat([kept.sum(dim=-1).flatten() for kept in converted.values()]).tolist())
     for index, kept in converted.items():
-        lengths, counts = tuple(counts[: kept.shape[0] * kept.shape[1]]), counts[kept.shape[0] * kept.shape[1] :]
+        lengths = tuple(islice(counts, kept.shape[0] * kept.shape[1]))
         layer = cache.layers[index]
         cache.layers[index] = PerHeadLayer.from_kept(layer.keys, layer.values, kept, lengths)
