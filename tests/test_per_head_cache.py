@@ -228,7 +228,7 @@ def test_configuration_builds_and_names_the_per_head_layout():
 def test_refusals_are_one_line_before_any_layer_runs():
     model = tiny_model().model
     ids = token_ids(model.config.vocab_size)
-    with pytest.raises(ValueError, match="compresses while decoding"):
+    with pytest.raises(ValueError, match="kvpress's DecodingPress keeps one count of rows in every head"):
         PerHeadCachePress(DecodingPress(SnapKVPress(compression_ratio=RATIO)))
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         prefill(tiny_model(attn_implementation="eager").model, ids, PerHeadCachePress(SnapKVPress(RATIO)))

@@ -18,6 +18,18 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+EAGER_REFUSAL = (
+    "per_head_cache needs sdpa or flash attention (a model's attention interface), not eager: load the model with "
+    "attn_implementation='sdpa'"
+)
+
+
+def refuse_eager(model) -> None:
+    """A one-line ValueError for a model whose attention a per-head cache cannot serve: eager attention, which
+    transformers calls directly, not through the attention interface (``per_head_attention``) serves."""
+    if model.config.get_text_config()._attn_implementation == "eager":
+        raise ValueError(EAGER_REFUSAL)
+
 
 @dataclass(frozen=True)
 class PerHeadRows:
@@ -71,6 +83,22 @@ class PerHeadRows:
         dense = self.prefix.new_zeros(*kept.shape, self.prefix.shape[-1])
         dense[kept] = self.prefix
         return dense
+
+    def right_aligned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's rows in one (B, H, L, D) tensor, each head's last row at L − 1 (L: the longest head's count
+        plus the tail), zeros before a shorter head's first row; and (B, H, L) bool, True at a head's own rows.
+
+        NOTE: right-aligned, so the tail (the tokens since the compression, every head's) ends every head at the same
+        place: a window over the most recent rows holds for all heads.
+        """
+        batch, heads, tail_rows, dim = self.tail.shape
+        longest = max(self.lengths)
+        counts = torch.tensor(self.lengths, device=self.prefix.device).view(batch, heads, 1)
+        real = torch.arange(longest, device=self.prefix.device) >= longest - counts
+        rows = self.prefix.new_zeros(batch, heads, longest, dim)
+        rows[real] = self.prefix  # NOTE: boolean indexing walks (b, h, l) in order, as ``per_head_rows`` took them
+        every = real.new_ones(batch, heads, tail_rows)
+        return torch.cat([rows, self.tail], dim=-2), torch.cat([real, every], dim=-1)
 
     def heads(self) -> tuple[torch.Tensor, ...]:
         """Each head's prefix rows, (L_s, D) views in head order ``s = b * H + h``."""
@@ -143,14 +171,17 @@ def kept_rows(keys: torch.Tensor, masked: tuple | None) -> torch.Tensor:
     return kept
 
 
-def per_head_rows(states: torch.Tensor, kept: torch.Tensor, lengths: tuple[int, ...]) -> PerHeadRows:
-    """``states`` (B, H, L, D) reduced to the rows ``kept`` (B, H, L) marks, each head's in position order."""
-    batch, heads, length, dim = states.shape
+def per_head_rows(
+    states: torch.Tensor, kept: torch.Tensor, lengths: tuple[int, ...], length: int | None = None
+) -> PerHeadRows:
+    """``states`` (B, H, L, D) reduced to the rows ``kept`` (B, H, L) marks, each head's in position order; the
+    rows report ``length`` (default L) as ``shape[-2]``."""
+    batch, heads, rows, dim = states.shape
     return PerHeadRows(
         prefix=states[kept],  # NOTE: boolean indexing walks (b, h, l) in order: head after head, positions ascending
         lengths=lengths,
         tail=states.new_empty(batch, heads, 0, dim),
-        length=length,
+        length=rows if length is None else length,
     )
 
 
@@ -181,9 +212,17 @@ class PerHeadLayer(DynamicLayer):
         return cls.from_kept(keys, values, kept, tuple(kept.sum(dim=-1).flatten().tolist()))
 
     @classmethod
-    def from_kept(cls, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, lengths: tuple[int, ...]):
-        """The layer holding the rows ``kept`` (B, H, L) marks, ``lengths`` of them per head (host integers)."""
-        return cls(per_head_rows(keys, kept, lengths), per_head_rows(values, kept, lengths))
+    def from_kept(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kept: torch.Tensor,
+        lengths: tuple[int, ...],
+        length: int | None = None,
+    ) -> PerHeadLayer:
+        """The layer holding the rows ``kept`` (B, H, L) marks, ``lengths`` of them per head (host integers),
+        reporting ``length`` (default L) as its length."""
+        return cls(per_head_rows(keys, kept, lengths, length), per_head_rows(values, kept, lengths, length))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict | None = None):
         self.keys = self.keys.appended(key_states)

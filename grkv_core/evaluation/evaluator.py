@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from grkv_core.cache.per_head import EAGER_REFUSAL
 from grkv_core.config import PROTOCOL_SPEC, QUESTION_AGNOSTIC, PressConfig
 from grkv_core.datasets import EvalSample, score_prediction
 from grkv_core.evaluation.answer_metrics import (
@@ -37,7 +38,6 @@ from grkv_core.evaluation.shared_prefill import prefill_shared
 from grkv_core.models import LoadedModel
 from grkv_core.options import PAPER_WINDOW
 from grkv_core.presses.from_config import BuiltPress, protected_window, refuses_eager, required_attention
-from grkv_core.presses.per_head_cache import EAGER_REFUSAL
 
 
 class Evaluator:

@@ -6,13 +6,15 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from kvpress import BasePress, DecodingPress, ScorerPress, StreamingLLMPress
+from kvpress import AdaKVPress, BasePress, DecodingPress, ScorerPress, StreamingLLMPress
 from torch import nn
 
 from grkv_core import options
+from grkv_core.cache.per_head import PerHeadLayer, refuse_eager
 from grkv_core.option_specs import options_docstring
 from grkv_core.presses.merging import BaseMergerPress
 from grkv_core.presses.padding import padding_refused
+from grkv_core.presses.per_head_decoding import compress_per_head_layer, per_head_refusal
 from grkv_core.presses.selection import (
     MASKING_PRESSES,
     SUPPORTED_BASE_PRESSES,
@@ -43,6 +45,7 @@ class _LayerStream:
     sin: list[torch.Tensor] = field(default_factory=list)
     buffered: int = 0
     since_compression: int = 0
+    per_head: bool = False  # the layer holds each head's own rows: ``positions`` no longer describes them
 
     def buffer(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, size: int) -> None:
         """Add a forward's tokens, keeping at least the last ``size`` of them."""
@@ -76,10 +79,12 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
     press choosing the rows and, when it is a merger, the evicted rows merged into the kept ones.
 
     kvpress's ``DecodingPress`` accepts an eviction press only; this one accepts any merger of this library around any
-    eviction press with a uniform budget (GRKV, CaM, D2O, AsymKV, KVMerger), or the eviction press alone (the
-    baseline, through the same steps). The base press scores with the hidden states of the most recent
-    ``hidden_states_buffer_size`` tokens, and GRKV's surrogate queries are theirs (its query policy applied to those
-    tokens), at their own positions; its target is their attention over the cache just before the compression.
+    eviction press with a uniform budget (GRKV, CaM, D2O, AsymKV, KVMerger), or the eviction press alone (the baseline,
+    through the same steps). On a per-head cache (``PerHeadCachePress``), and with ``AdaKVPress`` as the base press,
+    which makes one, each head is bounded on its own rows (``grkv_core.presses.per_head_decoding``). The base press
+    scores with the hidden states of the most recent ``hidden_states_buffer_size`` tokens, and GRKV's surrogate queries
+    are theirs (its query policy applied to those tokens), at their own positions; its target is their attention over
+    the cache just before the compression.
 
     Differences from kvpress's ``DecodingPress``, each on purpose:
 
@@ -114,11 +119,10 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         options.check_options(self)
         eviction = self._eviction_press()
         if isinstance(eviction, MASKING_PRESSES):
-            raise ValueError(
-                f"MergingDecodingPress needs the same budget in every head; {type(eviction).__name__} masks a "
-                "different number per head and would never shrink the cache"
-            )
-        if not isinstance(self.base_press, BaseMergerPress):
+            reason = per_head_refusal(self.base_press)
+            if reason is not None:
+                raise ValueError(f"MergingDecodingPress keeps {type(eviction).__name__}'s budgets per head: {reason}")
+        elif not isinstance(self.base_press, BaseMergerPress):
             reason = unsupported_base_press_reason(type(self.base_press))
             if reason is not None or not isinstance(self.base_press, ScorerPress):
                 raise ValueError(
@@ -138,6 +142,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         buffer is shorter than a scoring window."""
         merger = self.base_press if isinstance(self.base_press, BaseMergerPress) else None
         eviction = self._eviction_press()
+        eviction = eviction.press if isinstance(eviction, AdaKVPress) else eviction
         protected = sum(len(span) for span in forced_score_ranges(eviction, 10**9))
         if isinstance(eviction, StreamingLLMPress):
             protected += eviction.n_sink
@@ -171,6 +176,8 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         sliding-window layers left whole, as by every merger."""
         options.check_options(self)
         self._check_room()
+        if isinstance(self.base_press, AdaKVPress):
+            refuse_eager(model)
         state = self.base_press.merging_state() if isinstance(self.base_press, BaseMergerPress) else nullcontext()
         self.reset()
         try:
@@ -196,7 +203,9 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
             stream.since_compression += tokens
             if stream.since_compression >= self.compression_interval:
                 target = self.resolved_target_size(stream.seen)
-                if layer.keys.shape[2] > target:
+                if isinstance(layer, PerHeadLayer) or isinstance(self.base_press, AdaKVPress):
+                    self._compress_per_head(module, kwargs, cache, stream, target)
+                elif layer.keys.shape[2] > target:
                     self._compress_layer(module, kwargs, layer, stream, target)
                 stream.since_compression = 0
                 stream.clear_buffer()
@@ -212,6 +221,11 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         """(B, H_kv, rows) the stream position of each row of layer ``layer_idx``'s cache (-1: cached before this
         press saw the stream), within the press's context; None before the layer's first forward."""
         stream = (self._streams or {}).get(layer_idx)
+        if stream is not None and stream.per_head:
+            raise ValueError(
+                f"layer {layer_idx} holds each head's own rows (a per-head cache): they have no (B, H_kv, rows) "
+                "positions"
+            )
         return None if stream is None else stream.all_positions()
 
     def _stream(self, layer_idx: int, kwargs: dict, keys: torch.Tensor) -> _LayerStream:
@@ -264,6 +278,24 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
             self.base_press.compression_ratio = saved
         layer.keys, layer.values = keys, values
         stream.positions, stream.positions_through = stream.all_positions().gather(-1, kept), stream.seen
+
+    def _compress_per_head(self, module: nn.Module, kwargs: dict, cache, stream: _LayerStream, target: int) -> None:
+        """Bring each head of the layer's per-head cache back to ``target`` rows (a uniform cache under
+        ``AdaKVPress`` becoming one first), scoring with the buffered tokens."""
+        reason = per_head_refusal(self.base_press)
+        if reason is not None:
+            raise ValueError(reason)
+        layer = cache.layers[module.layer_idx]
+        if not isinstance(layer, PerHeadLayer):
+            batch, heads, rows, _ = layer.keys.shape
+            every = torch.ones(batch, heads, rows, dtype=torch.bool, device=layer.keys.device)
+            layer = PerHeadLayer.from_kept(layer.keys, layer.values, every, (rows,) * (batch * heads))
+        hidden_states, *embeddings = stream.recent(self.hidden_states_buffer_size)
+        recent_kwargs = {**kwargs, "position_embeddings": tuple(embeddings)}
+        cache.layers[module.layer_idx] = compress_per_head_layer(
+            self.base_press, module, layer, hidden_states, recent_kwargs, target
+        )
+        stream.per_head = True
 
 
 # NOTE: the options' documentation is their ``OptionSpec``s' (``grkv_core.options``), the one source of their help.

@@ -12,20 +12,16 @@ from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from grkv_core.cache.per_head import PerHeadLayer, kept_rows
+from grkv_core.cache.per_head import PerHeadLayer, kept_rows, refuse_eager
 from grkv_core.presses.decoding import MergingDecodingPress
 from grkv_core.presses.padding import padding_refused
+from grkv_core.presses.per_head_decoding import per_head_refusal
 from grkv_core.presses.sliding_layers import language_model, sliding_layer_indices, unhook_sliding_layers
 
 PER_HEAD_PADDING = (
     "a per-head cache does not support padded batches: its attention builds a causal mask over each head's rows, "
     "which knows no padding"
 )
-EAGER_REFUSAL = (
-    "per_head_cache needs sdpa or flash attention (a model's attention interface), not eager: load the model with "
-    "attn_implementation='sdpa'"
-)
-DECODING_PRESSES = (DecodingPress, PrefillDecodingPress, MergingDecodingPress)
 
 
 @dataclass
@@ -39,17 +35,24 @@ class PerHeadCachePress(BasePress):
     rows (``grkv_core.cache.per_head_attention``), giving the masked layout's answers. A press that keeps the same
     count in every head gives the uniform case. Sliding-window layers stay whole, as under every press here.
 
+    A cache bounded while decoding works on it too: ``press`` may be a ``MergingDecodingPress`` around an eviction
+    press, or kvpress's ``PrefillDecodingPress`` with one as its decoding press (behind any prefill press, AdaKV's
+    among them); every ``compression_interval`` tokens each head is brought back to ``target_size`` rows of its own
+    (``grkv_core.presses.per_head_decoding``).
+
     Parameters
     ----------
     press : BasePress
-        The press that compresses the prefill (any prefill press of kvpress or of this package).
+        The press that compresses the prefill (any prefill press of kvpress or of this package), or one of the
+        decoding presses above.
 
     Raises
     ------
     ValueError
-        When built: ``press`` is a decoding press (a per-head cache is compressed at the prefill only). When it enters
-        a model: eager attention (transformers calls it directly, not through the attention interface this serves).
-        In a forward: a padded batch, a cache whose layers are not ``DynamicLayer`` (quantized caches).
+        When built: ``press`` is kvpress's ``DecodingPress`` (its compression gathers one count of rows in every head),
+        or a decoding press whose base press cannot bound a per-head cache (``per_head_refusal``). When it enters a
+        model: eager attention (transformers calls it directly, not through the attention interface this serves). In
+        a forward: a padded batch, a cache whose layers are not ``DynamicLayer`` (quantized caches).
     """
 
     press: BasePress
@@ -57,10 +60,16 @@ class PerHeadCachePress(BasePress):
     def __post_init__(self) -> None:
         if not isinstance(self.press, BasePress):
             raise ValueError(f"press must be a kvpress press, got {type(self.press).__name__}")
-        if isinstance(self.press, DECODING_PRESSES):
+        decoding = self.press.decoding_press if isinstance(self.press, PrefillDecodingPress) else self.press
+        if isinstance(decoding, MergingDecodingPress):
+            reason = per_head_refusal(decoding.base_press)
+            if reason is not None:
+                raise ValueError(f"per_head_cache: {reason}")
+        elif isinstance(decoding, DecodingPress):
             raise ValueError(
-                f"per_head_cache compresses the prefill: {type(self.press).__name__} compresses while decoding, "
-                "which a per-head cache does not support; use a prefill press"
+                f"per_head_cache: kvpress's {type(decoding).__name__} keeps one count of rows in every head, which a "
+                "per-head cache does not hold; use MergingDecodingPress(<eviction press>, target_size=..., "
+                "compression_interval=...)"
             )
 
     @property
@@ -76,8 +85,7 @@ class PerHeadCachePress(BasePress):
 
     @contextmanager
     def __call__(self, model):
-        if model.config.get_text_config()._attn_implementation == "eager":
-            raise ValueError(EAGER_REFUSAL)
+        refuse_eager(model)
         decoder = language_model(model)
         with padding_refused(model, PER_HEAD_PADDING), self.press(model):
             unhook_sliding_layers(self.press, model)
