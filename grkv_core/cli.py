@@ -164,7 +164,10 @@ def _eval_press(args) -> tuple[PressConfig, str | None]:
 
 def _refuse_per_head_streams(args) -> None:
     if args.per_head_cache and args.protocol in STREAM_PROTOCOLS:
-        raise ValueError(f"--per-head-cache compresses the prefill only: not with --protocol {args.protocol}")
+        raise ValueError(
+            f"--per-head-cache is for prefill presses, not --protocol {args.protocol}: a bounded cache holds each "
+            "head's own rows under --press adakv by itself"
+        )
 
 
 def _add_per_head_flag(parser: argparse.ArgumentParser) -> None:

@@ -95,7 +95,8 @@ class PressConfig:
         check_decoding(self.decoding)
         if self.decoding and self.per_head_cache:
             raise ValueError(
-                "per_head_cache compresses the prefill only: a bounded cache (decoding options) cannot use it"
+                "per_head_cache is for prefill presses: a bounded cache (decoding options) holds each head's own rows "
+                "under press 'adakv' by itself, and one count in every head under the others"
             )
         if self.press not in EVICTION_PRESSES:
             raise ValueError(f"unknown press {self.press!r}; choose from {[FULL_CACHE, *EVICTION_PRESSES]}")

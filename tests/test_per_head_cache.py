@@ -218,7 +218,7 @@ def test_configuration_builds_and_names_the_per_head_layout():
     for bad, message in [
         (dict(press="full", compression_ratio=0.0), "takes no merger"),
         (dict(press="h2o"), "needs eager attention"),
-        (dict(press="snapkv", decoding={"target_size": 64}), "compresses the prefill only"),
+        (dict(press="snapkv", decoding={"target_size": 64}), "holds each head's own rows under press 'adakv'"),
         (dict(press="snapkv", per_head_cache="yes"), "per_head_cache"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -16,6 +16,7 @@ from kvpress import (
 )
 
 from grkv_core.cache.per_head import PerHeadLayer, PerHeadRows, kept_rows
+from grkv_core.evaluation.streaming import stream_text
 from grkv_core.presses import GRKVPress, MergingDecodingPress
 from grkv_core.presses.per_head_cache import PerHeadCachePress
 from grkv_core.presses.per_head_decoding import compress_per_head_layer, kept_per_head, per_head_scores
@@ -247,3 +248,20 @@ def test_refusals_are_one_line_before_any_layer_runs():
     eager = tiny_model(attn_implementation="eager").model
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         generate_bounded(eager, bounded(AdaKVPress(KnormPress())), prompt(eager), new_tokens=2)
+
+
+def test_a_stream_bounded_by_adakv_holds_each_heads_rows_and_reports_their_real_bytes():
+    model = tiny_model().model
+    ids = prompt(model, 300)
+    heads = model.config.num_key_value_heads
+    streamed = stream_text(model, ids, bounded(AdaKVPress(SnapKVPress(window_size=8))))
+    uniform = stream_text(model, ids, bounded(SnapKVPress(window_size=8)))
+    assert torch.isfinite(streamed.token_nll).all() and streamed.token_nll.shape == uniform.token_nll.shape
+    assert streamed.kept_positions == {} and uniform.kept_positions
+    layers = streamed.cache.layers
+    assert all(isinstance(layer, PerHeadLayer) for layer in layers)
+    assert len({n for layer in layers for n in layer.keys.lengths}) > 1
+    rows = sum(sum(layer.keys.lengths) + heads * layer.keys.tail.shape[2] for layer in layers)
+    assert rows <= len(layers) * heads * (TARGET + INTERVAL)
+    dim = layers[0].keys.prefix.shape[-1]
+    assert sum(layer.keys.nbytes + layer.values.nbytes for layer in layers) == rows * 2 * dim * 4

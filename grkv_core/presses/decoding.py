@@ -219,14 +219,10 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor | None:
         """(B, H_kv, rows) the stream position of each row of layer ``layer_idx``'s cache (-1: cached before this
-        press saw the stream), within the press's context; None before the layer's first forward."""
+        press saw the stream), within the press's context; None before the layer's first forward, and once the layer
+        holds each head's own rows (a per-head cache, whose positions are not kept)."""
         stream = (self._streams or {}).get(layer_idx)
-        if stream is not None and stream.per_head:
-            raise ValueError(
-                f"layer {layer_idx} holds each head's own rows (a per-head cache): they have no (B, H_kv, rows) "
-                "positions"
-            )
-        return None if stream is None else stream.all_positions()
+        return None if stream is None or stream.per_head else stream.all_positions()
 
     def _stream(self, layer_idx: int, kwargs: dict, keys: torch.Tensor) -> _LayerStream:
         """The layer's state, made at its first forward in this context from the cache it finds."""
