@@ -16,6 +16,8 @@ from kvpress import (
 )
 
 from grkv_core.cache.per_head import PerHeadLayer, PerHeadRows, kept_rows
+from grkv_core.config import PressConfig, StreamConfig
+from grkv_core.evaluation.stream_eval import run_stream_evaluations
 from grkv_core.evaluation.streaming import stream_text
 from grkv_core.presses import GRKVPress, MergingDecodingPress
 from grkv_core.presses.per_head_cache import PerHeadCachePress
@@ -265,3 +267,15 @@ def test_a_stream_bounded_by_adakv_holds_each_heads_rows_and_reports_their_real_
     assert rows <= len(layers) * heads * (TARGET + INTERVAL)
     dim = layers[0].keys.prefix.shape[-1]
     assert sum(layer.keys.nbytes + layer.values.nbytes for layer in layers) == rows * 2 * dim * 4
+
+
+def test_a_stream_refuses_a_merger_behind_adakv_before_loading_the_model(tmp_path):
+    config = StreamConfig(
+        protocol="stream_nll",
+        press=PressConfig("adakv", 0.0, "grkv"),
+        target_size=256,
+        compression_interval=128,
+        model="no-such-model",
+    )
+    with pytest.raises(ValueError, match=r"eviction only \(GRKVPress merges into a uniform cache\)"):
+        run_stream_evaluations([config], [tmp_path / "adakv.jsonl"], progress=False)

@@ -141,10 +141,10 @@ def run_stream_evaluations(
         for c in configs
     ):
         raise ValueError("configurations evaluated together may differ only in press, target_size and interval")
+    presses = [bounded_press(config) for config in configs]  # NOTE: first, so a refused press costs no model load
     loaded = loaded or load_model(base.model, dtype=base.dtype, device=base.device)
     items = load_stream_items(base, loaded.tokenizer)
     stores = [StreamStore(Path(output), config) for config, output in zip(configs, outputs, strict=True)]
-    presses = [bounded_press(config) for config in configs]
     pending = [
         (item, [index for index, store in enumerate(stores) if item.item_id not in store.results]) for item in items
     ]

@@ -121,7 +121,7 @@ class MergingDecodingPress(DecodingOptions, DecodingPress):
         if isinstance(eviction, MASKING_PRESSES):
             reason = per_head_refusal(self.base_press)
             if reason is not None:
-                raise ValueError(f"MergingDecodingPress keeps {type(eviction).__name__}'s budgets per head: {reason}")
+                raise ValueError(f"MergingDecodingPress with {type(eviction).__name__}'s per-head budgets: {reason}")
         elif not isinstance(self.base_press, BaseMergerPress):
             reason = unsupported_base_press_reason(type(self.base_press))
             if reason is not None or not isinstance(self.base_press, ScorerPress):

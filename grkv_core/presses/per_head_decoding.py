@@ -40,8 +40,8 @@ def per_head_refusal(base_press: BasePress) -> str | None:
 
     if isinstance(base_press, BaseMergerPress):
         return (
-            f"a per-head cache is bounded while decoding by eviction only: {type(base_press).__name__} merges into "
-            f"a uniform cache; use its base press ({type(base_press.press).__name__}) as the decoding press"
+            f"a per-head cache is bounded while decoding by eviction only ({type(base_press).__name__} merges into "
+            f"a uniform cache): use {type(base_press.press).__name__} alone (no merger)"
         )
     scorer = base_press.press if isinstance(base_press, AdaKVPress) else base_press
     if not isinstance(scorer, PER_HEAD_SCORERS):
