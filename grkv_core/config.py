@@ -31,7 +31,7 @@ FULL_CACHE = "full"
 # "ruler": the offline generator; "ruler-hub": simonjegou/ruler; "longbench": Xnhyacinth/LongBench (both hub
 # copies pinned to a revision).
 DATASETS = ("ruler", "ruler-hub", "longbench")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "float64")  # float64: a numerical reference, on the CPU
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -167,6 +167,16 @@ def test_the_per_head_layout_decodes_as_the_masked_one(architecture, press_name)
     assert held <= 0.12 * len(per_head) * 2 * heads * ids.shape[1] * dim * 4
 
 
+def test_in_float64_the_layouts_agree_to_float64_precision():
+    """A float64 model (``--dtype float64``, the numerical reference) attends over a per-head cache in float64."""
+    model = tiny_model(dtype="float64").model
+    ids = token_ids(model.config.vocab_size)
+    masked_logits, masked_tokens, _ = decode(model, HEAD_ADAPTIVE["adakv+grkv"](), ids, steps=8)
+    logits, tokens, cache = decode(model, PerHeadCachePress(HEAD_ADAPTIVE["adakv+grkv"]()), ids, steps=8)
+    assert logits.dtype == torch.float64 and tokens == masked_tokens
+    torch.testing.assert_close(logits, masked_logits, rtol=1e-12, atol=1e-12)
+
+
 def test_model_generate_with_the_press_gives_the_masked_layouts_tokens():
     model = tiny_model().model
     ids = token_ids(model.config.vocab_size)

@@ -9,8 +9,8 @@ directly): a per-head cache refuses it when the press enters the model (``PerHea
 On CUDA in half precision with flash-attn importable, flash-attn's variable-length kernel serves it
 (``varlen_attention``): each (batch row, KV head) is one sequence, its query heads (GQA groups) the heads of that
 sequence. Elsewhere the reference path, exact on any device: for each KV head, its query heads attend over the head's
-prefix rows and the tail, one softmax over both, in float32. The new tokens are the last rows of every head's tail,
-so a chunk of several tokens is causal within itself and sees every earlier row.
+prefix rows and the tail, one softmax over both, in float32 (float64 for a float64 model). The new tokens are the last
+rows of every head's tail, so a chunk of several tokens is causal within itself and sees every earlier row.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def per_head_attention(
     batch, query_heads, steps, dim = query.shape
     kv_heads = key.tail.shape[1]
     groups = query_heads // kv_heads
+    compute = torch.promote_types(query.dtype, torch.float32)
     # (B, H, G * q, D): a KV head's query heads one after the other, each with its q tokens.
-    queries = query.float().reshape(batch, kv_heads, groups * steps, dim)
-    tail_keys, tail_values = key.tail.float(), value.tail.float()
+    queries = query.to(compute).reshape(batch, kv_heads, groups * steps, dim)
+    tail_keys, tail_values = key.tail.to(compute), value.tail.to(compute)
     tail_scores = queries @ tail_keys.transpose(-1, -2) * scale  # (B, H, G * q, t)
     tail_rows = tail_scores.shape[-1]
     # Token i of the q new ones (the tail's last q rows) sees the tail up to its own row.
@@ -63,11 +64,11 @@ def per_head_attention(
     outputs = []
     for head, (head_keys, head_values) in enumerate(zip(key.heads(), value.heads())):
         row, kv_head = divmod(head, kv_heads)
-        scores = torch.cat([queries[row, kv_head] @ head_keys.float().T * scale, tail_scores[row, kv_head]], dim=-1)
+        scores = torch.cat([queries[row, kv_head] @ head_keys.to(compute).T * scale, tail_scores[row, kv_head]], -1)
         weights = scores.softmax(dim=-1)
         prefix_rows = head_keys.shape[0]
         outputs.append(
-            weights[:, :prefix_rows] @ head_values.float() + weights[:, prefix_rows:] @ tail_values[row, kv_head]
+            weights[:, :prefix_rows] @ head_values.to(compute) + weights[:, prefix_rows:] @ tail_values[row, kv_head]
         )
     output = torch.stack(outputs).view(batch, query_heads, steps, dim).to(query.dtype)
     return output.transpose(1, 2).contiguous(), None

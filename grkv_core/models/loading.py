@@ -132,7 +132,7 @@ def load_model(
     ----------
     name_or_path : str
         An embedded name (see ``EMBEDDED_MODELS``), a Hugging Face hub id, or a local model directory.
-    dtype : {"auto", "bfloat16", "float16", "float32"}
+    dtype : {"auto", "bfloat16", "float16", "float32", "float64"}
         Parameter dtype. ``"auto"`` means float32 on the CPU (where half precision is emulated and slow);
         on CUDA, float32 for the tiny models, bfloat16 for the embedded real models (``"smollm2-135m"``,
         ``"gemma3-270m"``) and the checkpoint's own dtype for hub models.
