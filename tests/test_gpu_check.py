@@ -231,3 +231,24 @@ def test_the_prefill_only_check_times_the_query_policies_and_presets_asked_for(t
     assert {"snapkv+grkv mixture m=128", "snapkv+grkv expected m=128", "snapkv+grkv preset=window32"} <= presses
     assert not any("stratified" in press for press in presses)
     assert all(row["added host reads/layer"] * 4 <= 1 for row in report["sections"]["prefill"])
+
+
+def test_the_per_head_gpu_measurement_runs_on_tiny_shapes(tmp_path):
+    """``benchmarks/gpu_per_head.py`` (issue #60's GPU note) on the CPU: both layouts decode the same greedy tokens,
+    the per-head cache holds about a tenth of the masked one's bytes, and the reference path serves it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_per_head", "--device", "cpu", "--tiny", "--context", "256"]
+        + ["--decode-tokens", "4", "--rounds", "1", "--output-dir", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "per_head.json").read_text())
+    masked, per_head = report["layouts"]
+    assert (masked["attention"], per_head["attention"]) == ("sdpa", "reference")
+    ratios = report["per-head / masked"][0]
+    assert 0.09 <= ratios["kv_MiB"] <= 0.12 and ratios["same_greedy_tokens"] == "4/4"
+    assert (tmp_path / "per_head.md").read_text().count("| per-head |") == 1
