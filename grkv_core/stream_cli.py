@@ -67,6 +67,17 @@ def stream_config(args, press: PressConfig, target_size: int) -> StreamConfig:
     ).with_press(press)
 
 
+def bounded_refusal(args, press: PressConfig) -> str | None:
+    """Why ``press`` cannot bound a stream as the command line asks (its build's one-line reason), or None."""
+    from grkv_core.presses.from_config import build
+
+    try:
+        build(stream_config(args, press, args.target_sizes[0]).bounded_press)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _metric(protocol: str) -> str:
     return "nll" if protocol == STREAM_NLL else "answer_nll"
 

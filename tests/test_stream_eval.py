@@ -121,6 +121,19 @@ def test_compare_stream_nll_scores_every_streamed_token_of_eval_texts(tmp_path, 
         assert all(row["item_id"].startswith("code/") for row in rows)
 
 
+def test_compare_under_adakv_streams_a_per_head_cache_and_leaves_out_the_merge_it_cannot_run(tmp_path, capsys):
+    arguments = ["compare", "--model", "tiny-llama", "--protocol", "stream_nll", "--texts", "code", "--samples", "1"]
+    arguments += ["--max-tokens", "400", "--press", "adakv", "--target-sizes", "128", "--compression-interval", "48"]
+    assert main([*arguments, "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    assert "| adakv 128 | 1 |" in printed.out and "+ grkv" not in printed.out
+    assert "no + grkv row: MergingDecodingPress with AdaKVPress's per-head budgets" in printed.err
+    assert sorted(path.name for path in (tmp_path / "stream_nll").glob("*.jsonl")) == ["adakv-128.jsonl", "full.jsonl"]
+    # A merge asked for by name is refused with its reason, before the model loads.
+    assert main([*arguments, "--merge-variant", "g=grkv", "--output-dir", str(tmp_path / "v"), "--no-progress"]) == 2
+    assert "eviction only (GRKVPress merges into a uniform cache)" in capsys.readouterr().err
+
+
 def test_eval_of_an_exported_bounded_press_streams_at_its_own_sizes_under_its_protocol(tmp_path, capsys):
     press_file = tmp_path / "press.yaml"
     press_file.write_text(
