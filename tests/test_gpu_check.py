@@ -17,21 +17,12 @@ from grkv_core.evaluation.results import SampleResult
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
-    """``gpu_check.py --device cpu --tiny`` with ``arguments``: its JSON report and what it printed, once it has
-    exited 0."""
+def on_tiny_shapes(module: str, output_dir: Path, *arguments: str) -> str:
+    """``python -m benchmarks.<module> --device cpu --tiny`` with ``arguments``: what it printed, once it has exited
+    0."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_check",
-            "--device",
-            "cpu",
-            "--tiny",
-            *arguments,
-            "--output-dir",
-            str(output_dir),
-        ],
+        [sys.executable, "-m", f"benchmarks.{module}", "--device", "cpu", "--tiny", *arguments]
+        + ["--output-dir", str(output_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -39,7 +30,13 @@ def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((output_dir / "gpu_check.json").read_text()), result.stdout
+    return result.stdout
+
+
+def tiny_check(output_dir: Path, *arguments: str) -> tuple[dict, str]:
+    """``gpu_check.py`` on tiny shapes with ``arguments``: its JSON report and what it printed."""
+    printed = on_tiny_shapes("gpu_check", output_dir, *arguments)
+    return json.loads((output_dir / "gpu_check.json").read_text()), printed
 
 
 NOT_ON_CPU = "n/a (CPU)"
@@ -236,16 +233,7 @@ def test_the_prefill_only_check_times_the_query_policies_and_presets_asked_for(t
 def test_the_per_head_gpu_measurement_runs_on_tiny_shapes(tmp_path):
     """``benchmarks/gpu_per_head.py`` (issue #60's GPU note) on the CPU: both layouts decode the same greedy tokens,
     the per-head cache holds about a tenth of the masked one's bytes, and the reference path serves it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_per_head", "--device", "cpu", "--tiny", "--context", "256"]
-        + ["--decode-tokens", "4", "--rounds", "1", "--output-dir", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    on_tiny_shapes("gpu_per_head", tmp_path, "--context", "256", "--decode-tokens", "4", "--rounds", "1")
     report = json.loads((tmp_path / "per_head.json").read_text())
     masked, per_head = report["layouts"]
     assert (masked["attention"], per_head["attention"]) == ("sdpa", "reference")
