@@ -2,6 +2,7 @@
 
     python -m benchmarks.bounded_cache tune  benchmarks/results/bounded-cache      # choose GRKV's options (tune texts)
     python -m benchmarks.bounded_cache table benchmarks/results/bounded-cache --model smollm2-135m --texts 40
+    # or one process per domain, side by side: ... --texts 40 --domains essays & ... --texts 40 --domains code
     python -m benchmarks.bounded_cache report benchmarks/results/bounded-cache     # the tables, from what is done
 
 ``tune`` streams the tune texts (never the table's) under each candidate of ``TUNING_CANDIDATES`` behind StreamingLLM
@@ -91,10 +92,10 @@ def tune(folder: Path) -> dict:
     return result
 
 
-def table(folder: Path, model: str, texts: int) -> None:
+def table(folder: Path, model: str, texts: int, domains: tuple[str, ...] = DOMAINS) -> None:
     tuned = json.loads((folder / "tuned.json").read_text())["options"]
     per_domain = math.ceil(texts / len(DOMAINS))
-    for domain in DOMAINS:
+    for domain in domains:
         rows = cells(tuned)
         configs = [stream_config(model, domain, "eval", per_domain, press, size) for _, press, size in rows]
         run(configs, [folder / model / domain / f"{name}.jsonl" for name, _, _ in rows])
@@ -190,11 +191,19 @@ def main() -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--model", default=MODELS[0], choices=MODELS)
     parser.add_argument("--texts", type=int, default=40, help="table: texts per cell to reach (half per domain)")
+    parser.add_argument(
+        "--domains",
+        nargs="+",
+        choices=DOMAINS,
+        default=list(DOMAINS),
+        help="table: only these domains' texts (each domain's cells are files apart: one process per domain can run "
+        "them side by side)",
+    )
     args = parser.parse_args()
     if args.step == "tune":
         print(json.dumps(tune(args.folder), indent=1))
     elif args.step == "table":
-        table(args.folder, args.model, args.texts)
+        table(args.folder, args.model, args.texts, tuple(args.domains))
     else:
         print(report(args.folder))
     return 0
