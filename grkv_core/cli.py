@@ -215,12 +215,14 @@ def cmd_compare(args) -> int:
         from grkv_core.stream_cli import bounded_refusal, cmd_stream_compare
 
         rows = [PressConfig(args.press, 0.0)]
-        default_row = PressConfig(args.press, 0.0, "grkv", preset)
-        reason = None if args.only_variants else bounded_refusal(args, default_row)
-        if reason is not None:
-            # NOTE: the row nobody asked for by name is left out; a variant asked for is refused with its reason.
-            print(f"grkv compare: no + grkv row: {reason}", file=sys.stderr)
-        rows += [] if args.only_variants or reason is not None else [default_row]
+        if not args.only_variants:
+            default_row = PressConfig(args.press, 0.0, "grkv", preset)
+            reason = bounded_refusal(args, default_row)
+            if reason is None:
+                rows.append(default_row)
+            else:
+                # NOTE: the row nobody asked for by name is left out; a variant asked for is refused with its reason.
+                print(f"grkv compare: no + grkv row: {reason}", file=sys.stderr)
         rows += [PressConfig(args.press, 0.0, merge, options, name) for name, merge, options in variants]
         return cmd_stream_compare(args, rows)
     configs = [_config(args, FULL_CACHE, 0.0, "none", {})]

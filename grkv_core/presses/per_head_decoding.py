@@ -29,6 +29,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
 
 from grkv_core.cache.per_head import PerHeadLayer
+from grkv_core.presses.merging import BaseMergerPress
 
 PER_HEAD_SCORERS = (KnormPress, StreamingLLMPress, SnapKVPress)
 PER_HEAD_DECODING_PRESSES = "KnormPress, StreamingLLMPress, SnapKVPress or PyramidKVPress, alone or inside AdaKVPress"
@@ -36,8 +37,6 @@ PER_HEAD_DECODING_PRESSES = "KnormPress, StreamingLLMPress, SnapKVPress or Pyram
 
 def per_head_refusal(base_press: BasePress) -> str | None:
     """Why ``base_press`` cannot bound a per-head cache while decoding, or None when it can."""
-    from grkv_core.presses.merging import BaseMergerPress
-
     if isinstance(base_press, BaseMergerPress):
         return (
             f"a per-head cache is bounded while decoding by eviction only ({type(base_press).__name__} merges into "
