@@ -227,3 +227,29 @@ def postgres():
     finally:
         server.run("stop")
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def local_ray():
+    """A Ray instance of the test's own in this process (never the latest cluster of the machine), with its own temp
+    dir, shut down at the test's end."""
+    import ray
+
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp")
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_ray_left_in_the_test_process():
+    """Fail the test that leaves Ray initialised in pytest's own process: a later ``ray.init`` would then fail, or
+    join an instance started on the machine's address (a Ray call auto-starts one)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("the test left Ray initialised in the test process: use the local_ray fixture")

@@ -223,7 +223,9 @@ def test_a_checkpoint_folder_filling_up_mid_batch_stops_the_sweep_and_fails_no_t
     assert_sweep_complete(services["tracking_uri"], state, sweep_id, trials)
 
 
-def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(tmp_path, small_tmpfs, monkeypatch):
+def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(
+    tmp_path, small_tmpfs, monkeypatch, local_ray
+):
     """Two workers whose checkpoints cannot be written: the first WorkerStorageError stops the pool, and the
     other's, which the pool drops unread, must not come back as Ray's "Unhandled error" traceback after the driver's
     one-line stop (it did, from the second worker, in the sweep of the test above)."""
@@ -247,10 +249,6 @@ def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(tm
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("ray._private.worker").addHandler(handler)  # NOTE: where Ray logs an unhandled error
     config = load_config(slow_config(tmp_path, trials=2))
-    # NOTE: a local instance of its own (never the latest cluster of the machine), with its own temp dir
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp")
-    )
     try:
         pool = WorkerPool(
             config.eval_config().to_dict(), 0, count=2, num_cpus=1, num_gpus=0, max_retries=0, node_wait_s=60
@@ -266,7 +264,7 @@ def test_a_stopped_pool_drops_its_in_flight_errors_without_an_unhandled_error(tm
         ray.get([worker.identity.remote() for worker in pool.workers], timeout=300)
         time.sleep(2)
     finally:
-        ray.shutdown()
+        ray.shutdown()  # NOTE: before the handler goes: a dropped error would be logged by then
         logging.getLogger("ray._private.worker").removeHandler(handler)
     assert not [message for message in logged if "Unhandled error" in message], logged
 

@@ -501,7 +501,7 @@ def test_cluster_lost_mid_sweep_requeues_in_flight_trials_and_start_sh_recovers_
         subprocess.run(["bash", str(REPO / "infra/local/stop.sh")], env=env, timeout=300)
 
 
-def test_a_cluster_without_room_for_a_worker_stops_the_sweep_in_one_line_naming_the_resources(monkeypatch):
+def test_a_cluster_without_room_for_a_worker_stops_the_sweep_in_one_line_naming_the_resources(monkeypatch, local_ray):
     from sweeps import worker_pool
 
     pool = worker_pool.WorkerPool({}, test_samples=0, count=1, num_cpus=2, num_gpus=1, max_retries=0, node_wait_s=0.5)
