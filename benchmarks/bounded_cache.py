@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from benchmarks.default_rule import holm
@@ -33,6 +34,7 @@ MERGERS = ("none", "grkv", "cam", "d2o")
 MODELS = ("smollm2-135m", "gemma3-270m")
 DOMAINS = ("essays", "code")
 MAX_TOKENS = 4096
+TEXTS_PER_CELL = 40  # the rule's n: a cell with fewer is marked partial in the report
 # What the tuning chooses among (``tune``): the library's default, the paper's Alg. 1, the default before 2026-11-28,
 # and the paper's surrogate rows (the most recent tokens) at the default's m and ridges.
 TUNING_CANDIDATES = {
@@ -157,27 +159,30 @@ def report(folder: Path) -> str:
                 p_values.append(sign_flip_test(differences, n_resamples=100_000) if merge != "none" else 1.0)
             adjusted = holm(p_values) if merge != "none" else p_values
             better = worse = 0
-            ratios = []
+            ratios, deltas = [], []
             for (press, size, texts, cell, evicted, eviction), p in zip(found, adjusted):
                 mean = sum(cell[text] for text in texts) / len(texts)
                 delta = shown_p = rate = ""
                 if merge != "none":
                     ci = paired_bootstrap_ci([cell[text] - evicted[text] for text in texts], n_resamples=10_000)
                     delta, shown_p = f"{ci.estimate:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]", f"{p:.3g}"
+                    deltas.append(ci.estimate)
                     better += ci.estimate < 0 and p < 0.01
                     worse += ci.estimate > 0 and p < 0.01
                     if len(eviction) == len(TARGET_SIZES):
                         rate = exchange_rate(mean, eviction)
                         if rate[0].isdigit():
                             ratios.append(float(rate) / size)
-                cells_text = f"{len(texts)} | {mean:.4f} | {delta} | {shown_p} | {rate}"
+                n = f"{len(texts)}" + (" (partial)" if len(texts) < TEXTS_PER_CELL else "")
+                cells_text = f"{n} | {mean:.4f} | {delta} | {shown_p} | {rate}"
                 rows.append(f"| {press} | {size} | {merge} | {cells_text} |")
             if merge != "none" and found:
                 verdict = "earns its memory" if better >= 5 and not worse else "does no harm" if not worse else "harms"
-                median = f"{sorted(ratios)[len(ratios) // 2]:.2f}" if ratios else "n/a"
+                median = f"{statistics.median(ratios):.2f}" if ratios else "n/a"
                 verdicts.append(
                     f"- {merge}: {verdict} (better in {better}, worse in {worse} of {len(found)} cells at Holm p < "
-                    f"0.01; median exchange ratio {median})"
+                    f"0.01; mean Δ {statistics.fmean(deltas):+.4f} nats over the cells; median exchange ratio "
+                    f"{median} over {len(ratios)} cells inside the measured sizes)"
                 )
         lines += rows + [""] + verdicts + [""]
     text = "\n".join(lines)
