@@ -230,13 +230,21 @@ def postgres():
 
 
 @pytest.fixture
-def local_ray():
-    """A Ray instance of the test's own in this process (never the latest cluster of the machine), with its own temp
-    dir, shut down at the test's end."""
+def local_ray(monkeypatch):
+    """A Ray instance of the test's own in this process (never the latest cluster of the machine), on 127.0.0.1 only
+    (as ``infra/local/start.sh`` binds it) with its own temp dir, shut down at the test's end."""
     import ray
+    from ray._private import ray_constants
 
+    # NOTE: Ray reads this switch once, at its import (earlier in the session); its processes read it at their start.
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
     ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp")
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=tempfile.mkdtemp(prefix="grkv-", dir="/tmp"),
     )
     try:
         yield ray

@@ -505,6 +505,7 @@ def test_a_cluster_without_room_for_a_worker_stops_the_sweep_in_one_line_naming_
     from sweeps import worker_pool
 
     pool = worker_pool.WorkerPool({}, test_samples=0, count=1, num_cpus=2, num_gpus=1, max_retries=0, node_wait_s=0.5)
+    assert pool.gcs_address.startswith("127.0.0.1:")  # local_ray's own instance, on loopback only
     monkeypatch.setattr(worker_pool, "alive_nodes", lambda: {"node": {"CPU": 1.0}})
     pool._check_capacity()  # the first look only starts the wait
     pool.no_node_since -= 1.0
