@@ -19,6 +19,7 @@ from grkv_core.cli import main
 from grkv_core.config import QUERY_AWARE, EvalConfig, PressConfig
 from grkv_core.datasets import EvalSample
 from grkv_core.datasets.scoring import string_match_all
+from grkv_core.evaluation import kvpress_layout
 from grkv_core.evaluation.kvpress_layout import KvpressRun, kvpress_runs, method_name, write_run
 from grkv_core.evaluation.leaderboard import leaderboard_table, read_runs
 from grkv_core.evaluation.results import SampleResult
@@ -213,6 +214,29 @@ def write_kvpress_folder(
         }
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
     return folder
+
+
+def test_a_write_cut_short_before_config_yaml_is_rewritten_in_place(tmp_path, monkeypatch):
+    """kvpress marks a finished run by its config.yaml, written last; a folder of ours cut short before it is still
+    known as this configuration's, so writing the run again rewrites it instead of starting ``<name>/1``."""
+    run = only_run(config_of())
+    written = kvpress_layout.write_atomically
+
+    def cut_at_config(path, text):
+        if Path(path).name == "config.yaml":
+            raise KeyboardInterrupt
+        written(path, text)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kvpress_layout, "write_atomically", cut_at_config)
+        with pytest.raises(KeyboardInterrupt):
+            write_run(tmp_path, run)
+    with pytest.warns(UserWarning, match="unfinished"):
+        assert read_runs(tmp_path) == []  # not a finished run yet
+    folder = write_run(tmp_path, run)
+    assert folder == tmp_path / run.name
+    (row,) = read_runs(tmp_path)
+    assert row.rows == len(run.rows)
 
 
 def test_kvpress_never_has_its_folders_overwritten_and_ours_are_rewritten(tmp_path):

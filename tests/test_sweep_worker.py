@@ -9,6 +9,7 @@ import pytest
 from grkv_core.config import EvalConfig, PressConfig
 from grkv_core.datasets import load_dataset_samples
 from grkv_core.evaluation.leaderboard import read_runs
+from sweeps.state import state_dir
 from sweeps.state.state_dir import StateDir
 from workers.names import FULL_STAGE, SCREEN_STAGE, TEST_STAGE
 from workers.protocol import TrialOutcome, TrialRequest
@@ -66,7 +67,15 @@ def test_a_batch_evaluates_together_and_screening_generates_nothing(worker):
     assert outcomes[0].started_at == outcomes[1].started_at and outcomes[0].finished_at == outcomes[1].finished_at
 
 
-def test_the_test_stage_runs_on_the_held_out_samples_and_in_kvpress_layout(worker, tmp_path):
+class Killed(BaseException):
+    """The driver killed mid-write (no handler runs)."""
+
+
+def killed(*_):
+    raise Killed
+
+
+def test_the_test_stage_runs_on_the_held_out_samples_and_in_kvpress_layout(worker, tmp_path, monkeypatch):
     (outcome,) = worker.evaluate_batch([TrialRequest(None, EVICTION, TEST_STAGE, "eviction_only")])
     assert outcome.ok and outcome.test_of == "eviction_only"
     assert [row["sample_id"] for row in outcome.samples] == [s.sample_id for s in worker.samples[TEST_STAGE]]
@@ -79,7 +88,15 @@ def test_the_test_stage_runs_on_the_held_out_samples_and_in_kvpress_layout(worke
     assert TrialOutcome.from_dict(json.loads(json.dumps(outcome.to_dict()))) == outcome
     state = StateDir(tmp_path, "sweep")
     state.create()
+    # Killed while it writes the kvpress folder, the driver leaves no record: the resume runs the trial again
+    # (a record is taken as finished and only logged, with whatever kvpress folder is there).
+    with monkeypatch.context() as patched:
+        patched.setattr(state_dir, "write_run", killed)
+        with pytest.raises(Killed):
+            state.save(outcome)
+    assert state.load(TEST_STAGE, outcome.key) is None
     state.save(outcome)
+    assert state.load(TEST_STAGE, outcome.key) == outcome
     (row,) = read_runs(state.kvpress / "eviction_only")
     assert row.method == "snapkv" and row.rows == len(worker.samples[TEST_STAGE]) and row.answer_nll is not None
     full_stage = worker.evaluate_batch([TrialRequest(5, EVICTION)])[0]

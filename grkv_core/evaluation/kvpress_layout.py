@@ -232,6 +232,9 @@ def write_run(output_dir: str | Path, run: KvpressRun) -> Path:
             index += 1
         folder = folder / str(index)
     folder.mkdir(parents=True, exist_ok=True)
+    # NOTE: ours first, config.yaml last (kvpress's mark of a finished run): a write cut short leaves a folder that
+    # ``_holds_other`` still knows as this configuration's, so writing it again rewrites it in place.
+    write_atomically(folder / EXTRAS_FILE, json.dumps(run.extras, indent=1))
     columns = list(dict.fromkeys(key for row in run.rows for key in row))
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=columns)
@@ -242,7 +245,6 @@ def write_run(output_dir: str | Path, run: KvpressRun) -> Path:
     write_atomically(folder / METRICS_FILE, json.dumps(run.metrics, indent=4))
     config = dict(run.config, output_dir=str(Path(output_dir)))
     write_atomically(folder / CONFIG_FILE, yaml.safe_dump(config, default_flow_style=False, indent=2, sort_keys=False))
-    write_atomically(folder / EXTRAS_FILE, json.dumps(run.extras, indent=1))
     return folder
 
 

@@ -65,10 +65,15 @@ class StateDir:
         return self.kvpress / outcome.key if outcome.kvpress_runs else None
 
     def save(self, outcome: TrialOutcome) -> None:
+        """Write ``outcome``: its runs in kvpress's layout, then its record.
+
+        NOTE: the record last: a resume takes an outcome whose record exists as finished (and only logs it), so a
+        driver killed between the two must leave no record, and the trial runs again (rewriting its kvpress folder).
+        """
         try:
-            write_atomically(self.path(outcome.stage, outcome.key), json.dumps(outcome.to_dict()))
             for run in outcome.kvpress_runs:
                 write_run(self.kvpress_folder(outcome), KvpressRun.from_dict(run))
+            write_atomically(self.path(outcome.stage, outcome.key), json.dumps(outcome.to_dict()))
         except OSError as error:
             raise StateDirError(self.unwritable(error)) from None
 
