@@ -12,7 +12,7 @@ under the full cache and every cell (3 target sizes × 3 base presses × evictio
 text (``--texts`` says how many to reach; run it in chunks). ``report`` writes ``<dir>/report.md``: per model and cell
 the mean NLL, each merger's paired difference to eviction alone at its size (mean, 95% bootstrap CI, sign-flip p),
 and the exchange rate: the eviction target size whose NLL equals the merger's, interpolated in log2(size) between the
-measured sizes.
+measured sizes; each merger's verdict under the rule; and what the texts cost (the rows' ``seconds``).
 """
 
 from __future__ import annotations
@@ -103,15 +103,16 @@ def table(folder: Path, model: str, texts: int, domains: tuple[str, ...] = DOMAI
         run(configs, [folder / model / domain / f"{name}.jsonl" for name, _, _ in rows])
 
 
-def read_cell(folder: Path, model: str, name: str) -> dict[str, float]:
-    """{text id: mean NLL} of one cell over both domains (what is done so far)."""
+def read_cell(folder: Path, model: str, name: str, field: str = "nll") -> dict[str, float]:
+    """{text id: its ``field`` (the mean NLL, or the run's ``seconds``)} of one cell over both domains (what is done so
+    far)."""
     found = {}
     for domain in DOMAINS:
         path = folder / model / domain / f"{name}.jsonl"
         if path.exists():
             for line in path.read_text().splitlines()[1:]:
                 row = json.loads(line)
-                found[f"{domain}/{row['item_id']}"] = row["nll"]
+                found[f"{domain}/{row['item_id']}"] = row[field]
     return found
 
 
@@ -127,6 +128,29 @@ def exchange_rate(nll: float, eviction: dict[int, float]) -> str:
             fraction = (eviction[low] - nll) / drop if drop else 0.0
             return f"{2 ** (math.log2(low) + fraction * (math.log2(high) - math.log2(low))):.0f}"
     return f"> {sizes[-1]}"
+
+
+def cost(folder: Path, model: str) -> str:
+    """One line: the minutes a text took through every row of ``model`` and a GRKV row's time over its eviction row's
+    (the ``seconds`` each row records; on shared cores, so a median and a range)."""
+    seconds = {name: read_cell(folder, model, name, "seconds") for name, _, _ in cells({})}
+    through_all = [
+        sum(row[text] for row in seconds.values()) / 60 for text in set.intersection(*map(set, seconds.values()))
+    ]
+    ratios = [
+        merged[text] / seconds[name.removesuffix("grkv") + "none"][text]
+        for name, merged in seconds.items()
+        if name.endswith("-grkv")
+        for text in merged.keys() & seconds[name.removesuffix("grkv") + "none"].keys()
+    ]
+    if not through_all or not ratios:
+        return "Cost: no text has been through every row yet."
+    return (
+        f"Cost (the rows' `seconds`): a text through all {len(seconds)} rows took a median "
+        f"{statistics.median(through_all):.0f} minutes ({min(through_all):.0f} to {max(through_all):.0f}, "
+        f"{len(through_all)} texts); a GRKV row a median {statistics.median(ratios):.2f}× its eviction row's time "
+        f"({len(ratios)} pairs)."
+    )
 
 
 def report(folder: Path) -> str:
@@ -184,7 +208,7 @@ def report(folder: Path) -> str:
                     f"0.01; mean Δ {statistics.fmean(deltas):+.4f} nats over the cells; median exchange ratio "
                     f"{median} over {len(ratios)} cells inside the measured sizes)"
                 )
-        lines += rows + [""] + verdicts + [""]
+        lines += rows + [""] + verdicts + ["", cost(folder, model), ""]
     text = "\n".join(lines)
     (folder / "report.md").write_text(text + "\n")
     return text
